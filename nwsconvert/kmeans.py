@@ -1,0 +1,97 @@
+"""k-means over a layer's own kernels, for pool initialisation.
+
+k-means++ seeding on a random sample, then Lloyd iterations over every
+kernel with a chunked assignment (no ``N x k`` matrix). Empty clusters are
+reseeded with the points farthest from their centre.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["kmeans", "assign"]
+
+SEED_SAMPLE = 8192
+
+
+def assign(x: torch.Tensor, centers: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Approximate (float32) nearest centre of every row, chunked.
+
+    Args:
+        x: ``(N, D)``. centers: ``(k, D)``.
+
+    Returns:
+        ``(index, sq_dist)``: ``(N,)`` int64 and ``(N,)`` float32. Good enough for
+        clustering; the exact search used by NWS layers is ``search.nearest_two``.
+    """
+    c_sq = (centers * centers).sum(1)
+    c_t = centers.t().contiguous()
+    idx = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    dist = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+    for s in range(0, x.shape[0], chunk):
+        xb = x[s : s + chunk]
+        d = torch.addmm(c_sq, xb, c_t, alpha=-2.0)
+        v, i = d.min(dim=1)
+        idx[s : s + xb.shape[0]] = i
+        dist[s : s + xb.shape[0]] = (v + (xb * xb).sum(1)).clamp_min(0)
+    return idx, dist
+
+
+def _kmeans_pp(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k-means++ seeding: each new centre drawn with probability proportional to D(x)^2."""
+    n = x.shape[0]
+    centers = torch.empty(k, x.shape[1], dtype=x.dtype, device=x.device)
+    first = int(torch.randint(n, (1,), generator=gen))
+    centers[0] = x[first]
+    d2 = (x - x[first]).pow(2).sum(1)
+    u = torch.rand(k, generator=gen, dtype=torch.float64).to(x.device)
+    for j in range(1, k):
+        cum = torch.cumsum(d2, 0, dtype=torch.float64)
+        pick = int(torch.searchsorted(cum, u[j] * cum[-1]).clamp_max(n - 1))
+        centers[j] = x[pick]
+        torch.minimum(d2, (x - x[pick]).pow(2).sum(1), out=d2)
+    return centers
+
+
+def kmeans(x: torch.Tensor, k: int, iters: int = 3, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Cluster the rows of ``x`` into ``k`` centres.
+
+    Args:
+        x: ``(N, D)`` float tensor (e.g. a layer's kernels).
+        k: number of centres (pool size).
+        iters: Lloyd iterations after k-means++ seeding.
+        generator: CPU generator for reproducible seeding.
+
+    Returns:
+        ``(k, D)`` centres, same dtype and device as ``x``. When ``N < k`` the
+        first N centres are the points themselves and the rest are random
+        points scaled to their per-component statistics.
+
+    Remarks:
+        Seeding runs on a random sample of at most 8,192 rows (k-means++ is
+        sequential in k); Lloyd iterations use every row.
+    """
+    gen = generator if generator is not None else torch.Generator().manual_seed(0)
+    x = x.detach().float()
+    n = x.shape[0]
+    if n <= k:
+        extra = k - n
+        mean = x.mean(0)
+        std = x.std(0, unbiased=False) if n > 1 else x.abs().mean(0)
+        noise = torch.randn(extra, x.shape[1], generator=gen).to(x.device)
+        return torch.cat([x, mean + noise * std.clamp_min(1e-8)])
+    sample = x
+    if n > SEED_SAMPLE:
+        sample = x[torch.randperm(n, generator=gen)[:SEED_SAMPLE].to(x.device)]
+    centers = _kmeans_pp(sample, k, gen)
+    for _ in range(iters):
+        idx, dist = assign(x, centers)
+        counts = torch.bincount(idx, minlength=k)
+        sums = torch.zeros_like(centers).index_add_(0, idx, x)
+        alive = counts > 0
+        centers[alive] = sums[alive] / counts[alive, None].to(x.dtype)
+        dead = (~alive).nonzero().squeeze(1)
+        if dead.numel():
+            far = dist.topk(dead.numel()).indices
+            centers[dead] = x[far]
+    return centers

@@ -1,0 +1,282 @@
+"""The NWS layer: a weight parametrization that draws every kernel from a pool.
+
+:class:`NWSWeight` is registered on a layer's ``weight`` with
+``torch.nn.utils.parametrize``. The host module keeps its class and its own
+``forward`` (so ``Conv2dSame`` padding, ``StdConv2d`` standardisation,
+``CondConv2d`` expert mixing... stay exactly as they were); only the tensor it
+reads as ``self.weight`` changes:
+
+* ``host.parametrizations.weight.original`` holds the temporary weights W
+  (trainable, same shape as the original weight);
+* ``NWSWeight.pool`` is the layer's pool M, ``(n, D)``;
+* ``NWSWeight.indices`` holds the chosen pool entry of every kernel, ``(N,)``;
+* ``host.weight`` returns ``K = M[indices]`` reshaped to W's shape.
+
+In training mode every forward brings ``indices`` up to date with W (exact
+nearest neighbour, re-searching only kernels that drifted past their safe
+radius, see ``search.py``) and passes the gradient of K straight through to W.
+In eval mode ``indices`` are used as stored and the gathered weight is cached
+until indices or pool change, so inference costs what the dense layer costs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .search import DEFAULT_CHUNK, nearest_two
+
+__all__ = ["NWSWeight", "index_bits"]
+
+
+def index_bits(pool_size: int) -> int:
+    """Bits per stored index for a pool of ``pool_size`` entries (``ceil(log2 n)``, at least 1)."""
+    return max(1, math.ceil(math.log2(pool_size)))
+
+
+class _GatherSTE(torch.autograd.Function):
+    """``K = pool[indices]`` in the forward, identity gradient to W in the backward.
+
+    The forward value is exactly the gathered pool vectors (no ``W + (K - W)``
+    rounding), so an NWS forward equals the materialised dense forward bitwise.
+    """
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return pool.index_select(0, indices).view(weight.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+class NWSWeight(nn.Module):
+    """Weight parametrization ``W -> M[nearest(W)]`` with a lazy exact search.
+
+    Args:
+        weight: the temporary weights W, e.g. ``(O, I/groups, kh, kw)`` for a
+            conv or ``(O, I)`` for a linear layer.
+        vector_size: D, floats per pool vector (``kh*kw`` for a kxk conv, the
+            group size g for 1x1 convs and linear layers). ``W.numel()`` must be
+            a multiple of D; kernel ``i`` is row ``i`` of ``W.reshape(-1, D)``.
+        pool: ``(n, D)`` initial pool M.
+        role: ``stem`` / ``body`` / ``shortcut`` / ``head`` (for reports).
+
+    Attributes:
+        pool: ``(n, D)`` buffer in task mode, ``nn.Parameter`` in pool-learning mode.
+        indices: ``(N,)`` int64, ``N = W.numel() / D``.
+        stats: search statistics of the last training forward
+            (``searched``: rows re-searched, ``total``: N, ``exact_rows``: float64 fallbacks).
+    """
+
+    def __init__(self, weight: torch.Tensor, vector_size: int, pool: torch.Tensor, role: str = "body"):
+        super().__init__()
+        if weight.numel() % vector_size:
+            raise ValueError(f"weight of shape {tuple(weight.shape)} does not split into vectors of {vector_size}")
+        if pool.ndim != 2 or pool.shape[1] != vector_size:
+            raise ValueError(f"pool must be (n, {vector_size}), got {tuple(pool.shape)}")
+        self.weight_shape = tuple(weight.shape)
+        self.vector_size = int(vector_size)
+        self.num_vectors = weight.numel() // vector_size
+        self.role = role
+        self.mode = "task"
+        self.register_buffer("pool", pool.detach().to(weight.dtype).clone())
+        self.register_buffer("indices", torch.zeros(self.num_vectors, dtype=torch.int64, device=weight.device))
+        # Lazy-search state: W rows at their last search, and the radius each row
+        # may move (plus pool movement) before it must be searched again, stored
+        # as radius + pool shift at search time (float64).
+        self.register_buffer("_ref", None, persistent=False)
+        self.register_buffer("_radius", None, persistent=False)
+        self.register_buffer("_pool_ref", None, persistent=False)
+        self._pool_shift = 0.0  # upper bound on any pool entry's movement since state start
+        self._pool_seen = None
+        self._cache = None
+        self._cache_key = None
+        self._last = None  # (key, K) of the last training forward, for the commitment loss
+        self._ema = None
+        self.chunk = DEFAULT_CHUNK
+        self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
+        self.full_search(weight)
+
+    # ------------------------------------------------------------------ info
+    @property
+    def pool_size(self) -> int:
+        return self.pool.shape[0]
+
+    @property
+    def bits(self) -> int:
+        return index_bits(self.pool_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"role={self.role}, kernels={self.num_vectors}, vector_size={self.vector_size}, "
+            f"pool={self.pool_size}, bits={self.bits}, mode={self.mode}"
+        )
+
+    def _vectors(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.detach().reshape(self.num_vectors, self.vector_size)
+
+    def _key(self) -> tuple:
+        p, i = self.pool, self.indices
+        return (id(p), p._version, id(i), i._version, p.device, p.dtype)
+
+    # ---------------------------------------------------------------- search
+    @torch.no_grad()
+    def full_search(self, weight: torch.Tensor) -> None:
+        """Search every kernel of ``weight`` and restart the lazy-search state."""
+        vec = self._vectors(weight)
+        res = nearest_two(vec, self.pool, self.chunk)
+        self.indices.copy_(res.index)
+        self._ref = vec.clone()
+        self._pool_ref = self.pool.detach().clone()
+        self._pool_shift = 0.0
+        self._pool_seen = (id(self.pool), self.pool._version)
+        self._radius = res.radius
+        self.stats = {"searched": self.num_vectors, "total": self.num_vectors, "exact_rows": res.exact_rows}
+
+    def reset_search(self) -> None:
+        """Forget the lazy-search state: the next training forward searches every kernel."""
+        self._ref = None
+        self._radius = None
+
+    @torch.no_grad()
+    def _track_pool(self) -> None:
+        """Add the largest pool-entry movement since the last look to the pool shift."""
+        seen = (id(self.pool), self.pool._version)
+        if seen == self._pool_seen:
+            return
+        pool = self.pool.detach()
+        if self._pool_ref is None or self._pool_ref.shape != pool.shape:
+            self.reset_search()
+            return
+        move = float((pool.float() - self._pool_ref.float()).norm(dim=1).max())
+        # 1e-5 relative + tiny absolute slack covers the float32 norm's rounding.
+        self._pool_shift += move * (1 + 1e-5) + 1e-30
+        self._pool_ref.copy_(pool)
+        self._pool_seen = seen
+
+    @torch.no_grad()
+    def update_indices(self, weight: torch.Tensor) -> None:
+        """Bring ``indices`` up to date with ``weight``; equals a full search exactly.
+
+        Only rows whose drift since their last search, plus the pool shift,
+        reaches their safe radius are searched again.
+        """
+        self._track_pool()
+        if self._ref is None or self._ref.shape[0] != self.num_vectors or self._ref.device != weight.device:
+            self.full_search(weight)
+            return
+        vec = self._vectors(weight)
+        drift = torch.linalg.vector_norm(vec - self._ref, dim=1)
+        stale = drift.double().add_(self._pool_shift).ge_(self._radius)
+        rows = stale.nonzero().squeeze(1)
+        count = rows.numel()
+        if count == 0:
+            self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
+            return
+        if count * 2 > self.num_vectors:
+            self.full_search(weight)
+            return
+        sub = vec.index_select(0, rows)
+        res = nearest_two(sub, self.pool, self.chunk)
+        self.indices.index_copy_(0, rows, res.index)
+        self._radius.index_copy_(0, rows, res.radius.add_(self._pool_shift))
+        self._ref.index_copy_(0, rows, sub)
+        self.stats = {"searched": count, "total": self.num_vectors, "exact_rows": res.exact_rows}
+
+    # --------------------------------------------------------------- forward
+    def gather(self) -> torch.Tensor:
+        """``M[indices]`` reshaped to the weight's shape (no gradient to W)."""
+        return self.pool.detach().index_select(0, self.indices).view(self.weight_shape)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.update_indices(weight)
+            k = _GatherSTE.apply(weight, self.pool, self.indices)
+            self._last = (self._key(), k.detach())
+            return k
+        if torch.is_grad_enabled() and weight.requires_grad:
+            # eval() with gradients on (e.g. frozen-BN fine-tuning): stored
+            # indices, gradient still reaches W.
+            return _GatherSTE.apply(weight, self.pool, self.indices)
+        key = self._key()
+        if self._cache_key != key:
+            self._cache = self.gather()
+            self._cache_key = key
+        return self._cache
+
+    def invalidate_cache(self) -> None:
+        """Drop the eval-mode weight cache (done automatically when indices or pool change)."""
+        self._cache = None
+        self._cache_key = None
+
+    # ---------------------------------------------------------------- losses
+    def commitment_loss(self, weight: torch.Tensor) -> torch.Tensor:
+        """``||sg[K] - W||^2`` (mean squared error), differentiable in W (paper Eq. 2)."""
+        if self._last is not None and self._last[0] == self._key():
+            k = self._last[1]
+        else:
+            k = self.gather()
+        return F.mse_loss(weight, k.to(weight.dtype))
+
+    def distillation_loss(self, weight: torch.Tensor) -> torch.Tensor:
+        """``||sg[W] - K||^2`` (mean squared error), differentiable in the pool (paper Eq. 4)."""
+        if self.mode != "pool":
+            raise RuntimeError("distillation_loss needs pool-learning mode: call nwsconvert.set_mode(model, 'pool')")
+        k = self.pool.index_select(0, self.indices).view(self.weight_shape)
+        return F.mse_loss(k, weight.detach().to(k.dtype))
+
+    # ------------------------------------------------------------ pool modes
+    def set_mode(self, mode: str) -> None:
+        """``'task'``: pool frozen (buffer). ``'pool'``: pool trainable (``nn.Parameter``)."""
+        if mode not in ("task", "pool"):
+            raise ValueError(f"mode must be 'task' or 'pool', got {mode!r}")
+        if mode == self.mode:
+            return
+        data = self.pool.detach()
+        del self.pool
+        if mode == "pool":
+            self.pool = nn.Parameter(data)
+        else:
+            self.register_buffer("pool", data)
+        self.mode = mode
+        self._pool_seen = None
+
+    @torch.no_grad()
+    def ema_update(self, weight: torch.Tensor, decay: float = 0.99) -> None:
+        """VQ-VAE style EMA pool update: each entry moves toward the mean of its kernels.
+
+        Entries nobody selects keep their value (their running sum and count
+        decay together); :meth:`reseed_unused` replaces them.
+        """
+        vec = self._vectors(weight).to(self.pool.dtype)
+        if self._ema is None:
+            self._ema = (torch.ones(self.pool_size, dtype=vec.dtype, device=vec.device), self.pool.detach().clone())
+        count, total = self._ema
+        count.mul_(decay).add_(torch.bincount(self.indices, minlength=self.pool_size).to(vec.dtype), alpha=1 - decay)
+        total.mul_(decay).add_(torch.zeros_like(total).index_add_(0, self.indices, vec), alpha=1 - decay)
+        self.pool.copy_(total / count.clamp_min(1e-12)[:, None])  # in place: bumps the version the search tracks
+
+    @torch.no_grad()
+    def reseed_unused(self, weight: torch.Tensor, generator: torch.Generator | None = None) -> int:
+        """Move pool entries no kernel selects onto the kernels farthest from their pool vector.
+
+        Returns:
+            The number of entries reseeded.
+        """
+        used = torch.bincount(self.indices, minlength=self.pool_size) > 0
+        dead = (~used).nonzero().squeeze(1)
+        if dead.numel() == 0:
+            return 0
+        vec = self._vectors(weight).to(self.pool.dtype)
+        err = (vec - self.gather().reshape_as(vec)).pow(2).sum(1)
+        take = min(dead.numel(), vec.shape[0])
+        far = err.topk(take).indices
+        self.pool[dead[:take]] = vec[far]
+        if self._ema is not None:
+            self._ema[0][dead[:take]] = 1.0
+            self._ema[1][dead[:take]] = vec[far]
+        return take

@@ -1,0 +1,167 @@
+"""Operations on a converted model: its NWS layers, losses, modes, pools, dense copy."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .layers import NWSWeight
+from .pools import PoolSet
+
+__all__ = [
+    "NWSLayer",
+    "nws_layers",
+    "is_converted",
+    "commitment_loss",
+    "distillation_loss",
+    "set_mode",
+    "ema_update",
+    "reseed_unused",
+    "pool_set",
+    "load_pools",
+    "materialize",
+    "search_stats",
+    "conversion_report",
+]
+
+
+@dataclass
+class NWSLayer:
+    """One NWS layer of a model.
+
+    Attributes:
+        name: host module name (``layer1.0.conv1``).
+        module: the host module (a Conv2d, Linear, ... with a parametrized weight).
+        nws: its :class:`NWSWeight` (pool, indices, search state).
+    """
+
+    name: str
+    module: nn.Module
+    nws: NWSWeight
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The temporary weights W (trainable, original shape)."""
+        return self.module.parametrizations.weight.original
+
+
+def nws_layers(model: nn.Module) -> list[NWSLayer]:
+    """Every NWS layer of ``model``, in module order."""
+    out = []
+    for name, m in model.named_modules():
+        if parametrize.is_parametrized(m, "weight"):
+            for p in m.parametrizations.weight:
+                if isinstance(p, NWSWeight):
+                    out.append(NWSLayer(name, m, p))
+    return out
+
+
+def is_converted(model: nn.Module) -> bool:
+    return bool(nws_layers(model))
+
+
+def _require(model: nn.Module) -> list[NWSLayer]:
+    layers = nws_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no NWS layers: call nwsconvert.convert(model) first")
+    return layers
+
+
+def conversion_report(model: nn.Module):
+    """The :class:`ConversionReport` ``convert`` attached to ``model``."""
+    report = getattr(model, "nws_report", None)
+    if report is None:
+        raise ValueError(f"{type(model).__name__} carries no conversion report: was it converted with nwsconvert.convert?")
+    return report
+
+
+def commitment_loss(model: nn.Module) -> torch.Tensor:
+    """Sum over NWS layers of ``mean((W - sg[K])^2)`` (paper Eq. 2), differentiable in W."""
+    return sum(layer.nws.commitment_loss(layer.weight) for layer in _require(model))
+
+
+def distillation_loss(model: nn.Module) -> torch.Tensor:
+    """Sum over NWS layers of ``mean((sg[W] - K)^2)`` (paper Eq. 4), differentiable in the pools."""
+    return sum(layer.nws.distillation_loss(layer.weight) for layer in _require(model))
+
+
+def set_mode(model: nn.Module, mode: str) -> nn.Module:
+    """``'task'``: pools frozen buffers (learning a task). ``'pool'``: pools are parameters (weight distillation).
+
+    Build the optimizer after switching: the pools' parameter objects change.
+    """
+    for layer in _require(model):
+        layer.nws.set_mode(mode)
+    return model
+
+
+def ema_update(model: nn.Module, decay: float = 0.99) -> None:
+    """EMA pool update of every layer (the official code's alternative to the distillation gradient)."""
+    for layer in _require(model):
+        layer.nws.ema_update(layer.weight, decay)
+
+
+def reseed_unused(model: nn.Module) -> int:
+    """Reseed pool entries no kernel selects; returns how many were moved."""
+    return sum(layer.nws.reseed_unused(layer.weight) for layer in _require(model))
+
+
+def search_stats(model: nn.Module) -> dict:
+    """Kernels re-searched by the last training forward: ``{'searched', 'total', 'fraction', 'exact_rows'}``."""
+    layers = _require(model)
+    searched = sum(layer.nws.stats["searched"] for layer in layers)
+    total = sum(layer.nws.stats["total"] for layer in layers)
+    exact = sum(layer.nws.stats["exact_rows"] for layer in layers)
+    return {"searched": searched, "total": total, "fraction": searched / max(total, 1), "exact_rows": exact}
+
+
+def pool_set(model: nn.Module) -> PoolSet:
+    """The model's pools (detached, CPU copies) as a :class:`PoolSet`."""
+    return PoolSet({layer.name: layer.nws.pool.detach().cpu().clone() for layer in _require(model)})
+
+
+@torch.no_grad()
+def load_pools(model: nn.Module, pools: PoolSet) -> None:
+    """Replace every layer's pool with the one in ``pools``; indices follow at the next training forward.
+
+    Raises:
+        ValueError: a layer has no pool in ``pools`` or its pool has another vector size.
+    """
+    layers = _require(model)
+    for layer in layers:
+        if layer.name not in pools:
+            raise ValueError(f"pool set has no pool for layer {layer.name!r}")
+        p = pools[layer.name]
+        if p.ndim != 2 or p.shape[1] != layer.nws.vector_size:
+            raise ValueError(
+                f"pool for layer {layer.name!r} is {tuple(p.shape)}, expected (n, {layer.nws.vector_size})"
+            )
+    for layer in layers:
+        nws = layer.nws
+        p = pools[layer.name].to(device=nws.pool.device, dtype=nws.pool.dtype)
+        if p.shape == nws.pool.shape:
+            nws.pool.copy_(p)
+        elif nws.mode == "pool":
+            nws.pool = nn.Parameter(p.clone())
+        else:
+            nws.pool = p.clone()
+        nws.full_search(layer.weight)
+
+
+def materialize(model: nn.Module) -> nn.Module:
+    """A dense copy of ``model``: ordinary layers holding the gathered pool kernels.
+
+    The copy's outputs equal the NWS model's exactly (same modules, same
+    forward code, same weight values). ``model`` itself is unchanged.
+    """
+    dense = copy.deepcopy(model)
+    for layer in nws_layers(dense):
+        layer.nws.eval()  # stored indices, no search
+        parametrize.remove_parametrizations(layer.module, "weight", leave_parametrized=True)
+    if hasattr(dense, "nws_report"):
+        del dense.nws_report
+    return dense

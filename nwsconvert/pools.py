@@ -1,0 +1,106 @@
+"""Pool sets: one frozen pool of kernels per NWS layer, shared by every task.
+
+A :class:`PoolSet` maps layer names to ``(n, D)`` pool tensors. It is saved
+as one safetensors file whose JSON header holds the format version, the layer
+table and the SHA-256 of the content; task packs refer to a pool set by that
+hash.
+
+Initialisers (:func:`init_pool`):
+
+* ``"random"``: Gaussian entries with the per-component mean and standard
+  deviation of the layer's own kernels (not N(0, 1) regardless of scale).
+* ``"kmeans"``: k-means++ seeding and Lloyd iterations over the layer's own
+  kernels; a pretrained checkpoint gets useful pools in seconds.
+* a :class:`PoolSet` or a pool file path: taken as stored.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .kmeans import kmeans
+from .storage import FormatError, read_tensors, tensor_digest, write_tensors
+
+__all__ = ["PoolSet", "init_pool", "POOLSET_FORMAT", "POOLSET_VERSION"]
+
+POOLSET_FORMAT = "nwsconvert.poolset"
+POOLSET_VERSION = 1
+
+
+def init_pool(
+    vectors: torch.Tensor, pool_size: int, method: str, generator: torch.Generator, kmeans_iters: int = 3
+) -> torch.Tensor:
+    """A new pool for one layer.
+
+    Args:
+        vectors: ``(N, D)`` the layer's kernels.
+        pool_size: n.
+        method: ``"random"`` or ``"kmeans"``.
+        kmeans_iters: Lloyd iterations for ``"kmeans"``.
+
+    Returns:
+        ``(n, D)`` float32 pool on ``vectors``' device.
+    """
+    vectors = vectors.detach().float()
+    if method == "kmeans":
+        return kmeans(vectors, pool_size, iters=kmeans_iters, generator=generator)
+    if method == "random":
+        mean = vectors.mean(0)
+        std = vectors.std(0, unbiased=False) if vectors.shape[0] > 1 else vectors.abs().mean(0)
+        noise = torch.randn(pool_size, vectors.shape[1], generator=generator).to(vectors.device)
+        return mean + noise * std.clamp_min(1e-8)
+    raise ValueError(f"unknown pool initialisation {method!r}: use 'kmeans', 'random', a PoolSet or a pool file path")
+
+
+@dataclass
+class PoolSet:
+    """Pools of every NWS layer of a model.
+
+    Attributes:
+        pools: layer name -> ``(n, D)`` float tensor.
+    """
+
+    pools: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def sha256(self) -> str:
+        """Content hash; task packs record it and refuse other pool sets."""
+        return tensor_digest(self.pools)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pools.values())
+
+    def __len__(self) -> int:
+        return len(self.pools)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.pools
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.pools[name]
+
+    def table(self) -> list[dict]:
+        return [{"name": k, "pool_size": v.shape[0], "vector_size": v.shape[1]} for k, v in self.pools.items()]
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the pool file atomically. Returns its SHA-256."""
+        digest = self.sha256
+        header = {"format": POOLSET_FORMAT, "version": POOLSET_VERSION, "sha256": digest, "layers": self.table()}
+        write_tensors(path, self.pools, header)
+        return digest
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "PoolSet":
+        """Read a pool file; a truncated, corrupted or foreign file raises :class:`FormatError`."""
+        tensors, header = read_tensors(path, POOLSET_FORMAT)
+        if header.get("version", 0) > POOLSET_VERSION:
+            raise FormatError(f"{path}: pool file version {header['version']} is newer than this nwsconvert reads ({POOLSET_VERSION})")
+        names = [row["name"] for row in header.get("layers", [])]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise FormatError(f"{path}: layer table lists {missing[:3]} but the file has no such tensors")
+        return cls({n: tensors[n] for n in names})

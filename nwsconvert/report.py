@@ -1,0 +1,153 @@
+"""The conversion report: what ``convert`` did to each layer, and the sizes that follow."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["LayerRecord", "SkippedRecord", "ConversionReport", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000.0
+    return f"{n:.2f} GB"
+
+
+@dataclass
+class LayerRecord:
+    """One converted layer.
+
+    Attributes:
+        name: module name in the model.
+        role: ``stem`` / ``body`` / ``shortcut`` / ``head``.
+        module: class name of the host module (its own forward is kept).
+        kind: e.g. ``3x3``, ``3x3 dw``, ``1x1 g4``, ``linear``.
+        weight_shape: shape of the weight (and of the temporary weights W).
+        kernels: d, the number of pool vectors that build the layer.
+        vector_size: D, floats per pool vector.
+        pool_size: n, pool entries.
+        bits: bits per stored index.
+        found_by: ``torch.fx`` or ``module walk``.
+        note: anything the user should know (group size fallback, ...).
+    """
+
+    name: str
+    role: str
+    module: str
+    kind: str
+    weight_shape: tuple
+    kernels: int
+    vector_size: int
+    pool_size: int
+    bits: int
+    found_by: str
+    note: str = ""
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.kernels * self.vector_size * 4
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool_size * self.vector_size * 4
+
+    @property
+    def index_bytes(self) -> int:
+        return (self.kernels * self.bits + 7) // 8
+
+
+@dataclass
+class SkippedRecord:
+    """A Conv2d/Linear layer left dense, with the reason."""
+
+    name: str
+    module: str
+    weight_shape: tuple
+    reason: str
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`nwsconvert.convert` did. ``print(report)`` shows a table.
+
+    Attributes:
+        layers: converted layers, in module order.
+        skipped: layers left dense, with reasons.
+        trace: how layers and roles were found (``torch.fx`` or module walk + why).
+    """
+
+    layers: list[LayerRecord] = field(default_factory=list)
+    skipped: list[SkippedRecord] = field(default_factory=list)
+    trace: str = "torch.fx"
+
+    @property
+    def dense_bytes(self) -> int:
+        """float32 bytes of the converted layers' weights (what one dense copy costs)."""
+        return sum(r.dense_bytes for r in self.layers)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(r.pool_bytes for r in self.layers)
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of one task's bit-packed indices."""
+        return sum(r.index_bytes for r in self.layers)
+
+    @property
+    def kernels(self) -> int:
+        return sum(r.kernels for r in self.layers)
+
+    def to_dict(self) -> dict:
+        return {
+            "trace": self.trace,
+            "layers": [asdict(r) for r in self.layers],
+            "skipped": [asdict(r) for r in self.skipped],
+            "totals": {
+                "kernels": self.kernels,
+                "dense_bytes": self.dense_bytes,
+                "pool_bytes": self.pool_bytes,
+                "index_bytes_per_task": self.index_bytes,
+            },
+        }
+
+    def table(self) -> str:
+        head = ("layer", "role", "module", "kind", "weight", "kernels d", "D", "pool n", "bits")
+        rows = [
+            (
+                r.name,
+                r.role,
+                r.module,
+                r.kind,
+                "x".join(map(str, r.weight_shape)),
+                f"{r.kernels:,}",
+                str(r.vector_size),
+                str(r.pool_size),
+                str(r.bits),
+            )
+            for r in self.layers
+        ]
+        widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+
+        def line(cells):
+            return "  ".join(c.rjust(w) if i >= 5 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+        out = [f"NWS conversion ({self.trace}): {len(self.layers)} layers converted, {len(self.skipped)} left dense"]
+        out.append(line(head))
+        out.append("  ".join("-" * w for w in widths))
+        out.extend(line(r) for r in rows)
+        for r in self.layers:
+            if r.note:
+                out.append(f"  note {r.name}: {r.note}")
+        for s in self.skipped:
+            out.append(f"  dense {s.name} ({s.module}, {'x'.join(map(str, s.weight_shape))}): {s.reason}")
+        out.append(
+            f"totals: {self.kernels:,} kernels | dense weights {format_bytes(self.dense_bytes)} | "
+            f"pools {format_bytes(self.pool_bytes)} | indices per task {format_bytes(self.index_bytes)}"
+        )
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()

@@ -23,6 +23,7 @@ from .nwsmodel import (
     pool_set,
     reseed_unused,
     search_stats,
+    set_commitment,
     set_mode,
 )
 from .packs import PackMismatchError, TaskPack, apply_task, extract_task
@@ -45,6 +46,7 @@ __all__ = [
     "conversion_report",
     "commitment_loss",
     "distillation_loss",
+    "set_commitment",
     "set_mode",
     "ema_update",
     "reseed_unused",

@@ -22,14 +22,33 @@ until indices or pool change, so inference costs what the dense layer costs.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .search import DEFAULT_CHUNK, nearest_two
+from .search import DEFAULT_CHUNK, nearest_scalar, nearest_two, scalar_cells
 
 __all__ = ["NWSWeight", "index_bits"]
+
+
+_NEG_INF = torch.tensor(float("-inf"))
+
+
+def _budget(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """float32 movement budget per row: ``radius - ||vec - ref||``, never rounded up.
+
+    Args:
+        radius: ``(b,)`` float64 safe radii from the search. vec: ``(b, D)``
+            the searched rows. ref: ``(b, D)`` their float16 copies (drift is
+            measured from ``ref``, so its rounding error is spent here).
+    """
+    err = torch.linalg.vector_norm(vec.double() - ref.double(), dim=1)
+    exact = radius - err * (1 + 1e-6)
+    r32 = exact.float()
+    up = r32.double() > exact
+    return torch.where(up, torch.nextafter(r32, _NEG_INF.to(r32.device)), r32)
 
 
 def index_bits(pool_size: int) -> int:
@@ -38,19 +57,31 @@ def index_bits(pool_size: int) -> int:
 
 
 class _GatherSTE(torch.autograd.Function):
-    """``K = pool[indices]`` in the forward, identity gradient to W in the backward.
+    """``K = pool[indices]`` in the forward, straight-through gradient to W in the backward.
 
     The forward value is exactly the gathered pool vectors (no ``W + (K - W)``
     rounding), so an NWS forward equals the materialised dense forward bitwise.
+    With ``scale > 0`` the backward also adds ``scale * (W - K)``: the gradient
+    of the commitment term ``c * mean((W - sg[K])^2)`` for ``scale = 2c / W.numel()``,
+    fused into the pass that hands the gradient to W.
     """
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        return pool.index_select(0, indices).view(weight.shape)
+    def forward(ctx, weight: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
+        k = pool.index_select(0, indices).view(weight.shape)
+        ctx.scale = scale
+        if scale:
+            ctx.save_for_backward(weight, k)
+        return k
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None, None
+        if not ctx.scale:
+            return grad, None, None, None
+        weight, k = ctx.saved_tensors
+        out = torch.add(grad, weight, alpha=ctx.scale)
+        out.sub_(k.to(out.dtype), alpha=ctx.scale)
+        return out, None, None, None
 
 
 class NWSWeight(nn.Module):
@@ -67,7 +98,7 @@ class NWSWeight(nn.Module):
 
     Attributes:
         pool: ``(n, D)`` buffer in task mode, ``nn.Parameter`` in pool-learning mode.
-        indices: ``(N,)`` int64, ``N = W.numel() / D``.
+        indices: ``(N,)`` int32, ``N = W.numel() / D``.
         stats: search statistics of the last training forward
             (``searched``: rows re-searched, ``total``: N, ``exact_rows``: float64 fallbacks).
     """
@@ -84,19 +115,22 @@ class NWSWeight(nn.Module):
         self.role = role
         self.mode = "task"
         self.register_buffer("pool", pool.detach().to(weight.dtype).clone())
-        self.register_buffer("indices", torch.zeros(self.num_vectors, dtype=torch.int64, device=weight.device))
-        # Lazy-search state: W rows at their last search, and the radius each row
-        # may move (plus pool movement) before it must be searched again, stored
-        # as radius + pool shift at search time (float64).
+        # int32 indices: half the memory of int64; index_select/bincount accept them.
+        self.register_buffer("indices", torch.zeros(self.num_vectors, dtype=torch.int32, device=weight.device))
+        # Lazy-search state (D > 1): each row's W at its last search (float16) and
+        # how far it may still move before its nearest entry can change (float32,
+        # rounded down, shrunk by the float16 rounding and by pool movement).
         self.register_buffer("_ref", None, persistent=False)
         self.register_buffer("_radius", None, persistent=False)
         self.register_buffer("_pool_ref", None, persistent=False)
-        self._pool_shift = 0.0  # upper bound on any pool entry's movement since state start
         self._pool_seen = None
         self._cache = None
         self._cache_key = None
-        self._last = None  # (key, K) of the last training forward, for the commitment loss
+        self._last = None  # (key, weakref to K) of the last training forward, for the commitment loss
         self._ema = None
+        self._cells = None  # scalar pools (D = 1): per-entry Voronoi intervals
+        self._cells_seen = None
+        self.commitment_weight = 0.0  # > 0: commitment gradient fused into the backward
         self.chunk = DEFAULT_CHUNK
         self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
         self.full_search(weight)
@@ -128,23 +162,48 @@ class NWSWeight(nn.Module):
     def full_search(self, weight: torch.Tensor) -> None:
         """Search every kernel of ``weight`` and restart the lazy-search state."""
         vec = self._vectors(weight)
-        res = nearest_two(vec, self.pool, self.chunk)
-        self.indices.copy_(res.index)
-        self._ref = vec.clone()
-        self._pool_ref = self.pool.detach().clone()
-        self._pool_shift = 0.0
-        self._pool_seen = (id(self.pool), self.pool._version)
-        self._radius = res.radius
-        self.stats = {"searched": self.num_vectors, "total": self.num_vectors, "exact_rows": res.exact_rows}
+        exact_rows = 0
+        if self.vector_size == 1:
+            self.indices.copy_(nearest_scalar(vec, self.pool))
+            self._cells = scalar_cells(self.pool)
+            self._cells_seen = (id(self.pool), self.pool._version)
+        else:
+            res = nearest_two(vec, self.pool, self.chunk)
+            self.indices.copy_(res.index)
+            self._ref = vec.to(torch.float16)
+            self._radius = _budget(res.radius, vec, self._ref)
+            self._pool_ref = self.pool.detach().clone()
+            self._pool_seen = (id(self.pool), self.pool._version)
+            exact_rows = res.exact_rows
+        self.stats = {"searched": self.num_vectors, "total": self.num_vectors, "exact_rows": exact_rows}
 
     def reset_search(self) -> None:
         """Forget the lazy-search state: the next training forward searches every kernel."""
         self._ref = None
         self._radius = None
+        self._cells = None
+
+    @torch.no_grad()
+    def _update_scalar(self, weight: torch.Tensor) -> None:
+        """Scalar pools: a kernel keeps its entry while it lies strictly inside that entry's interval."""
+        if self._cells is None or self._cells[0].device != weight.device:
+            self.full_search(weight)
+            return
+        seen = (id(self.pool), self.pool._version)
+        if seen != self._cells_seen:
+            self._cells = scalar_cells(self.pool)
+            self._cells_seen = seen
+        x = weight.detach().reshape(-1).to(torch.float64)
+        lo, hi = self._cells
+        inside = (lo.index_select(0, self.indices) < x) & (x < hi.index_select(0, self.indices))
+        rows = (~inside).nonzero().squeeze(1)  # NaN counts as outside
+        if rows.numel():
+            self.indices.index_copy_(0, rows, nearest_scalar(x.index_select(0, rows), self.pool).to(self.indices.dtype))
+        self.stats = {"searched": rows.numel(), "total": self.num_vectors, "exact_rows": 0}
 
     @torch.no_grad()
     def _track_pool(self) -> None:
-        """Add the largest pool-entry movement since the last look to the pool shift."""
+        """Take the largest pool-entry movement since the last look off every row's budget."""
         seen = (id(self.pool), self.pool._version)
         if seen == self._pool_seen:
             return
@@ -153,8 +212,10 @@ class NWSWeight(nn.Module):
             self.reset_search()
             return
         move = float((pool.float() - self._pool_ref.float()).norm(dim=1).max())
-        # 1e-5 relative + tiny absolute slack covers the float32 norm's rounding.
-        self._pool_shift += move * (1 + 1e-5) + 1e-30
+        if move > 0:
+            # 1e-5 relative slack covers the float32 norm; nextafter keeps the
+            # float32 subtraction from rounding a budget up.
+            self._radius = torch.nextafter(self._radius - move * (1 + 1e-5), _NEG_INF.to(self._radius.device))
         self._pool_ref.copy_(pool)
         self._pool_seen = seen
 
@@ -163,16 +224,19 @@ class NWSWeight(nn.Module):
         """Bring ``indices`` up to date with ``weight``; equals a full search exactly.
 
         Only rows whose drift since their last search, plus the pool shift,
-        reaches their safe radius are searched again.
+        reaches their safe radius are searched again (scalar pools: only
+        values that left their entry's interval).
         """
+        if self.vector_size == 1:
+            self._update_scalar(weight)
+            return
         self._track_pool()
         if self._ref is None or self._ref.shape[0] != self.num_vectors or self._ref.device != weight.device:
             self.full_search(weight)
             return
         vec = self._vectors(weight)
         drift = torch.linalg.vector_norm(vec - self._ref, dim=1)
-        stale = drift.double().add_(self._pool_shift).ge_(self._radius)
-        rows = stale.nonzero().squeeze(1)
+        rows = (~(drift < self._radius)).nonzero().squeeze(1)  # NaN counts as drifted
         count = rows.numel()
         if count == 0:
             self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
@@ -182,9 +246,10 @@ class NWSWeight(nn.Module):
             return
         sub = vec.index_select(0, rows)
         res = nearest_two(sub, self.pool, self.chunk)
-        self.indices.index_copy_(0, rows, res.index)
-        self._radius.index_copy_(0, rows, res.radius.add_(self._pool_shift))
-        self._ref.index_copy_(0, rows, sub)
+        ref = sub.to(torch.float16)
+        self.indices.index_copy_(0, rows, res.index.to(self.indices.dtype))
+        self._radius.index_copy_(0, rows, _budget(res.radius, sub, ref))
+        self._ref.index_copy_(0, rows, ref)
         self.stats = {"searched": count, "total": self.num_vectors, "exact_rows": res.exact_rows}
 
     # --------------------------------------------------------------- forward
@@ -195,13 +260,13 @@ class NWSWeight(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.update_indices(weight)
-            k = _GatherSTE.apply(weight, self.pool, self.indices)
-            self._last = (self._key(), k.detach())
+            k = _GatherSTE.apply(weight, self.pool, self.indices, self._fused_scale())
+            self._last = (self._key(), weakref.ref(k))
             return k
         if torch.is_grad_enabled() and weight.requires_grad:
             # eval() with gradients on (e.g. frozen-BN fine-tuning): stored
             # indices, gradient still reaches W.
-            return _GatherSTE.apply(weight, self.pool, self.indices)
+            return _GatherSTE.apply(weight, self.pool, self.indices, self._fused_scale())
         key = self._key()
         if self._cache_key != key:
             self._cache = self.gather()
@@ -214,12 +279,22 @@ class NWSWeight(nn.Module):
         self._cache_key = None
 
     # ---------------------------------------------------------------- losses
+    def _fused_scale(self) -> float:
+        return 2.0 * self.commitment_weight / self.num_vectors / self.vector_size if self.commitment_weight else 0.0
+
     def commitment_loss(self, weight: torch.Tensor) -> torch.Tensor:
-        """``||sg[K] - W||^2`` (mean squared error), differentiable in W (paper Eq. 2)."""
-        if self._last is not None and self._last[0] == self._key():
-            k = self._last[1]
-        else:
+        """``mean((W - sg[K])^2)`` (paper Eq. 2).
+
+        Differentiable in W, unless the commitment gradient is fused into the
+        backward (``commitment_weight > 0``): then the value is detached, for logging.
+        """
+        k = self._last[1]() if self._last is not None and self._last[0] == self._key() else None
+        if k is None:
             k = self.gather()
+        k = k.detach()
+        if self.commitment_weight:
+            with torch.no_grad():
+                return F.mse_loss(weight, k.to(weight.dtype))
         return F.mse_loss(weight, k.to(weight.dtype))
 
     def distillation_loss(self, weight: torch.Tensor) -> torch.Tensor:

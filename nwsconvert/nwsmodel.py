@@ -18,6 +18,7 @@ __all__ = [
     "is_converted",
     "commitment_loss",
     "distillation_loss",
+    "set_commitment",
     "set_mode",
     "ema_update",
     "reseed_unused",
@@ -80,8 +81,24 @@ def conversion_report(model: nn.Module):
 
 
 def commitment_loss(model: nn.Module) -> torch.Tensor:
-    """Sum over NWS layers of ``mean((W - sg[K])^2)`` (paper Eq. 2), differentiable in W."""
+    """Sum over NWS layers of ``mean((W - sg[K])^2)`` (paper Eq. 2), differentiable in W.
+
+    Detached (for logging) in layers whose commitment gradient is fused, see :func:`set_commitment`.
+    """
     return sum(layer.nws.commitment_loss(layer.weight) for layer in _require(model))
+
+
+def set_commitment(model: nn.Module, weight: float) -> nn.Module:
+    """Fuse ``weight * commitment`` into the backward of every NWS layer (0 turns it off).
+
+    The gradient ``2 * weight * (W - K) / W.numel()`` is then added in the same
+    pass that hands the pool kernels' gradient to W: no MSE graph, no extra
+    gradient accumulation. :func:`commitment_loss` then returns the detached
+    value, for logging; do not also add it to the loss expecting a gradient.
+    """
+    for layer in _require(model):
+        layer.nws.commitment_weight = float(weight)
+    return model
 
 
 def distillation_loss(model: nn.Module) -> torch.Tensor:
@@ -152,6 +169,22 @@ def load_pools(model: nn.Module, pools: PoolSet) -> None:
         nws.full_search(layer.weight)
 
 
+def _to_dense(module: nn.Module, weight: torch.Tensor) -> None:
+    """Turn a parametrized host back into its original class holding ``weight``.
+
+    ``parametrize.remove_parametrizations`` is not used: a deep copy shares its
+    dynamically created ``Parametrized*`` class with the original model, and
+    removing the parametrization deletes the ``weight`` property from that
+    shared class, breaking the original.
+    """
+    requires_grad = module.parametrizations.weight.original.requires_grad
+    base = type(module).__bases__[0]
+    del module._modules["parametrizations"]
+    module.__class__ = base
+    module.register_parameter("weight", nn.Parameter(weight.detach().clone(), requires_grad=requires_grad))
+
+
+@torch.no_grad()
 def materialize(model: nn.Module) -> nn.Module:
     """A dense copy of ``model``: ordinary layers holding the gathered pool kernels.
 
@@ -160,8 +193,7 @@ def materialize(model: nn.Module) -> nn.Module:
     """
     dense = copy.deepcopy(model)
     for layer in nws_layers(dense):
-        layer.nws.eval()  # stored indices, no search
-        parametrize.remove_parametrizations(layer.module, "weight", leave_parametrized=True)
+        _to_dense(layer.module, layer.nws.gather().to(layer.weight.dtype))
     if hasattr(dense, "nws_report"):
         del dense.nws_report
     return dense

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SearchResult", "brute_force", "nearest_two", "DEFAULT_CHUNK"]
+__all__ = ["SearchResult", "brute_force", "nearest_two", "nearest_scalar", "scalar_cells", "DEFAULT_CHUNK"]
 
 #: Rows per ``addmm`` block. 2048 x 512 float32 distances = 4 MiB: fits in L2/L3
 #: caches on CPUs and is large enough to keep a GPU busy.
@@ -174,3 +174,57 @@ def nearest_two(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = DEFAULT_
             radius[s + rows] = ex_rad
             exact_rows += rows.numel()
     return SearchResult(index, radius, exact_rows)
+
+
+def nearest_scalar(values: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Exact nearest entry of a scalar pool (D = 1), by sorting: ``O(N log n)``.
+
+    Args:
+        values: ``(N,)`` or ``(N, 1)``. pool: ``(n,)`` or ``(n, 1)``.
+
+    Returns:
+        ``(N,)`` int64, equal to :func:`brute_force`: each value's two sorted
+        neighbours are compared with the same float64 squared distance, and
+        ties (equal pool values, or a value exactly midway) go to the lowest index.
+    """
+    x = values.detach().reshape(-1).to(torch.float64)
+    p = pool.detach().reshape(-1).to(torch.float64)
+    order = torch.argsort(p, stable=True)  # equal values keep index order: first is the lowest index
+    sorted_p = p[order]
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    keep[1:] = sorted_p[1:] != sorted_p[:-1]
+    uniq, uidx = sorted_p[keep], order[keep]
+    m = uniq.numel()
+    right = torch.searchsorted(uniq, x).clamp_(max=m - 1)
+    left = (right - 1).clamp_(min=0)
+    dl = (x - uniq[left]) ** 2
+    dr = (x - uniq[right]) ** 2
+    il, ir = uidx[left], uidx[right]
+    take_right = (dr < dl) | ((dr == dl) & (ir < il))
+    return torch.where(take_right, ir, il)
+
+
+def scalar_cells(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Voronoi cells of a scalar pool: entry j is the unique nearest of x iff ``lo[j] < x < hi[j]``.
+
+    Args:
+        pool: ``(n,)`` or ``(n, 1)``.
+
+    Returns:
+        ``(lo, hi)``, each ``(n,)`` float64. Midpoints of float32 neighbours are
+        exact in float64, so the test is exact. Duplicate entries other than the
+        lowest-index one get an empty cell (``lo = +inf``).
+    """
+    p = pool.detach().reshape(-1).to(torch.float64)
+    order = torch.argsort(p, stable=True)
+    sp = p[order]
+    first = torch.ones_like(sp, dtype=torch.bool)
+    first[1:] = sp[1:] != sp[:-1]
+    uniq, rep = sp[first], order[first]
+    inf = torch.full((1,), float("inf"), dtype=torch.float64, device=p.device)
+    mids = (uniq[1:] + uniq[:-1]) * 0.5
+    lo = torch.full_like(p, float("inf"))
+    hi = torch.full_like(p, float("-inf"))
+    lo[rep] = torch.cat([-inf, mids])
+    hi[rep] = torch.cat([mids, inf])
+    return lo, hi

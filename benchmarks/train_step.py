@@ -1,0 +1,159 @@
+"""One training step of an NWS model vs the same dense model, side by side.
+
+    python benchmarks/train_step.py [--model resnet18] [--batch 64] [--size 32] [--rounds 30]
+
+Time: dense and NWS steps interleaved in one process (same threads, same
+machine state), median of ``--rounds`` each after warm-up. A step is
+forward + cross-entropy (+ commitment loss for NWS) + backward + SGD
+(momentum 0.9, lr 0.01, as in the paper), so W drifts as in real training
+and the lazy search does real work.
+
+The NWS step fuses the commitment gradient into the backward
+(``nwsconvert.set_commitment(model, 1.0)``); ``--unfused`` adds
+``commitment_loss(model)`` to the loss instead (same gradient, autograd MSE).
+
+Memory: each variant in a fresh subprocess; peak RSS (``VmHWM``) over
+warm-up + 5 steps, reported in full and above the process's RSS after
+importing torch/timm (which is the same for both and would hide the ratio).
+On CUDA, ``torch.cuda.max_memory_allocated`` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def build(args, nws: bool):
+    import timm
+
+    import nwsconvert
+
+    torch.manual_seed(0)
+    model = timm.create_model(args.model, num_classes=10).to(args.device)
+    if nws:
+        nwsconvert.convert(model, pool_size=args.pool_size, init="kmeans")
+        if not args.unfused:
+            nwsconvert.set_commitment(model, 1.0)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5)
+    return model, opt
+
+
+def step(model, opt, x, y, nws: bool, unfused: bool = False):
+    import nwsconvert
+
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    if nws and unfused:
+        loss = loss + nwsconvert.commitment_loss(model)
+    loss.backward()
+    opt.step()
+
+
+def _sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _status_mb(field: str) -> float:
+    """VmRSS / VmHWM of this process from /proc (ru_maxrss would include the parent's pre-exec peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_child(args, nws: bool) -> dict:
+    import timm  # noqa: F401  (import cost is part of the baseline)
+
+    import nwsconvert  # noqa: F401
+
+    base = _status_mb("VmRSS")
+    model, opt = build(args, nws)
+    x = torch.randn(args.batch, 3, args.size, args.size, device=args.device)
+    y = torch.randint(0, 10, (args.batch,), device=args.device)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(8):
+        step(model, opt, x, y, nws, args.unfused)
+    _sync(args.device)
+    peak = _status_mb("VmHWM")
+    out = {"peak_rss_mb": peak, "base_rss_mb": base, "peak_above_base_mb": peak - base}
+    if args.device.startswith("cuda"):
+        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="resnet18")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--size", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--pool-size", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--unfused", action="store_true",
+                    help="add commitment_loss() to the loss (autograd MSE) instead of set_commitment() (fused)")
+    ap.add_argument("--memory-child", choices=["dense", "nws"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.memory_child:
+        print(json.dumps(memory_child(args, args.memory_child == "nws")))
+        return
+
+    import nwsconvert
+
+    dense, dopt = build(args, False)
+    nws, nopt = build(args, True)
+    x = torch.randn(args.batch, 3, args.size, args.size, device=args.device)
+    y = torch.randint(0, 10, (args.batch,), device=args.device)
+    for _ in range(5):
+        step(dense, dopt, x, y, False)
+        step(nws, nopt, x, y, True, args.unfused)
+    times = {"dense": [], "nws": []}
+    searched = []
+    for _ in range(args.rounds):
+        for name, (m, o) in (("dense", (dense, dopt)), ("nws", (nws, nopt))):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            step(m, o, x, y, name == "nws", args.unfused)
+            _sync(args.device)
+            times[name].append(time.perf_counter() - t0)
+        searched.append(nwsconvert.search_stats(nws)["fraction"])
+    td, tn = statistics.median(times["dense"]), statistics.median(times["nws"])
+
+    mem = {}
+    for variant in ("dense", "nws"):
+        cmd = [sys.executable, __file__, "--memory-child", variant, *(["--unfused"] if args.unfused else []), "--model", args.model, "--batch", str(args.batch),
+               "--size", str(args.size), "--pool-size", str(args.pool_size), "--threads", str(args.threads),
+               "--device", args.device]
+        mem[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+    print(f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, {args.device}, "
+          f"torch {torch.__version__}")
+    print(f"step time   dense {td * 1e3:8.1f} ms   NWS {tn * 1e3:8.1f} ms   ratio {tn / td:.2f}x "
+          f"(median of {args.rounds}, interleaved)")
+    print(f"commitment: {'autograd MSE (--unfused)' if args.unfused else 'fused into the backward'}")
+    print(f"kernels re-searched per step: median {statistics.median(searched) * 100:.2f} %")
+    d, n = mem["dense"], mem["nws"]
+    print(f"peak RSS    dense {d['peak_rss_mb']:8.1f} MB   NWS {n['peak_rss_mb']:8.1f} MB   ratio "
+          f"{n['peak_rss_mb'] / d['peak_rss_mb']:.2f}x")
+    print(f"above import baseline  dense {d['peak_above_base_mb']:8.1f} MB   NWS {n['peak_above_base_mb']:8.1f} MB   "
+          f"ratio {n['peak_above_base_mb'] / d['peak_above_base_mb']:.2f}x")
+    if "cuda_peak_mb" in d:
+        print(f"CUDA peak   dense {d['cuda_peak_mb']:8.1f} MB   NWS {n['cuda_peak_mb']:8.1f} MB   ratio "
+              f"{n['cuda_peak_mb'] / d['cuda_peak_mb']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

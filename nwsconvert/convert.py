@@ -142,14 +142,15 @@ class NWSConverter:
         owners: dict[int, str] = {}
         for name, module in modules:
             weight = getattr(module, "weight", None)
-            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
+            lazy = isinstance(weight, nn.parameter.UninitializedParameter)
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) and not lazy else ()
             cls = type(module).__name__
             reason = None
             if _match(name, self.skip):
                 reason = "skipped by the skip option"
             elif parametrize.is_parametrized(module, "weight"):
                 reason = "weight already has a parametrization (weight norm, spectral norm...)"
-            elif isinstance(weight, nn.parameter.UninitializedParameter):
+            elif lazy:
                 reason = "lazy module not initialised yet: run one forward pass before converting"
             elif not isinstance(weight, nn.Parameter):
                 reason = "weight is not an nn.Parameter (hook-based weight norm?)"

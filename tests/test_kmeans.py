@@ -1,0 +1,33 @@
+"""k-means pool initialisation."""
+
+import torch
+
+from nwsconvert.kmeans import assign, kmeans
+from nwsconvert.search import brute_force
+
+
+def test_assign_matches_exact_search_on_separated_data():
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(50, 9, generator=g) * 10
+    x = c[torch.randint(0, 50, (5000,), generator=g)] + torch.randn(5000, 9, generator=g) * 0.1
+    idx, dist = assign(x, c, chunk=999)
+    assert torch.equal(idx, brute_force(x, c))
+    assert torch.allclose(dist, (x - c[idx]).pow(2).sum(1), rtol=1e-3, atol=1e-3)  # float32 expansion
+
+
+def test_fewer_points_than_entries_keeps_every_point():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 4, generator=g)
+    c = kmeans(x, 32, generator=g)
+    assert c.shape == (32, 4)
+    assert torch.equal(c[:10], x)
+    assert torch.isfinite(c).all()
+
+
+def test_duplicate_points_reseed_empty_clusters():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 3, generator=g).repeat(200, 1)  # 1000 points, 5 distinct
+    c = kmeans(x, 16, iters=4, generator=g)
+    assert torch.isfinite(c).all()
+    # every distinct point is a centre
+    assert (torch.cdist(x[:5], c).min(1).values < 1e-6).all()

@@ -1,0 +1,175 @@
+"""NWS layer behaviour: forward values, gradients, losses, modes, eval cache, Conv2d subclass semantics."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nwsconvert as nc
+from nwsconvert.search import brute_force
+
+
+def _small_net():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8), nn.ReLU(),
+        nn.Conv2d(8, 16, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5),
+    )
+
+
+def test_forward_uses_exactly_the_nearest_pool_kernels():
+    model = nc.convert(_small_net(), pool_size=32, init="random")
+    model.train()
+    x = torch.randn(2, 3, 8, 8)
+    model(x)
+    for layer in nc.nws_layers(model):
+        nws = layer.nws
+        idx = brute_force(layer.weight.detach().reshape(-1, nws.vector_size), nws.pool)
+        assert torch.equal(nws.indices.long(), idx)
+        assert torch.equal(layer.module.weight, nws.pool[idx].view_as(layer.weight))
+
+
+def test_straight_through_gradient_equals_dense_gradient_at_k():
+    torch.manual_seed(1)
+    model = nc.convert(_small_net(), pool_size=32, init="random").train()
+    x = torch.randn(2, 3, 8, 8)
+    model(x).sum().backward()
+    dense = nc.materialize(model).train()
+    dense(x).sum().backward()
+    by_name = dict(dense.named_modules())
+    for layer in nc.nws_layers(model):
+        # W receives exactly dL/dK: the same backward ran on the same weights.
+        assert torch.equal(layer.weight.grad, by_name[layer.name].weight.grad), layer.name
+
+
+def test_commitment_loss_value_and_gradient():
+    model = nc.convert(_small_net(), pool_size=32, init="random").train()
+    model(torch.randn(2, 3, 8, 8))
+    layers = nc.nws_layers(model)
+    loss = nc.commitment_loss(model)
+    want = sum(F.mse_loss(layer.weight.detach(), layer.module.weight.detach()) for layer in layers)
+    assert torch.allclose(loss, want, rtol=1e-6, atol=0)  # same sums, summed in another order
+    loss.backward()
+    for layer in layers:
+        k = layer.nws.gather()
+        expect = 2 * (layer.weight.detach() - k) / k.numel()
+        # float32 autograd of mean((W-K)^2): 2 roundings per element
+        assert torch.allclose(layer.weight.grad, expect, rtol=1e-6, atol=1e-12), layer.name
+
+
+def test_fused_commitment_gives_the_autograd_gradient():
+    torch.manual_seed(2)
+    base = nc.convert(_small_net(), pool_size=32, init="random")
+    a, b = copy.deepcopy(base).train(), copy.deepcopy(base).train()
+    x = torch.randn(2, 3, 8, 8)
+    (a(x).sum() + 0.7 * nc.commitment_loss(a)).backward()
+    nc.set_commitment(b, 0.7)
+    out = b(x).sum()
+    assert not nc.commitment_loss(b).requires_grad  # fused: value only, for logging
+    out.backward()
+    for la, lb in zip(nc.nws_layers(a), nc.nws_layers(b)):
+        # Same terms, added in another order (grad + s*W - s*K vs grad + 2c(W-K)/N):
+        # a few float32 ulps of the larger term.
+        assert torch.allclose(la.weight.grad, lb.weight.grad, rtol=1e-5, atol=1e-7), la.name
+
+
+def test_distillation_loss_moves_only_selected_pool_entries():
+    model = nc.convert(_small_net(), pool_size=64, init="random")
+    with pytest.raises(RuntimeError, match="pool-learning mode"):
+        nc.distillation_loss(model)
+    nc.set_mode(model, "pool").train()
+    pools = [p for n, p in model.named_parameters() if n.endswith(".pool")]
+    assert len(pools) == len(nc.nws_layers(model))
+    model(torch.randn(2, 3, 8, 8))
+    nc.distillation_loss(model).backward()
+    for layer in nc.nws_layers(model):
+        used = torch.zeros(layer.nws.pool_size, dtype=torch.bool)
+        used[layer.nws.indices.long()] = True
+        grad = layer.nws.pool.grad
+        assert grad[~used].abs().sum() == 0
+        assert grad[used].abs().sum() > 0
+        assert layer.weight.grad is None  # sg[W]: nothing reaches W
+    nc.set_mode(model, "task")
+    assert not any(n.endswith(".pool") for n, _ in model.named_parameters())
+
+
+def test_eval_cache_is_reused_and_invalidated():
+    model = nc.convert(_small_net(), pool_size=32, init="random").eval()
+    layer = nc.nws_layers(model)[0]
+    torch.set_grad_enabled(False)  # inference; restored by the finally below
+    try:
+        _check_cache(layer)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _check_cache(layer):
+    w1 = layer.module.weight
+    assert layer.module.weight is w1  # cached: no gather per forward
+    layer.nws.indices[0] = (layer.nws.indices[0] + 1) % layer.nws.pool_size
+    w2 = layer.module.weight
+    assert w2 is not w1 and not torch.equal(w1, w2)
+    assert torch.equal(w2, layer.nws.gather())
+    with torch.no_grad():
+        layer.nws.pool.mul_(2)
+    assert torch.equal(layer.module.weight, layer.nws.gather())
+
+
+def test_eval_mode_with_gradients_keeps_indices_and_passes_gradient():
+    model = nc.convert(_small_net(), pool_size=32, init="random").eval()
+    before = [layer.nws.indices.clone() for layer in nc.nws_layers(model)]
+    with torch.no_grad():
+        for layer in nc.nws_layers(model):
+            layer.weight.add_(0.5)  # far from every pool kernel; eval must not search
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    for layer, idx in zip(nc.nws_layers(model), before):
+        assert torch.equal(layer.nws.indices, idx)
+        assert layer.weight.grad is not None
+
+
+def _timm_layers():
+    from timm.layers import CondConv2d, Conv2dSame, ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
+
+    return {
+        "Conv2dSame": lambda: Conv2dSame(4, 6, 3, stride=2),
+        "StdConv2d": lambda: StdConv2d(4, 6, 3, padding=1),
+        "StdConv2dSame": lambda: StdConv2dSame(4, 6, 3, stride=2),
+        "ScaledStdConv2d": lambda: ScaledStdConv2d(4, 6, 3, padding=1),
+        "ScaledStdConv2dSame": lambda: ScaledStdConv2dSame(4, 6, 3, stride=2),
+        "CondConv2d": lambda: CondConv2d(4, 6, 3, padding=1, num_experts=3),
+    }
+
+
+def _effnet_lite_conv():
+    from efficientnet_lite_pytorch.utils import Conv2dStaticSamePadding
+
+    return Conv2dStaticSamePadding(4, 6, 3, stride=2, image_size=9)
+
+
+SUBCLASSES = {**_timm_layers(), "Conv2dStaticSamePadding": _effnet_lite_conv}
+
+
+@pytest.mark.parametrize("name", sorted(SUBCLASSES))
+def test_conv_subclasses_keep_their_semantics(name):
+    """The converted layer computes exactly what its own class computes with the pool kernels as weight."""
+    layer = SUBCLASSES[name]()
+    cls = type(layer)
+    original = copy.deepcopy(layer)
+    holder = nn.Sequential(layer)
+    nc.convert(holder, pool_size=16, init="random")
+    assert isinstance(holder[0], cls)
+    assert holder.nws_report.layers[0].module == cls.__name__
+    x = torch.randn(2, 4, 9, 9)
+    if name == "CondConv2d":
+        routing = torch.softmax(torch.randn(2, 3), dim=1)
+        nws_out, run = holder[0](x, routing), lambda m: m(x, routing)
+    else:
+        nws_out, run = holder(x), lambda m: m(x)
+    k = nc.nws_layers(holder)[0].nws.gather()
+    with torch.no_grad():
+        original.weight.copy_(k)
+    assert torch.equal(nws_out, run(original))

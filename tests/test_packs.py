@@ -1,0 +1,147 @@
+"""Task packs and pool files: exact round trips, mismatches and damaged files fail with clear errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import nwsconvert as nc
+from nwsconvert.bitpack import pack_bits, packed_size, unpack_bits
+
+
+def _model(num_classes=5, seed=0):
+    torch.manual_seed(seed)
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.layer1[0].bn1.running_mean.normal_()  # non-trivial BN statistics
+    return model
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    model = nc.convert(_model(), pool_size=512, init="random")
+    model.train()
+    model(torch.randn(4, 3, 32, 32))  # updates BN statistics and indices
+    model.eval()
+    nc.pool_set(model).save(tmp_path / "pools.safetensors")
+    pack = nc.extract_task(model, meta={"task": "t0"})
+    pack.save(tmp_path / "t0.nwspack")
+    return model, pack, tmp_path
+
+
+@pytest.mark.parametrize("bits", [1, 2, 5, 8, 9, 10, 13, 16])
+def test_bitpack_round_trip(bits):
+    g = torch.Generator().manual_seed(bits)
+    for count in (0, 1, 7, 1001):
+        v = torch.randint(0, 2**bits, (count,), generator=g)
+        if count:
+            v[0], v[-1] = 0, 2**bits - 1
+        packed = pack_bits(v, bits)
+        assert packed.dtype == torch.uint8 and packed.numel() == packed_size(count, bits)
+        assert torch.equal(unpack_bits(packed, bits, count), v)
+    with pytest.raises(ValueError, match="must lie in"):
+        pack_bits(torch.tensor([2**bits]), bits)
+
+
+def test_pack_round_trip_is_exact(saved):
+    model, pack, tmp = saved
+    loaded = nc.TaskPack.load(tmp / "t0.nwspack")
+    assert loaded.layers == pack.layers and loaded.meta == {"task": "t0"}
+    assert loaded.num_classes == 5 and loaded.pool_sha256 == nc.pool_set(model).sha256
+    for name in pack.indices:
+        assert torch.equal(loaded.indices[name].long(), pack.indices[name].long())
+    assert loaded.state.keys() == pack.state.keys()
+    for k in pack.state:
+        assert torch.equal(loaded.state[k], pack.state[k]), k
+    assert "layer1.0.bn1.running_mean" in loaded.state and "fc.bias" in loaded.state
+    # 9 bits per kernel on disk
+    assert loaded.index_bytes == sum((r["count"] * 9 + 7) // 8 for r in loaded.layers)
+    assert os.path.getsize(tmp / "t0.nwspack") < loaded.index_bytes + loaded.state_bytes + 20_000
+
+    fresh = nc.convert(_model(seed=1), pool_size=512, init=tmp / "pools.safetensors")
+    nc.apply_task(fresh, loaded).eval()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+    for a, b in zip(nc.nws_layers(fresh), nc.nws_layers(model)):
+        assert torch.equal(a.weight, b.nws.gather())  # W restarts from the chosen kernels
+
+
+def test_pool_file_round_trip(saved):
+    model, _, tmp = saved
+    ps = nc.PoolSet.load(tmp / "pools.safetensors")
+    orig = nc.pool_set(model)
+    assert ps.sha256 == orig.sha256 and list(ps.pools) == list(orig.pools)
+    assert all(torch.equal(ps[n], orig[n]) for n in ps.pools)
+
+
+def test_pack_on_another_pool_set_is_refused(saved):
+    _, pack, _ = saved
+    other = nc.convert(_model(), pool_size=512, init="random", seed=123)
+    with pytest.raises(nc.PackMismatchError, match="pool set"):
+        nc.apply_task(other, pack)
+
+
+def test_pack_on_another_head_is_refused(saved):
+    _, pack, tmp = saved
+    with pytest.raises(nc.ConversionError, match="layers the model does not convert: \\['fc'\\]"):
+        nc.convert(_model(num_classes=10), pool_size=512, init=tmp / "pools.safetensors", skip=["fc"])
+    pools = nc.pool_set(nc.convert(_model(num_classes=10), pool_size=512, init=tmp / "pools.safetensors"))
+    pools.save(tmp / "p10.safetensors")
+    pack.pool_sha256 = pools.sha256  # same pools, other head: the shape check names the layer
+    other = nc.convert(_model(num_classes=10), pool_size=512, init=tmp / "p10.safetensors")
+    with pytest.raises(nc.PackMismatchError, match=r"layer 'fc'.*class count"):
+        nc.apply_task(other, pack)
+
+
+def test_damaged_files_fail_clearly(saved):
+    _, _, tmp = saved
+    path = tmp / "t0.nwspack"
+    data = path.read_bytes()
+    (tmp / "trunc").write_bytes(data[: len(data) // 2])
+    with pytest.raises(nc.FormatError, match="trunc.*(truncated|corrupted)"):
+        nc.TaskPack.load(tmp / "trunc")
+    (tmp / "tiny").write_bytes(data[:5])
+    with pytest.raises(nc.FormatError, match="too short"):
+        nc.TaskPack.load(tmp / "tiny")
+    flipped = bytearray(data)
+    flipped[-100] ^= 0xFF
+    (tmp / "flip").write_bytes(bytes(flipped))
+    with pytest.raises(nc.FormatError, match="SHA-256"):
+        nc.TaskPack.load(tmp / "flip")
+    (tmp / "text").write_bytes(b"not a pack at all, just some text" * 10)
+    with pytest.raises(nc.FormatError, match="text"):
+        nc.TaskPack.load(tmp / "text")
+    with pytest.raises(nc.FormatError, match="is a 'nwsconvert.poolset' file, expected 'nwsconvert.taskpack'"):
+        nc.TaskPack.load(tmp / "pools.safetensors")
+    with pytest.raises(FileNotFoundError, match="missing.nwspack"):
+        nc.TaskPack.load(tmp / "missing.nwspack")
+    with pytest.raises(nc.FormatError):
+        nc.PoolSet.load(tmp / "trunc")
+
+
+def test_writes_are_atomic(saved, monkeypatch):
+    model, pack, tmp = saved
+    before = (tmp / "t0.nwspack").read_bytes()
+    import nwsconvert.storage as storage
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(storage.os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        pack.save(tmp / "t0.nwspack")
+    assert (tmp / "t0.nwspack").read_bytes() == before  # old file intact
+    assert sorted(p.name for p in tmp.iterdir() if p.name.startswith(".")) == []  # no temp left
+
+
+def test_state_covers_layernorm_and_layers_left_dense(tmp_path):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.Conv2d(4, 4, 1), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.randn(1, 3, 6, 6))
+    nc.convert(model, pool_size=8, init="random", skip=["2"])
+    pack = nc.extract_task(model)
+    assert {"1.weight", "1.bias", "2.weight", "2.bias", "4.bias", "0.bias"} <= set(pack.state)
+    assert not any("parametrizations" in k for k in pack.state)

@@ -1,0 +1,140 @@
+"""The search equals brute force exactly: one-shot, lazily across optimiser steps, in both modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import nwsconvert as nc
+from nwsconvert.layers import NWSWeight
+from nwsconvert.search import brute_force, nearest_scalar, nearest_two, scalar_cells
+
+
+def test_brute_force_matches_numpy_reference():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3000, 9, generator=g)
+    p = torch.randn(300, 9, generator=g)
+    ref = np.argmin(((x.double().numpy()[:, None, :] - p.double().numpy()[None]) ** 2).sum(-1), axis=1)
+    assert np.array_equal(brute_force(x, p).numpy(), ref)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 9, 49])
+@pytest.mark.parametrize("n", [2, 7, 512])
+def test_nearest_two_equals_brute_force(dim, n):
+    g = torch.Generator().manual_seed(dim * 1000 + n)
+    pool = torch.randn(n, dim, generator=g) * 0.05
+    x = torch.randn(5000, dim, generator=g) * 0.06
+    res = nearest_two(x, pool, chunk=777)  # odd chunk: blocks do not align with anything
+    assert torch.equal(res.index, brute_force(x, pool))
+    assert (res.radius >= 0).all()
+
+
+def test_ties_go_to_the_lowest_index():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(20, 9, generator=g)
+    pool = torch.cat([base, base, base[:5]])  # every vector present two or three times
+    x = torch.cat([base, base[:5] + 1e-3, (base[:10] + base[10:20]) / 2])  # exact hits, near hits, midpoints
+    res = nearest_two(x, pool)
+    want = brute_force(x, pool)
+    assert torch.equal(res.index, want)
+    assert (res.index[:20] == torch.arange(20)).all()  # exact duplicates: lowest index
+    assert (res.radius[:20] == 0).all()  # ties have no safe radius
+    assert res.exact_rows >= 20  # ties were certified in float64
+
+
+def test_radius_is_safe():
+    """Any move shorter than the radius keeps the nearest entry."""
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randn(64, 9, generator=g)
+    x = torch.randn(2000, 9, generator=g)
+    res = nearest_two(x, pool)
+    direction = torch.randn(2000, 9, generator=g)
+    direction /= direction.norm(dim=1, keepdim=True)
+    moved = x + direction * (res.radius.float() * 0.999)[:, None]
+    assert torch.equal(brute_force(moved, pool), res.index)
+
+
+def test_scalar_search_and_cells():
+    g = torch.Generator().manual_seed(4)
+    # Pool values on a 1/1024 grid, so midpoints between neighbours are exact floats.
+    pool = torch.randint(-400, 400, (512,), generator=g).float() / 1024
+    pool[::9] = pool[5]  # duplicates
+    sp = pool.unique()
+    mids = (sp[1:] + sp[:-1]) / 2
+    x = torch.cat([torch.randn(20000, generator=g) * 0.12, pool, mids])
+    idx = nearest_scalar(x, pool)
+    assert torch.equal(idx, brute_force(x[:, None], pool[:, None]))
+    lo, hi = scalar_cells(pool)
+    inside = (lo[idx] < x.double()) & (x.double() < hi[idx])
+    # Values strictly inside a cell have that entry as unique nearest (checked above
+    # through idx); exact midpoints are ties and lie in no cell.
+    assert inside[:20000].float().mean() > 0.9
+    assert not inside[-mids.numel():].any()
+
+
+def _layer(weight: torch.Tensor, dim: int, n: int, seed: int = 0) -> tuple[nn.Parameter, NWSWeight]:
+    g = torch.Generator().manual_seed(seed)
+    w = nn.Parameter(weight)
+    pool = torch.randn(n, dim, generator=g) * weight.std()
+    return w, NWSWeight(w, dim, pool)
+
+
+@pytest.mark.parametrize("dim", [1, 9])
+def test_lazy_search_across_optimizer_steps_task_mode(dim):
+    g = torch.Generator().manual_seed(dim)
+    w, nws = _layer(torch.randn(4096, dim, generator=g) * 0.1, dim, 128)
+    opt = torch.optim.SGD([w], lr=1.0)
+    partial = 0
+    for step in range(60):
+        k = nws(w)  # training mode: lazy update
+        assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool)), step
+        assert torch.equal(k, nws.pool[nws.indices.long()].view_as(w))
+        searched = nws.stats["searched"]
+        partial += 0 < searched < nws.num_vectors
+        # Gradients of very different sizes: most rows stay, some cross cell borders.
+        scale = 2e-5 if step % 3 else 2e-3
+        w.grad = torch.randn(w.shape, generator=g) * scale
+        opt.step()
+    assert partial > 30  # the lazy path (not full searches) did the work
+
+
+def test_lazy_search_pool_mode_gradient_and_ema():
+    g = torch.Generator().manual_seed(7)
+    w, nws = _layer(torch.randn(3000, 9, generator=g) * 0.1, 9, 64)
+    nws.set_mode("pool")
+    assert isinstance(nws.pool, nn.Parameter)
+    opt = torch.optim.SGD([w, nws.pool], lr=0.5)
+    for step in range(40):
+        nws(w)
+        assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool)), step
+        opt.zero_grad()
+        (nws.distillation_loss(w) * 100).backward()
+        w.grad = torch.randn(w.shape, generator=g) * 1e-3
+        opt.step()
+        if step % 10 == 5:
+            nws.ema_update(w, decay=0.9)
+        if step % 10 == 9:
+            nws.reseed_unused(w)
+    nws(w)
+    assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool))
+
+
+def test_whole_model_indices_equal_brute_force_after_training_steps():
+    import timm
+
+    model = timm.create_model("resnet18", num_classes=4)
+    nc.convert(model, pool_size=128, init="random")
+    nc.set_commitment(model, 1.0)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    model(x)
+    for layer in nc.nws_layers(model):
+        want = brute_force(layer.weight.detach().reshape(-1, layer.nws.vector_size), layer.nws.pool)
+        assert torch.equal(layer.nws.indices.long(), want), layer.name

@@ -28,27 +28,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .search import DEFAULT_CHUNK, nearest_scalar, nearest_two, scalar_cells
+from .search import DEFAULT_CHUNK, PreparedPool, nearest_scalar, nearest_two
 
 __all__ = ["NWSWeight", "index_bits"]
 
 
 _NEG_INF = torch.tensor(float("-inf"))
 
+#: dtype of the lazy search's reference copy of W. float32 makes the copy exact
+#: (no budget lost to rounding); float16 halves its memory but every row whose
+#: safe radius is below its own rounding error is re-searched at every step.
+REF_DTYPE = torch.float32
 
-def _budget(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """float32 movement budget per row: ``radius - ||vec - ref||``, never rounded up.
+
+_SCRATCH: dict = {}
+
+
+def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reusable temporary of ``numel`` elements (shared by all layers, never escapes a call).
+
+    Reusing it saves the page faults of allocating and freeing a layer-sized
+    tensor at every training step.
+    """
+    key = (like.device, like.dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        _SCRATCH[key] = buf
+    return buf[:numel]
+
+
+def _round_down_f32(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32, never rounding up."""
+    r32 = x.float()
+    return torch.where(r32.double() > x, torch.nextafter(r32, _NEG_INF.to(r32.device)), r32)
+
+
+def _budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Squared movement budget per row, float32, never rounded up; -1 where none is left.
 
     Args:
-        radius: ``(b,)`` float64 safe radii from the search. vec: ``(b, D)``
-            the searched rows. ref: ``(b, D)`` their float16 copies (drift is
-            measured from ``ref``, so its rounding error is spent here).
+        radius: ``(b,)`` float64 safe radii from the search. vec: ``(b, D)`` the
+            searched rows. ref: ``(b, D)`` their stored copies (drift is measured
+            from ``ref``, so any rounding of the copy is spent here).
     """
     err = torch.linalg.vector_norm(vec.double() - ref.double(), dim=1)
-    exact = radius - err * (1 + 1e-6)
-    r32 = exact.float()
-    up = r32.double() > exact
-    return torch.where(up, torch.nextafter(r32, _NEG_INF.to(r32.device)), r32)
+    left = radius - err * (1 + 1e-6)
+    return torch.where(left > 0, _round_down_f32(left * left), torch.full_like(left, -1.0).float())
 
 
 def index_bits(pool_size: int) -> int:
@@ -117,19 +143,21 @@ class NWSWeight(nn.Module):
         self.register_buffer("pool", pool.detach().to(weight.dtype).clone())
         # int32 indices: half the memory of int64; index_select/bincount accept them.
         self.register_buffer("indices", torch.zeros(self.num_vectors, dtype=torch.int32, device=weight.device))
-        # Lazy-search state (D > 1): each row's W at its last search (float16) and
-        # how far it may still move before its nearest entry can change (float32,
-        # rounded down, shrunk by the float16 rounding and by pool movement).
+        # Lazy-search state (D > 1): each row's W at its last search, and the
+        # squared distance it may still move before its nearest entry can change
+        # (float32, rounded down, shrunk by pool movement; -1: search again).
         self.register_buffer("_ref", None, persistent=False)
-        self.register_buffer("_radius", None, persistent=False)
+        self.register_buffer("_budget_sq", None, persistent=False)
         self.register_buffer("_pool_ref", None, persistent=False)
         self._pool_seen = None
+        self._ones_vec = None
+        self._scalar_ready = False
         self._cache = None
         self._cache_key = None
         self._last = None  # (key, weakref to K) of the last training forward, for the commitment loss
         self._ema = None
-        self._cells = None  # scalar pools (D = 1): per-entry Voronoi intervals
-        self._cells_seen = None
+        self._prep = None  # PreparedPool of the current pool version
+        self._prep_seen = None
         self.commitment_weight = 0.0  # > 0: commitment gradient fused into the backward
         self.chunk = DEFAULT_CHUNK
         self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
@@ -150,8 +178,21 @@ class NWSWeight(nn.Module):
             f"pool={self.pool_size}, bits={self.bits}, mode={self.mode}"
         )
 
+    def _ones(self, like: torch.Tensor) -> torch.Tensor:
+        if self._ones_vec is None or self._ones_vec.device != like.device or self._ones_vec.dtype != like.dtype:
+            self._ones_vec = torch.ones(self.vector_size, dtype=like.dtype, device=like.device)
+        return self._ones_vec
+
     def _vectors(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.detach().reshape(self.num_vectors, self.vector_size)
+
+    def _prepared(self) -> PreparedPool:
+        """Search tables of the current pool (rebuilt when the pool changes)."""
+        seen = (id(self.pool), self.pool._version, self.pool.device)
+        if seen != self._prep_seen:
+            self._prep = PreparedPool(self.pool)
+            self._prep_seen = seen
+        return self._prep
 
     def _key(self) -> tuple:
         p, i = self.pool, self.indices
@@ -164,14 +205,13 @@ class NWSWeight(nn.Module):
         vec = self._vectors(weight)
         exact_rows = 0
         if self.vector_size == 1:
-            self.indices.copy_(nearest_scalar(vec, self.pool))
-            self._cells = scalar_cells(self.pool)
-            self._cells_seen = (id(self.pool), self.pool._version)
+            self.indices.copy_(nearest_scalar(vec, self._prepared()))
+            self._scalar_ready = True
         else:
-            res = nearest_two(vec, self.pool, self.chunk)
+            res = nearest_two(vec, self._prepared(), self.chunk)
             self.indices.copy_(res.index)
-            self._ref = vec.to(torch.float16)
-            self._radius = _budget(res.radius, vec, self._ref)
+            self._ref = vec.to(REF_DTYPE, copy=True)  # never an alias of W
+            self._budget_sq = _budget_sq(res.radius, vec, self._ref)
             self._pool_ref = self.pool.detach().clone()
             self._pool_seen = (id(self.pool), self.pool._version)
             exact_rows = res.exact_rows
@@ -180,25 +220,21 @@ class NWSWeight(nn.Module):
     def reset_search(self) -> None:
         """Forget the lazy-search state: the next training forward searches every kernel."""
         self._ref = None
-        self._radius = None
-        self._cells = None
+        self._budget_sq = None
+        self._scalar_ready = False
 
     @torch.no_grad()
     def _update_scalar(self, weight: torch.Tensor) -> None:
         """Scalar pools: a kernel keeps its entry while it lies strictly inside that entry's interval."""
-        if self._cells is None or self._cells[0].device != weight.device:
+        if not self._scalar_ready:
             self.full_search(weight)
             return
-        seen = (id(self.pool), self.pool._version)
-        if seen != self._cells_seen:
-            self._cells = scalar_cells(self.pool)
-            self._cells_seen = seen
+        prep = self._prepared()
         x = weight.detach().reshape(-1).to(torch.float64)
-        lo, hi = self._cells
-        inside = (lo.index_select(0, self.indices) < x) & (x < hi.index_select(0, self.indices))
+        inside = (prep.lo.index_select(0, self.indices) < x) & (x < prep.hi.index_select(0, self.indices))
         rows = (~inside).nonzero().squeeze(1)  # NaN counts as outside
         if rows.numel():
-            self.indices.index_copy_(0, rows, nearest_scalar(x.index_select(0, rows), self.pool).to(self.indices.dtype))
+            self.indices.index_copy_(0, rows, nearest_scalar(x.index_select(0, rows), prep).to(self.indices.dtype))
         self.stats = {"searched": rows.numel(), "total": self.num_vectors, "exact_rows": 0}
 
     @torch.no_grad()
@@ -208,14 +244,17 @@ class NWSWeight(nn.Module):
         if seen == self._pool_seen:
             return
         pool = self.pool.detach()
-        if self._pool_ref is None or self._pool_ref.shape != pool.shape:
-            self.reset_search()
+        if self._ref is None or self._pool_ref is None or self._pool_ref.shape != pool.shape:
+            self.reset_search()  # the next update searches everything against the new pool
             return
         move = float((pool.float() - self._pool_ref.float()).norm(dim=1).max())
         if move > 0:
-            # 1e-5 relative slack covers the float32 norm; nextafter keeps the
-            # float32 subtraction from rounding a budget up.
-            self._radius = torch.nextafter(self._radius - move * (1 + 1e-5), _NEG_INF.to(self._radius.device))
+            # Every row's budget shrinks by the largest entry movement (1e-5
+            # relative slack covers the float32 norm), computed in float64 and
+            # rounded down.
+            left = self._budget_sq.double().clamp_min(0).sqrt() - move * (1 + 1e-5)
+            left = torch.where(self._budget_sq > 0, left, torch.full_like(left, -1.0))
+            self._budget_sq = torch.where(left > 0, _round_down_f32(left * left), torch.full_like(left, -1.0).float())
         self._pool_ref.copy_(pool)
         self._pool_seen = seen
 
@@ -235,8 +274,11 @@ class NWSWeight(nn.Module):
             self.full_search(weight)
             return
         vec = self._vectors(weight)
-        drift = torch.linalg.vector_norm(vec - self._ref, dim=1)
-        rows = (~(drift < self._radius)).nonzero().squeeze(1)  # NaN counts as drifted
+        diff = torch.sub(vec, self._ref, out=_scratch(vec.numel(), vec).view_as(vec))
+        # Squared drift per row: a matrix-vector product sums rows of D far faster
+        # than a reduction over a short inner dimension on CPU.
+        drift_sq = torch.mv(diff.square_(), self._ones(diff))
+        rows = (~(drift_sq < self._budget_sq)).nonzero().squeeze(1)  # NaN counts as drifted
         count = rows.numel()
         if count == 0:
             self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
@@ -245,10 +287,10 @@ class NWSWeight(nn.Module):
             self.full_search(weight)
             return
         sub = vec.index_select(0, rows)
-        res = nearest_two(sub, self.pool, self.chunk)
-        ref = sub.to(torch.float16)
+        res = nearest_two(sub, self._prepared(), self.chunk)
+        ref = sub.to(REF_DTYPE)
         self.indices.index_copy_(0, rows, res.index.to(self.indices.dtype))
-        self._radius.index_copy_(0, rows, _budget(res.radius, sub, ref))
+        self._budget_sq.index_copy_(0, rows, _budget_sq(res.radius, sub, ref))
         self._ref.index_copy_(0, rows, ref)
         self.stats = {"searched": count, "total": self.num_vectors, "exact_rows": res.exact_rows}
 
@@ -328,7 +370,7 @@ class NWSWeight(nn.Module):
         decay together); :meth:`reseed_unused` replaces them.
         """
         vec = self._vectors(weight).to(self.pool.dtype)
-        if self._ema is None:
+        if self._ema is None or self._ema[0].device != vec.device:
             self._ema = (torch.ones(self.pool_size, dtype=vec.dtype, device=vec.device), self.pool.detach().clone())
         count, total = self._ema
         count.mul_(decay).add_(torch.bincount(self.indices, minlength=self.pool_size).to(vec.dtype), alpha=1 - decay)

@@ -40,8 +40,9 @@ class TaskPack:
     """One task's indices and non-pool state.
 
     Attributes:
-        layers: layer table, one dict per NWS layer: ``name``, ``shape`` (weight
-            shape), ``groups``, ``vector_size``, ``pool_size``, ``bits``, ``count``.
+        layers: layer table, one dict per NWS layer: ``name``, ``pool`` (pool-set
+            key), ``shape`` (weight shape), ``groups``, ``vector_size``,
+            ``pool_size``, ``bits``, ``count``, ``role``.
         indices: layer name -> ``(count,)`` int64 chosen pool entries.
         state: state-dict key -> tensor, for everything no pool owns.
         pool_sha256: hash of the pool set the indices point into.
@@ -150,6 +151,7 @@ def extract_task(model: nn.Module, *, model_spec: str | None = None, meta: dict 
     table = [
         {
             "name": layer.name,
+            "pool": layer.name,  # key of this layer's pool in the pool set
             "shape": list(layer.nws.weight_shape),
             "groups": int(getattr(layer.module, "groups", 1)),
             "vector_size": layer.nws.vector_size,

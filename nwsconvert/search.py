@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["SearchResult", "brute_force", "nearest_two", "nearest_scalar", "scalar_cells", "DEFAULT_CHUNK"]
+__all__ = ["SearchResult", "PreparedPool", "brute_force", "nearest_two", "nearest_scalar", "scalar_cells", "DEFAULT_CHUNK"]
 
 #: Rows per ``addmm`` block. 2048 x 512 float32 distances = 4 MiB: fits in L2/L3
 #: caches on CPUs and is large enough to keep a GPU busy.
@@ -37,6 +38,43 @@ _U32 = 2.0**-24
 # by the caller (error << 1e-5 relative for vectors of <= 1024 elements) never
 # lets a row through that exact arithmetic would re-search.
 _RADIUS_SHRINK = 1.0 - 1e-4
+
+
+class PreparedPool:
+    """What the searches derive from a pool, computed once per pool version.
+
+    Args:
+        pool: ``(n, D)``.
+
+    Attributes:
+        pool: ``(n, D)`` float32. pool_t: ``(D, n)`` contiguous. pool_sq: ``(n,)``
+        squared norms. max_pool_sq: their maximum (a Python float).
+        For D = 1 also ``uniq`` (sorted distinct values, float64), ``rep`` (the
+        lowest index holding each) and the Voronoi cells ``lo``, ``hi`` (float64, ``(n,)``).
+    """
+
+    def __init__(self, pool: torch.Tensor):
+        self.pool = pool.detach().float()
+        self.pool_t = self.pool.t().contiguous()
+        self.pool_sq = (self.pool * self.pool).sum(dim=1)
+        self.max_pool_sq = float(self.pool_sq.max())
+        if self.pool.shape[1] == 1:
+            p = self.pool.reshape(-1).double()
+            order = torch.argsort(p, stable=True)  # equal values keep index order
+            sp = p[order]
+            first = torch.ones_like(sp, dtype=torch.bool)
+            first[1:] = sp[1:] != sp[:-1]
+            self.uniq, self.rep = sp[first], order[first]
+            inf = torch.full((1,), float("inf"), dtype=torch.float64, device=p.device)
+            mids = (self.uniq[1:] + self.uniq[:-1]) * 0.5  # exact for float32 neighbours
+            self.lo = torch.full_like(p, float("inf"))
+            self.hi = torch.full_like(p, float("-inf"))
+            self.lo[self.rep] = torch.cat([-inf, mids])
+            self.hi[self.rep] = torch.cat([mids, inf])
+
+
+def _prepared(pool) -> PreparedPool:
+    return pool if isinstance(pool, PreparedPool) else PreparedPool(pool)
 
 
 @dataclass
@@ -56,23 +94,24 @@ class SearchResult:
 
 
 def _exact_sq_dist(x: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """Float64 squared distances in a fixed accumulation order.
+    """Float64 squared distances, each computed from its own row and entry alone.
 
     Args:
         x: ``(b, D)`` vectors. pool: ``(n, D)``.
 
     Returns:
-        ``(b, n)`` float64. Each element is a sequence of correctly rounded
-        elementwise operations, so the value of ``(i, j)`` does not depend on
-        which other rows or columns are computed alongside it.
+        ``(b, n)`` float64 on ``x``'s device. Computed with NumPy: elementwise
+        differences and squares are correctly rounded, and the sum over the
+        contiguous last axis runs the same code for every element, so the value
+        of ``(i, j)`` does not depend on which other rows or entries are
+        computed alongside it. (NumPy also has a far smaller per-call cost than
+        torch for the few rows the fallback sees.)
     """
-    x = x.to(torch.float64)
-    pool = pool.to(torch.float64)
-    acc = torch.zeros(x.shape[0], pool.shape[0], dtype=torch.float64, device=x.device)
-    for d in range(x.shape[1]):
-        diff = x[:, d : d + 1] - pool[:, d].unsqueeze(0)
-        acc.add_(diff * diff)
-    return acc
+    xa = x.detach().to(torch.float64).cpu().numpy()
+    pa = pool.detach().to(torch.float64).cpu().numpy()
+    diff = xa[:, None, :] - pa[None, :, :]
+    np.square(diff, out=diff)
+    return torch.from_numpy(diff.sum(axis=2)).to(x.device)
 
 
 def brute_force(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = 256) -> torch.Tensor:
@@ -114,12 +153,12 @@ def _exact_two(x: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch
     return idx, radius
 
 
-def nearest_two(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> SearchResult:
+def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> SearchResult:
     """Exact nearest pool entry of every row, with a safe re-search radius.
 
     Args:
         vectors: ``(N, D)`` float32 (other float dtypes are cast to float32).
-        pool: ``(n, D)``, same device as ``vectors``.
+        pool: ``(n, D)`` tensor on ``vectors``' device, or its :class:`PreparedPool`.
         chunk: rows per ``addmm`` block; memory is ``chunk x n`` floats.
 
     Returns:
@@ -132,19 +171,18 @@ def nearest_two(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = DEFAULT_
         whose margin over the runner-up exceeds twice that is the true argmin;
         the rest go to the float64 fallback.
     """
-    if vectors.ndim != 2 or pool.ndim != 2 or vectors.shape[1] != pool.shape[1]:
+    prep = _prepared(pool)
+    pool = prep.pool
+    if vectors.ndim != 2 or vectors.shape[1] != pool.shape[1]:
         raise ValueError(f"vectors {tuple(vectors.shape)} and pool {tuple(pool.shape)} must be (N, D) and (n, D)")
     n, dim = pool.shape
     vectors = vectors.detach().float()
-    pool = pool.detach().float()
     num = vectors.shape[0]
     index = torch.empty(num, dtype=torch.int64, device=vectors.device)
     radius = torch.empty(num, dtype=torch.float64, device=vectors.device)
     if num == 0:
         return SearchResult(index, radius)
-    pool_sq = (pool * pool).sum(dim=1)
-    pool_t = pool.t().contiguous()
-    max_pool_sq = float(pool_sq.max())
+    pool_sq, pool_t, max_pool_sq = prep.pool_sq, prep.pool_t, prep.max_pool_sq
     err_scale = (dim + 4) * _U32 * 2.0
     exact_rows = 0
     for s in range(0, num, chunk):
@@ -176,24 +214,21 @@ def nearest_two(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = DEFAULT_
     return SearchResult(index, radius, exact_rows)
 
 
-def nearest_scalar(values: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+def nearest_scalar(values: torch.Tensor, pool) -> torch.Tensor:
     """Exact nearest entry of a scalar pool (D = 1), by sorting: ``O(N log n)``.
 
     Args:
-        values: ``(N,)`` or ``(N, 1)``. pool: ``(n,)`` or ``(n, 1)``.
+        values: ``(N,)`` or ``(N, 1)``.
+        pool: ``(n,)`` / ``(n, 1)`` tensor, or its :class:`PreparedPool`.
 
     Returns:
         ``(N,)`` int64, equal to :func:`brute_force`: each value's two sorted
         neighbours are compared with the same float64 squared distance, and
         ties (equal pool values, or a value exactly midway) go to the lowest index.
     """
+    prep = pool if isinstance(pool, PreparedPool) else PreparedPool(pool.reshape(-1, 1))
+    uniq, uidx = prep.uniq, prep.rep
     x = values.detach().reshape(-1).to(torch.float64)
-    p = pool.detach().reshape(-1).to(torch.float64)
-    order = torch.argsort(p, stable=True)  # equal values keep index order: first is the lowest index
-    sorted_p = p[order]
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    keep[1:] = sorted_p[1:] != sorted_p[:-1]
-    uniq, uidx = sorted_p[keep], order[keep]
     m = uniq.numel()
     right = torch.searchsorted(uniq, x).clamp_(max=m - 1)
     left = (right - 1).clamp_(min=0)
@@ -215,16 +250,5 @@ def scalar_cells(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         exact in float64, so the test is exact. Duplicate entries other than the
         lowest-index one get an empty cell (``lo = +inf``).
     """
-    p = pool.detach().reshape(-1).to(torch.float64)
-    order = torch.argsort(p, stable=True)
-    sp = p[order]
-    first = torch.ones_like(sp, dtype=torch.bool)
-    first[1:] = sp[1:] != sp[:-1]
-    uniq, rep = sp[first], order[first]
-    inf = torch.full((1,), float("inf"), dtype=torch.float64, device=p.device)
-    mids = (uniq[1:] + uniq[:-1]) * 0.5
-    lo = torch.full_like(p, float("inf"))
-    hi = torch.full_like(p, float("-inf"))
-    lo[rep] = torch.cat([-inf, mids])
-    hi[rep] = torch.cat([mids, inf])
-    return lo, hi
+    prep = PreparedPool(pool.reshape(-1, 1))
+    return prep.lo, prep.hi

@@ -23,7 +23,7 @@ from torch import nn
 
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .nwsmodel import _require, pool_set
-from .storage import FormatError, read_tensors, tensor_digest, write_tensors
+from .storage import FormatError, read_tensors, write_tensors
 
 __all__ = ["TaskPack", "PackMismatchError", "extract_task", "apply_task", "PACK_FORMAT", "PACK_VERSION"]
 
@@ -76,28 +76,23 @@ class TaskPack:
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the pack atomically. Returns the file's content SHA-256."""
-        tensors = self._tensors()
-        digest = tensor_digest(tensors)
-        header = {
-            "format": PACK_FORMAT,
-            "version": PACK_VERSION,
-            "sha256": digest,
-            "pool_sha256": self.pool_sha256,
-            "num_classes": self.num_classes,
-            "model_spec": self.model_spec,
-            "layers": self.layers,
-            "state_keys": list(self.state),
-            "meta": self.meta,
-        }
-        write_tensors(path, tensors, header)
-        return digest
+        return write_tensors(
+            path,
+            self._tensors(),
+            PACK_FORMAT,
+            PACK_VERSION,
+            pool_sha256=self.pool_sha256,
+            num_classes=self.num_classes,
+            model_spec=self.model_spec,
+            layers=self.layers,
+            state_keys=list(self.state),
+            meta=self.meta,
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TaskPack":
         """Read a pack file; truncated, corrupted or foreign files raise :class:`FormatError`."""
-        tensors, header = read_tensors(path, PACK_FORMAT)
-        if header.get("version", 0) > PACK_VERSION:
-            raise FormatError(f"{path}: task pack version {header['version']} is newer than this nwsconvert reads ({PACK_VERSION})")
+        tensors, header = read_tensors(path, PACK_FORMAT, PACK_VERSION)
         try:
             layers = header["layers"]
             indices = {}

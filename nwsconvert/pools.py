@@ -88,17 +88,12 @@ class PoolSet:
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the pool file atomically. Returns its SHA-256."""
-        digest = self.sha256
-        header = {"format": POOLSET_FORMAT, "version": POOLSET_VERSION, "sha256": digest, "layers": self.table()}
-        write_tensors(path, self.pools, header)
-        return digest
+        return write_tensors(path, self.pools, POOLSET_FORMAT, POOLSET_VERSION, layers=self.table())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "PoolSet":
         """Read a pool file; a truncated, corrupted or foreign file raises :class:`FormatError`."""
-        tensors, header = read_tensors(path, POOLSET_FORMAT)
-        if header.get("version", 0) > POOLSET_VERSION:
-            raise FormatError(f"{path}: pool file version {header['version']} is newer than this nwsconvert reads ({POOLSET_VERSION})")
+        tensors, header = read_tensors(path, POOLSET_FORMAT, POOLSET_VERSION)
         names = [row["name"] for row in header.get("layers", [])]
         missing = [n for n in names if n not in tensors]
         if missing:

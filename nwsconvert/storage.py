@@ -61,15 +61,21 @@ def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: dict) -> None:
-    """Save ``tensors`` and the JSON ``header`` as one safetensors file, atomically."""
+def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], kind: str, version: int, **fields) -> str:
+    """Save ``tensors`` with a JSON header as one safetensors file, atomically.
+
+    The header holds ``format`` (= ``kind``), ``version``, the content
+    ``sha256`` and ``fields``. Returns the SHA-256.
+    """
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    data = st_save(tensors, metadata={META_KEY: json.dumps(header, sort_keys=True)})
-    atomic_write_bytes(path, data)
+    digest = tensor_digest(tensors)
+    header = {"format": kind, "version": version, "sha256": digest, **fields}
+    atomic_write_bytes(path, st_save(tensors, metadata={META_KEY: json.dumps(header, sort_keys=True)}))
+    return digest
 
 
-def read_tensors(path: str | os.PathLike, kind: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """Load a file written by :func:`write_tensors` and check it is a ``kind`` file.
+def read_tensors(path: str | os.PathLike, kind: str, version: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """Load a file written by :func:`write_tensors`: a ``kind`` file of at most ``version``.
 
     Raises:
         FileNotFoundError: no such file.
@@ -92,6 +98,8 @@ def read_tensors(path: str | os.PathLike, kind: str) -> tuple[dict[str, torch.Te
         raise FormatError(f"{path}: not a {kind} file (no nwsconvert header: {e})") from None
     if header.get("format") != kind:
         raise FormatError(f"{path}: is a {header.get('format')!r} file, expected {kind!r}")
+    if header.get("version", 0) > version:
+        raise FormatError(f"{path}: {kind} version {header['version']} is newer than this nwsconvert reads ({version})")
     try:
         tensors = st_load(data)
     except (SafetensorError, RuntimeError, ValueError) as e:

@@ -121,6 +121,11 @@ def test_damaged_files_fail_clearly(saved):
         nc.TaskPack.load(tmp / "missing.nwspack")
     with pytest.raises(nc.FormatError):
         nc.PoolSet.load(tmp / "trunc")
+    from nwsconvert.storage import write_tensors
+
+    write_tensors(tmp / "future", {"x": torch.zeros(1)}, "nwsconvert.taskpack", 99)
+    with pytest.raises(nc.FormatError, match="version 99 is newer"):
+        nc.TaskPack.load(tmp / "future")
 
 
 def test_writes_are_atomic(saved, monkeypatch):

@@ -152,6 +152,7 @@ class NWSWeight(nn.Module):
         self._pool_seen = None
         self._ones_vec = None
         self._scalar_ready = False
+        self._w_seen = None
         self._cache = None
         self._cache_key = None
         self._last = None  # (key, weakref to K) of the last training forward, for the commitment loss
@@ -222,6 +223,7 @@ class NWSWeight(nn.Module):
         self._ref = None
         self._budget_sq = None
         self._scalar_ready = False
+        self._w_seen = None
 
     @torch.no_grad()
     def _update_scalar(self, weight: torch.Tensor) -> None:
@@ -266,9 +268,19 @@ class NWSWeight(nn.Module):
         reaches their safe radius are searched again (scalar pools: only
         values that left their entry's interval).
         """
+        if self._inputs_key(weight) == self._w_seen:  # W, pool and indices unchanged since the last update
+            self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
+            return
         if self.vector_size == 1:
             self._update_scalar(weight)
-            return
+        else:
+            self._update_vectors(weight)
+        self._w_seen = self._inputs_key(weight)
+
+    def _inputs_key(self, weight: torch.Tensor) -> tuple:
+        return (id(weight), weight._version, weight.device) + self._key()
+
+    def _update_vectors(self, weight: torch.Tensor) -> None:
         self._track_pool()
         if self._ref is None or self._ref.shape[0] != self.num_vectors or self._ref.device != weight.device:
             self.full_search(weight)

@@ -58,6 +58,7 @@ class PreparedPool:
         self.pool_t = self.pool.t().contiguous()
         self.pool_sq = (self.pool * self.pool).sum(dim=1)
         self.max_pool_sq = float(self.pool_sq.max())
+        self.pool64 = self.pool.double().cpu().numpy()  # for the float64 fallback
         if self.pool.shape[1] == 1:
             p = self.pool.reshape(-1).double()
             order = torch.argsort(p, stable=True)  # equal values keep index order
@@ -93,25 +94,24 @@ class SearchResult:
     exact_rows: int = 0
 
 
-def _exact_sq_dist(x: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+def _exact_sq_dist(x: torch.Tensor, pool) -> np.ndarray:
     """Float64 squared distances, each computed from its own row and entry alone.
 
     Args:
-        x: ``(b, D)`` vectors. pool: ``(n, D)``.
+        x: ``(b, D)`` vectors. pool: ``(n, D)`` tensor or float64 array.
 
     Returns:
-        ``(b, n)`` float64 on ``x``'s device. Computed with NumPy: elementwise
-        differences and squares are correctly rounded, and the sum over the
-        contiguous last axis runs the same code for every element, so the value
-        of ``(i, j)`` does not depend on which other rows or entries are
-        computed alongside it. (NumPy also has a far smaller per-call cost than
-        torch for the few rows the fallback sees.)
+        ``(b, n)`` float64 NumPy array. Elementwise differences and squares are
+        correctly rounded, and the sum over the contiguous last axis runs the
+        same code for every element, so the value of ``(i, j)`` does not depend
+        on which other rows or entries are computed alongside it. (NumPy also
+        has a far smaller per-call cost than torch for the few rows this sees.)
     """
     xa = x.detach().to(torch.float64).cpu().numpy()
-    pa = pool.detach().to(torch.float64).cpu().numpy()
+    pa = pool if isinstance(pool, np.ndarray) else pool.detach().to(torch.float64).cpu().numpy()
     diff = xa[:, None, :] - pa[None, :, :]
     np.square(diff, out=diff)
-    return torch.from_numpy(diff.sum(axis=2)).to(x.device)
+    return diff.sum(axis=2)
 
 
 def brute_force(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = 256) -> torch.Tensor:
@@ -127,30 +127,40 @@ def brute_force(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = 256) -> 
     """
     out = torch.empty(vectors.shape[0], dtype=torch.int64, device=vectors.device)
     for s in range(0, vectors.shape[0], chunk):
-        out[s : s + chunk] = _exact_sq_dist(vectors[s : s + chunk], pool).argmin(dim=1)
+        out[s : s + chunk] = torch.from_numpy(_exact_sq_dist(vectors[s : s + chunk], pool).argmin(axis=1))
     return out
 
 
-def _exact_two(x: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 fallback for rows that could not be certified.
+def _exact_two(x: torch.Tensor, pool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 search of a few rows: the definition itself, used where float32 cannot certify.
+
+    Args:
+        x: ``(b, D)``. pool: ``(n, D)`` tensor or float64 array.
 
     Returns:
-        ``(index, radius)``: ``(b,)`` int64 nearest entries and ``(b,)`` float64 radii.
+        ``(index, radius)``: ``(b,)`` int64 nearest entries and ``(b,)`` float64 radii,
+        on ``x``'s device.
     """
     dist = _exact_sq_dist(x, pool)
-    idx = dist.argmin(dim=1)
-    d1 = dist.gather(1, idx[:, None]).squeeze(1)
-    if pool.shape[0] > 1:
-        dist.scatter_(1, idx[:, None], float("inf"))
-        d2 = dist.min(dim=1).values
+    rows = np.arange(dist.shape[0])
+    idx = dist.argmin(axis=1)  # first minimum: lowest index on ties
+    d1 = dist[rows, idx]
+    if dist.shape[1] > 1:
+        dist[rows, idx] = np.inf
+        d2 = dist.min(axis=1)
     else:
-        d2 = torch.full_like(d1, float("inf"))
-    r1, r2 = d1.sqrt(), d2.sqrt()
+        d2 = np.full_like(d1, np.inf)
+    r1, r2 = np.sqrt(d1), np.sqrt(d2)
     radius = (r2 - r1) * 0.5
     # Float64 rounding of the distances is ~1e-16 relative: below 1e-12 of the
     # distance scale we call it a tie and always re-search.
-    radius = torch.where(radius > 1e-12 * (r2 + 1e-30), radius * _RADIUS_SHRINK, torch.zeros_like(radius))
-    return idx, radius
+    radius = np.where(radius > 1e-12 * (r2 + 1e-30), radius * _RADIUS_SHRINK, 0.0)
+    return torch.from_numpy(idx).to(x.device), torch.from_numpy(radius).to(x.device)
+
+
+#: Below this many rows (on CPU) the float64 definition is cheaper than the
+#: float32 search plus its certification.
+SMALL_BATCH = 64
 
 
 def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> SearchResult:
@@ -182,6 +192,9 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
     radius = torch.empty(num, dtype=torch.float64, device=vectors.device)
     if num == 0:
         return SearchResult(index, radius)
+    if num <= SMALL_BATCH and vectors.device.type == "cpu":
+        idx, rad = _exact_two(vectors, prep.pool64)
+        return SearchResult(idx, rad, num)
     pool_sq, pool_t, max_pool_sq = prep.pool_sq, prep.pool_t, prep.max_pool_sq
     err_scale = (dim + 4) * _U32 * 2.0
     exact_rows = 0
@@ -207,7 +220,7 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
         radius[s : s + x.shape[0]] = rad
         if not bool(certain.all()):
             rows = (~certain).nonzero().squeeze(1)
-            ex_idx, ex_rad = _exact_two(x[rows], pool)
+            ex_idx, ex_rad = _exact_two(x[rows], prep.pool64)
             index[s + rows] = ex_idx
             radius[s + rows] = ex_rad
             exact_rows += rows.numel()

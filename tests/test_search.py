@@ -36,12 +36,13 @@ def test_ties_go_to_the_lowest_index():
     base = torch.randn(20, 9, generator=g)
     pool = torch.cat([base, base, base[:5]])  # every vector present two or three times
     x = torch.cat([base, base[:5] + 1e-3, (base[:10] + base[10:20]) / 2])  # exact hits, near hits, midpoints
-    res = nearest_two(x, pool)
-    want = brute_force(x, pool)
-    assert torch.equal(res.index, want)
-    assert (res.index[:20] == torch.arange(20)).all()  # exact duplicates: lowest index
-    assert (res.radius[:20] == 0).all()  # ties have no safe radius
-    assert res.exact_rows >= 20  # ties were certified in float64
+    x = torch.cat([x, torch.randn(100, 9, generator=g)])  # > SMALL_BATCH rows: the float32 path
+    for rows in (x, x[:30]):  # float32 + certification, and the small-batch float64 path
+        res = nearest_two(rows, pool)
+        assert torch.equal(res.index, brute_force(rows, pool))
+        assert (res.index[:20] == torch.arange(20)).all()  # exact duplicates: lowest index
+        assert (res.radius[:20] == 0).all()  # ties have no safe radius
+        assert res.exact_rows >= 20  # ties were decided in float64
 
 
 def test_radius_is_safe():

@@ -149,16 +149,13 @@ class NWSWeight(nn.Module):
         self.register_buffer("_ref", None, persistent=False)
         self.register_buffer("_budget_sq", None, persistent=False)
         self.register_buffer("_pool_ref", None, persistent=False)
-        self._pool_seen = None
         self._ones_vec = None
         self._scalar_ready = False
-        self._w_seen = None
         self._cache = None
         self._cache_key = None
         self._last = None  # (key, weakref to K) of the last training forward, for the commitment loss
         self._ema = None
-        self._prep = None  # PreparedPool of the current pool version
-        self._prep_seen = None
+        self._prep = None  # PreparedPool of the current pool
         self.commitment_weight = 0.0  # > 0: commitment gradient fused into the backward
         self.chunk = DEFAULT_CHUNK
         self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
@@ -188,11 +185,15 @@ class NWSWeight(nn.Module):
         return weight.detach().reshape(self.num_vectors, self.vector_size)
 
     def _prepared(self) -> PreparedPool:
-        """Search tables of the current pool (rebuilt when the pool changes)."""
-        seen = (id(self.pool), self.pool._version, self.pool.device)
-        if seen != self._prep_seen:
-            self._prep = PreparedPool(self.pool)
-            self._prep_seen = seen
+        """Search tables of the current pool, rebuilt when its content changes.
+
+        Compared by value (n x D floats, cheap), not by version counter: edits
+        through ``.data`` do not bump the counter.
+        """
+        pool = self.pool.detach()
+        prep = self._prep
+        if prep is None or prep.pool.device != pool.device or not torch.equal(prep.pool, pool.float()):
+            self._prep = PreparedPool(pool)
         return self._prep
 
     def _key(self) -> tuple:
@@ -214,7 +215,6 @@ class NWSWeight(nn.Module):
             self._ref = vec.to(REF_DTYPE, copy=True)  # never an alias of W
             self._budget_sq = _budget_sq(res.radius, vec, self._ref)
             self._pool_ref = self.pool.detach().clone()
-            self._pool_seen = (id(self.pool), self.pool._version)
             exact_rows = res.exact_rows
         self.stats = {"searched": self.num_vectors, "total": self.num_vectors, "exact_rows": exact_rows}
 
@@ -223,7 +223,6 @@ class NWSWeight(nn.Module):
         self._ref = None
         self._budget_sq = None
         self._scalar_ready = False
-        self._w_seen = None
 
     @torch.no_grad()
     def _update_scalar(self, weight: torch.Tensor) -> None:
@@ -241,10 +240,11 @@ class NWSWeight(nn.Module):
 
     @torch.no_grad()
     def _track_pool(self) -> None:
-        """Take the largest pool-entry movement since the last look off every row's budget."""
-        seen = (id(self.pool), self.pool._version)
-        if seen == self._pool_seen:
-            return
+        """Take the largest pool-entry movement since the last look off every row's budget.
+
+        Measured by value at every update (n x D floats), so pool edits of any
+        kind, ``.data`` included, are accounted for.
+        """
         pool = self.pool.detach()
         if self._ref is None or self._pool_ref is None or self._pool_ref.shape != pool.shape:
             self.reset_search()  # the next update searches everything against the new pool
@@ -258,7 +258,6 @@ class NWSWeight(nn.Module):
             left = torch.where(self._budget_sq > 0, left, torch.full_like(left, -1.0))
             self._budget_sq = torch.where(left > 0, _round_down_f32(left * left), torch.full_like(left, -1.0).float())
         self._pool_ref.copy_(pool)
-        self._pool_seen = seen
 
     @torch.no_grad()
     def update_indices(self, weight: torch.Tensor) -> None:
@@ -268,17 +267,12 @@ class NWSWeight(nn.Module):
         reaches their safe radius are searched again (scalar pools: only
         values that left their entry's interval).
         """
-        if self._inputs_key(weight) == self._w_seen:  # W, pool and indices unchanged since the last update
-            self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
-            return
+        # W's version counter is not consulted to skip work: updates made through
+        # ``.data`` do not bump it, and a stale index would be a silent error.
         if self.vector_size == 1:
             self._update_scalar(weight)
         else:
             self._update_vectors(weight)
-        self._w_seen = self._inputs_key(weight)
-
-    def _inputs_key(self, weight: torch.Tensor) -> tuple:
-        return (id(weight), weight._version, weight.device) + self._key()
 
     def _update_vectors(self, weight: torch.Tensor) -> None:
         self._track_pool()
@@ -372,7 +366,6 @@ class NWSWeight(nn.Module):
         else:
             self.register_buffer("pool", data)
         self.mode = mode
-        self._pool_seen = None
 
     @torch.no_grad()
     def ema_update(self, weight: torch.Tensor, decay: float = 0.99) -> None:

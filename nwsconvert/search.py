@@ -54,7 +54,7 @@ class PreparedPool:
     """
 
     def __init__(self, pool: torch.Tensor):
-        self.pool = pool.detach().float()
+        self.pool = pool.detach().to(torch.float32, copy=True)  # a snapshot, never an alias
         self.pool_t = self.pool.t().contiguous()
         self.pool_sq = (self.pool * self.pool).sum(dim=1)
         self.max_pool_sq = float(self.pool_sq.max())

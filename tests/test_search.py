@@ -139,3 +139,24 @@ def test_whole_model_indices_equal_brute_force_after_training_steps():
     for layer in nc.nws_layers(model):
         want = brute_force(layer.weight.detach().reshape(-1, layer.nws.vector_size), layer.nws.pool)
         assert torch.equal(layer.nws.indices.long(), want), layer.name
+
+
+def test_updates_through_data_are_seen():
+    """Code that edits ``param.data`` (no version bump) still gets exact indices."""
+    g = torch.Generator().manual_seed(9)
+    w, nws = _layer(torch.randn(500, 9, generator=g) * 0.1, 9, 32)
+    for _ in range(5):
+        w.data.add_(torch.randn(w.shape, generator=g) * 0.05)
+        nws(w)
+        assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool))
+
+
+def test_pool_edits_through_data_are_seen():
+    g = torch.Generator().manual_seed(10)
+    for dim in (1, 9):
+        w, nws = _layer(torch.randn(500, dim, generator=g) * 0.1, dim, 32)
+        nws.set_mode("pool")
+        for _ in range(4):
+            nws.pool.data.add_(torch.randn(nws.pool.shape, generator=g) * 0.03)
+            nws(w)
+            assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool)), dim

@@ -146,9 +146,11 @@ class NWSWeight(nn.Module):
         # Lazy-search state (D > 1): each row's W at its last search, and the
         # squared distance it may still move before its nearest entry can change
         # (float32, rounded down, shrunk by pool movement; -1: search again).
-        self.register_buffer("_ref", None, persistent=False)
-        self.register_buffer("_budget_sq", None, persistent=False)
-        self.register_buffer("_pool_ref", None, persistent=False)
+        # Plain attributes, not buffers: .half() or .to() must not round them;
+        # after a device move the next update searches everything.
+        self._ref = None
+        self._budget_sq = None
+        self._pool_ref = None
         self._ones_vec = None
         self._scalar_ready = False
         self._cache = None
@@ -246,7 +248,7 @@ class NWSWeight(nn.Module):
         kind, ``.data`` included, are accounted for.
         """
         pool = self.pool.detach()
-        if self._ref is None or self._pool_ref is None or self._pool_ref.shape != pool.shape:
+        if self._ref is None or self._pool_ref is None or self._pool_ref.shape != pool.shape or self._pool_ref.device != pool.device:
             self.reset_search()  # the next update searches everything against the new pool
             return
         move = float((pool.float() - self._pool_ref.float()).norm(dim=1).max())

@@ -150,7 +150,6 @@ class NWSWeight(nn.Module):
         # after a device move the next update searches everything.
         self._ref = None
         self._budget_sq = None
-        self._pool_ref = None
         self._ones_vec = None
         self._scalar_ready = False
         self._cache = None
@@ -190,7 +189,9 @@ class NWSWeight(nn.Module):
         """Search tables of the current pool, rebuilt when its content changes.
 
         Compared by value (n x D floats, cheap), not by version counter: edits
-        through ``.data`` do not bump the counter.
+        through ``.data`` do not bump the counter. For D > 1 the snapshot is also
+        the reference :meth:`_track_pool` measures pool movement from, so it is
+        only rebuilt by ``_track_pool`` itself or right before a full search.
         """
         pool = self.pool.detach()
         prep = self._prep
@@ -216,7 +217,6 @@ class NWSWeight(nn.Module):
             self.indices.copy_(res.index)
             self._ref = vec.to(REF_DTYPE, copy=True)  # never an alias of W
             self._budget_sq = _budget_sq(res.radius, vec, self._ref)
-            self._pool_ref = self.pool.detach().clone()
             exact_rows = res.exact_rows
         self.stats = {"searched": self.num_vectors, "total": self.num_vectors, "exact_rows": exact_rows}
 
@@ -248,10 +248,11 @@ class NWSWeight(nn.Module):
         kind, ``.data`` included, are accounted for.
         """
         pool = self.pool.detach()
-        if self._ref is None or self._pool_ref is None or self._pool_ref.shape != pool.shape or self._pool_ref.device != pool.device:
+        seen = self._prep  # the pool as the budgets last accounted for it
+        if self._ref is None or seen is None or seen.pool.shape != pool.shape or seen.pool.device != pool.device:
             self.reset_search()  # the next update searches everything against the new pool
             return
-        move = float((pool.float() - self._pool_ref.float()).norm(dim=1).max())
+        move = float((pool.float() - seen.pool).norm(dim=1).max())
         if move > 0:
             # Every row's budget shrinks by the largest entry movement (1e-5
             # relative slack covers the float32 norm), computed in float64 and
@@ -259,7 +260,7 @@ class NWSWeight(nn.Module):
             left = self._budget_sq.double().clamp_min(0).sqrt() - move * (1 + 1e-5)
             left = torch.where(self._budget_sq > 0, left, torch.full_like(left, -1.0))
             self._budget_sq = torch.where(left > 0, _round_down_f32(left * left), torch.full_like(left, -1.0).float())
-        self._pool_ref.copy_(pool)
+            self._prep = PreparedPool(pool)
 
     @torch.no_grad()
     def update_indices(self, weight: torch.Tensor) -> None:

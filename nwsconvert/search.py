@@ -41,7 +41,7 @@ _RADIUS_SHRINK = 1.0 - 1e-4
 
 
 class PreparedPool:
-    """What the searches derive from a pool, computed once per pool version.
+    """What the searches derive from a pool: built once, reused until the pool's values change.
 
     Args:
         pool: ``(n, D)``.
@@ -239,7 +239,7 @@ def nearest_scalar(values: torch.Tensor, pool) -> torch.Tensor:
         neighbours are compared with the same float64 squared distance, and
         ties (equal pool values, or a value exactly midway) go to the lowest index.
     """
-    prep = pool if isinstance(pool, PreparedPool) else PreparedPool(pool.reshape(-1, 1))
+    prep = _prepared(pool if isinstance(pool, PreparedPool) else pool.reshape(-1, 1))
     uniq, uidx = prep.uniq, prep.rep
     x = values.detach().reshape(-1).to(torch.float64)
     m = uniq.numel()
@@ -263,5 +263,5 @@ def scalar_cells(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         exact in float64, so the test is exact. Duplicate entries other than the
         lowest-index one get an empty cell (``lo = +inf``).
     """
-    prep = PreparedPool(pool.reshape(-1, 1))
+    prep = _prepared(pool.reshape(-1, 1))
     return prep.lo, prep.hi

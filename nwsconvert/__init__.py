@@ -8,7 +8,9 @@
     nwsconvert.pool_set(model).save("pools.safetensors")
 """
 
+from .config import TrainConfig
 from .convert import ConversionError, NWSConverter, convert
+from .heads import find_head, resize_head
 from .layers import NWSWeight
 from .nwsmodel import (
     NWSLayer,
@@ -31,6 +33,9 @@ from .pools import PoolSet
 from .report import ConversionReport
 from .search import brute_force, nearest_two
 from .storage import FormatError
+from .trainer import Trainer, evaluate
+from .loading import load
+from .rundir import RunDir
 
 __version__ = "0.1.0"
 
@@ -62,4 +67,11 @@ __all__ = [
     "FormatError",
     "nearest_two",
     "brute_force",
+    "Trainer",
+    "TrainConfig",
+    "evaluate",
+    "load",
+    "RunDir",
+    "find_head",
+    "resize_head",
 ]

@@ -116,6 +116,16 @@ class NWSConverter:
         self.kmeans_iters = kmeans_iters
         self.report: ConversionReport | None = None
 
+    def options(self) -> dict:
+        """The options that decide layer geometry (JSON-able; pool sizes also come from a pool file)."""
+        return {
+            "pool_size": self.pool_size,
+            "group_size": self.group_size,
+            "skip": list(self.skip),
+            "layer_pool_size": dict(self.layer_pool_size or {}),
+            "layer_group_size": dict(self.layer_group_size or {}),
+        }
+
     def _pools_from_init(self) -> PoolSet | None:
         if isinstance(self.init, PoolSet):
             return self.init
@@ -138,7 +148,7 @@ class NWSConverter:
         given = self._pools_from_init()
         method = self.init if given is None else None
         gen = torch.Generator().manual_seed(self.seed)
-        report = ConversionReport(trace=info.path)
+        report = ConversionReport(trace=info.path, options=self.options())
         owners: dict[int, str] = {}
         for name, module in modules:
             weight = getattr(module, "weight", None)

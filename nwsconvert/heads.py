@@ -39,7 +39,7 @@ def find_head(model: nn.Module) -> tuple[str, nn.Module]:
     if callable(get):
         clf = get()
         for name, m in modules.items():
-            if m is clf and isinstance(getattr(m, "weight", None), torch.Tensor):
+            if m is clf and (parametrize.is_parametrized(m, "weight") or isinstance(getattr(m, "weight", None), torch.Tensor)):
                 return name, m
     linears = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear)]
     if linears:
@@ -47,9 +47,20 @@ def find_head(model: nn.Module) -> tuple[str, nn.Module]:
     raise ValueError(f"{type(model).__name__} has no classifier layer (no NWS head, get_classifier() or nn.Linear)")
 
 
+def _raw_weight(module: nn.Module) -> torch.Tensor:
+    """The stored weight tensor; for an NWS host its temporary weights W.
+
+    Reading ``module.weight`` of a parametrized host in training mode runs the
+    kernel search (indices follow W): shape queries must not do that.
+    """
+    if parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations.weight.original
+    return module.weight
+
+
 def head_classes(model: nn.Module) -> int:
     """Output classes of the head (dimension 0 of its weight)."""
-    return int(find_head(model)[1].weight.shape[0])
+    return int(_raw_weight(find_head(model)[1]).shape[0])
 
 
 def _new_rows(old: torch.Tensor, rows: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -86,7 +97,7 @@ def resize_head(model: nn.Module, num_classes: int, generator: torch.Generator |
     if num_classes < 1:
         raise ValueError(f"num_classes must be at least 1, got {num_classes}")
     name, head = find_head(model)
-    weight = head.weight
+    weight = _raw_weight(head)
     if weight.shape[0] == num_classes:
         return model
     if parametrize.is_parametrized(head, "weight"):
@@ -109,7 +120,7 @@ def resize_head(model: nn.Module, num_classes: int, generator: torch.Generator |
         keep = min(bias.shape[0], num_classes)
         parts = [bias.detach()[:keep]]
         if num_classes > keep:  # like nn.Linear: uniform in ±1/sqrt(fan_in) of the weight
-            bound = 1.0 / math.sqrt(head.weight[0].numel())
+            bound = 1.0 / math.sqrt(_raw_weight(head)[0].numel())
             extra = torch.empty(num_classes - keep).uniform_(-bound, bound, generator=generator)
             parts.append(extra.to(device=bias.device, dtype=bias.dtype))
         head.bias = nn.Parameter(torch.cat(parts).clone(), requires_grad=bias.requires_grad)

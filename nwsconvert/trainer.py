@@ -317,11 +317,11 @@ class Trainer:
             if val is not None:
                 ev = evaluate(model, self._loader(val, cfg, False, 0), device=self.device, amp=cfg.amp)
                 record.update(val_acc=ev["acc"], val_loss=ev["loss"])
-            self._log(record)
             if self.dist.is_main and ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs):
                 save_checkpoint(
                     self.run.checkpoint_path, model, optimizer, stage=stage, epoch=epoch + 1, num_classes=head_classes(model)
                 )
+            self._log(record)  # after the checkpoint: a logged epoch can always be resumed from
             self.dist.barrier()
         set_commitment(model, 0.0)
         return record

@@ -1,0 +1,106 @@
+"""nws-train / nws-info as a user runs them: help, errors, YAML, a killed run resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import nwsconvert
+from nwsconvert import RunDir, TaskPack
+from nwsconvert.cli import info_main, resolve_job, train_main
+
+FAST = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "progress=false"]
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "nwsconvert.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_every_key(capsys):
+    with pytest.raises(SystemExit) as e:
+        train_main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for key in ("suite=NAME", "suite.OPTION", "model=SPEC", "pool_size", "group_size", "recipe", "--resume", "out=DIR", "milestones", "task_init", "torchrun"):
+        assert key in out
+    with pytest.raises(SystemExit):
+        info_main(["--help"])
+    assert "--json" in capsys.readouterr().out
+
+
+def test_yaml_config_and_overrides(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("model: torchvision:resnet18\nepochs: 7\nmilestones: [3, 5]\nsuite_options: {path: /data/c100}\n")
+    job = resolve_job([str(cfg), "epochs=9", "suite.train_per_class=5", "model.drop_rate=0.1"])
+    assert job["model"] == "torchvision:resnet18" and job["epochs"] == 9 and job["milestones"] == [3, 5]
+    assert job["suite_options"] == {"path": "/data/c100", "train_per_class": 5} and job["model_kwargs"] == {"drop_rate": 0.1}
+    with pytest.raises(SystemExit, match="unknown key 'epoch'"):
+        resolve_job(["epoch=3"])
+    with pytest.raises(SystemExit, match="neither key=value nor an existing YAML"):
+        resolve_job(["missing.yaml"])
+
+
+def test_clear_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="torchvision classifiers take 3"):
+        train_main(["model=torchvision:resnet18", f"out={tmp_path / 'x'}"])
+    with pytest.raises(SystemExit, match="timm has no model 'resnet_nope'"):
+        train_main(["model=timm:resnet_nope", f"out={tmp_path / 'y'}"])
+    with pytest.raises(SystemExit, match="known suites"):
+        train_main(["suite=nope", f"out={tmp_path / 'z'}"])
+    with pytest.raises(SystemExit, match="cannot resume"):
+        train_main(["--resume", f"out={tmp_path / 'none'}"])
+    assert info_main([str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_killed_run_resumes_without_losing_tasks(tmp_path):
+    out = tmp_path / "run"
+    args = [*FAST, "epochs=4", "tasks=3", f"out={out}"]
+    proc = subprocess.Popen([sys.executable, "-m", "nwsconvert.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = RunDir(out)
+    deadline = time.time() + 300
+    try:
+        # Kill with SIGKILL once task 0 is finished and task 1 has checkpointed an epoch (so mid-epoch 2).
+        while time.time() < deadline and proc.poll() is None:
+            log = run.read_log()
+            if any(r.get("stage") == "task:1" and r.get("epoch") == 1 and "event" not in r for r in log):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run finished before it could be killed:\n" + proc.stdout.read()
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    manifest = run.read()
+    assert [t["id"] for t in manifest["tasks"]] == [0]
+    sha0 = manifest["tasks"][0]["sha256"]
+    assert TaskPack.load(out / manifest["tasks"][0]["file"])  # intact
+
+    done = _cli("--resume", f"out={out}")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    manifest = run.read()
+    assert [t["id"] for t in manifest["tasks"]] == [0, 1, 2]
+    assert manifest["tasks"][0]["sha256"] == sha0
+    assert all(t["metrics"]["rebuilt_acc"] == t["metrics"]["val_acc"] for t in manifest["tasks"])
+    resumed = [r for r in run.read_log() if r.get("event") == "resumed"]
+    assert resumed and resumed[0]["stage"] == "task:1" and resumed[0]["epoch"] >= 1
+    for t in range(3):
+        nwsconvert.load(out, task=t)
+
+    info = subprocess.run([sys.executable, "-c", "from nwsconvert.cli import info_main; info_main()", str(out), "--json"], capture_output=True, text=True)
+    summary = json.loads(info.stdout)
+    assert [r["id"] for r in summary["tasks"]] == [0, 1, 2]
+    pack = TaskPack.load(out / manifest["tasks"][1]["file"])
+    row = summary["tasks"][1]
+    assert row["indices"] + row["state"] + row["head"] == pack.index_bytes + pack.state_bytes == row["total"]
+    assert summary["total"]["nws_bytes"] == summary["pools_bytes"] + sum(r["total"] for r in summary["tasks"])
+    assert summary["total"]["avg_acc"] == pytest.approx(sum(r["acc"] for r in summary["tasks"]) / 3)
+    again = _cli("--resume", f"out={out}")  # nothing left to do: every stage is skipped
+    assert again.returncode == 0 and run.read()["tasks"] == manifest["tasks"]
+    fresh = _cli(*args)
+    assert fresh.returncode != 0 and "already holds a run" in fresh.stderr

@@ -20,6 +20,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/accuracy.py --suite split-mnist
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,8 +1,12 @@
-"""nwsconvert.export: deployment of NWS run directories (pool file, index packs, ONNX, onnxruntime).
+"""nwsconvert.export: deployment bundles, ONNX graphs with Gather reconstruction, onnxruntime runtime.
 
-The core (``nwsconvert``) never imports this package. Its contents arrive with
-the export issue; task packs and pool files are already readable with
-:class:`nwsconvert.TaskPack` and :class:`nwsconvert.PoolSet`.
+    nwsconvert.export.export_bundle("runs/mnist", tasks="all", onnx=True)   # = nws-export --task all --onnx
+    rt = nwsconvert.export.Runtime("runs/mnist/export")
+    rt.predict(task=2, images, k=3)
 """
 
-__all__: list[str] = []
+from .bundle import StaleBundleError, export_bundle
+from .onnx_graph import export_onnx
+from .runtime import Runtime
+
+__all__ = ["export_bundle", "export_onnx", "Runtime", "StaleBundleError"]

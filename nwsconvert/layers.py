@@ -158,6 +158,7 @@ class NWSWeight(nn.Module):
         self._ema = None
         self._prep = None  # PreparedPool of the current pool
         self.commitment_weight = 0.0  # > 0: commitment gradient fused into the backward
+        self.export_gather = False  # True while exporting to ONNX (see nwsconvert.export)
         self.chunk = DEFAULT_CHUNK
         self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
         self.full_search(weight)
@@ -309,6 +310,9 @@ class NWSWeight(nn.Module):
         return self.pool.detach().index_select(0, self.indices).view(self.weight_shape)
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.export_gather:
+            # ONNX export: Reshape(Gather(pool, Cast(indices))) stays in the traced graph.
+            return self.pool.index_select(0, self.indices.to(torch.int64)).view(self.weight_shape)
         if self.training:
             self.update_indices(weight)
             k = _GatherSTE.apply(weight, self.pool, self.indices, self._fused_scale())

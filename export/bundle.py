@@ -1,0 +1,97 @@
+"""Deployment bundles: the shared pool file, index packs and ONNX graphs of a run's tasks.
+
+Layout of a bundle folder::
+
+    pools.safetensors    the run's pool set, written once; ONNX graphs read it as external data
+    task_<t>.nwspack     the task's index pack (for PyTorch: nwsconvert.load / apply_task)
+    task_<t>.onnx        the task's graph (with --onnx): Reshape(Gather(pool, Cast(indices)))
+    bundle.json          pool-set hash, data geometry, tasks (name, classes, files)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from nwsconvert import PoolSet, RunDir, TaskPack
+from nwsconvert.loading import build_task_model
+from nwsconvert.storage import atomic_write_bytes
+
+from .onnx_graph import export_onnx
+
+__all__ = ["export_bundle", "StaleBundleError", "BUNDLE_FORMAT"]
+
+BUNDLE_FORMAT = "nwsconvert.bundle"
+
+
+class StaleBundleError(ValueError):
+    """The output folder holds a bundle built on another pool set."""
+
+
+def export_bundle(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, tasks="all", *, onnx: bool = False) -> dict:
+    """Write (or extend) the deployment bundle of ``tasks`` of a run.
+
+    Args:
+        run_dir: a run directory.
+        out_dir: bundle folder (default ``RUN/export``).
+        tasks: ``"all"``, a task id or a list of ids.
+        onnx: also write ``task_<t>.onnx``.
+
+    Returns:
+        The bundle description (also written as ``bundle.json``).
+
+    Raises:
+        KeyError: a task the run has not finished (the message lists the finished ones).
+        StaleBundleError: ``out_dir`` holds a bundle of another pool set.
+    """
+    run = RunDir(run_dir)
+    manifest = run.read()
+    out = Path(out_dir) if out_dir is not None else run.path / "export"
+    finished = [e["id"] for e in manifest.get("tasks", [])]
+    ids = finished if tasks == "all" else [tasks] if isinstance(tasks, int) else list(tasks)
+    entries = [run.task_entry(manifest, t) for t in ids]
+    pool_sha = manifest["pools"]["sha256"]
+    desc_path = out / "bundle.json"
+    desc = {"format": BUNDLE_FORMAT, "version": 1, "pool_sha256": pool_sha, "model": manifest["model"], "data": {k: v for k, v in manifest.get("data", {}).items() if k != "job"}, "tasks": {}}
+    if desc_path.is_file():
+        old = json.loads(desc_path.read_text())
+        if old.get("pool_sha256") != pool_sha:
+            raise StaleBundleError(
+                f"{out} holds a bundle of pool set {str(old.get('pool_sha256'))[:12]}..., this run has {pool_sha[:12]}...: "
+                "choose another --out or delete the old bundle"
+            )
+        desc["tasks"] = old.get("tasks", {})
+    out.mkdir(parents=True, exist_ok=True)
+    pool_dst = out / "pools.safetensors"
+    if not pool_dst.is_file() or PoolSet.load(pool_dst).sha256 != pool_sha:
+        tmp = out / ".pools.safetensors.tmp"
+        shutil.copyfile(run.pool_path, tmp)
+        os.replace(tmp, pool_dst)
+    pools = PoolSet.load(pool_dst)
+    data = manifest.get("data", {})
+    for entry in entries:
+        t = entry["id"]
+        pack_dst = out / f"task_{t}.nwspack"
+        atomic_write_bytes(pack_dst, (run.path / entry["file"]).read_bytes())
+        row = {"name": entry["name"], "num_classes": entry["num_classes"], "class_names": entry.get("class_names"), "pack": pack_dst.name, "pack_bytes": pack_dst.stat().st_size}
+        if onnx:
+            model = build_task_model(manifest["model"], pools, TaskPack.load(pack_dst)).eval()
+            shape = (data.get("channels", 3), *(data.get("input_size") or [224, 224]))
+            meta = {
+                "nwsconvert.task": t,
+                "nwsconvert.task_name": entry["name"],
+                "nwsconvert.class_names": entry.get("class_names") or [str(i) for i in range(entry["num_classes"])],
+                "nwsconvert.mean": data.get("mean"),
+                "nwsconvert.std": data.get("std"),
+                "nwsconvert.input_size": list(shape),
+                "nwsconvert.pool_sha256": pool_sha,
+                "nwsconvert.model": manifest["model"]["spec"],
+            }
+            info = export_onnx(model, out / f"task_{t}.onnx", pool_dst, input_shape=shape, metadata=meta)
+            row.update(onnx=f"task_{t}.onnx", onnx_bytes=info["bytes"], index_dtype=info["index_dtype"], gather_nodes=info["gather_nodes"])
+        desc["tasks"][str(t)] = row
+    desc["pool_bytes"] = pool_dst.stat().st_size
+    atomic_write_bytes(desc_path, (json.dumps(desc, indent=2) + "\n").encode())
+    return desc

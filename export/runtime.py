@@ -1,0 +1,127 @@
+"""onnxruntime deployment of a bundle, with fast task switching.
+
+    rt = nwsconvert.export.Runtime("runs/mnist/export")     # CUDA when present, else CPU
+    logits = rt.run(task=2, images)                         # (B, C, H, W) float32, normalised
+    rt.predict(task=2, images, k=3)                          # [[(class name, probability), ...], ...]
+
+The pool file is memory-mapped once; its tensors are handed to every task's
+session as shared initializers (``SessionOptions.add_initializer``), so a task
+switch costs one session creation (indices + small tensors), never a re-read
+of the pools. Sessions are cached, least recently used first out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from .onnx_graph import safetensors_offsets
+
+__all__ = ["Runtime"]
+
+
+def _gpu_present() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch is a dependency
+        return False
+
+
+class Runtime:
+    """Sessions over one bundle.
+
+    Args:
+        bundle: a folder written by ``nws-export --onnx``.
+        device: ``auto`` (CUDA when onnxruntime-gpu and a GPU are present), ``cuda`` or ``cpu``.
+        max_sessions: sessions kept (LRU).
+        threads: intra-op threads of the CPU provider (``None``: onnxruntime's default).
+
+    Attributes:
+        providers: the providers requested; ``session(task).get_providers()`` says what runs.
+    """
+
+    def __init__(self, bundle: str | os.PathLike, device: str = "auto", max_sessions: int = 4, threads: int | None = None):
+        import onnxruntime as ort
+
+        self.ort = ort
+        self.path = Path(bundle)
+        desc_path = self.path / "bundle.json"
+        if not desc_path.is_file():
+            raise FileNotFoundError(f"{self.path} is not a bundle: no bundle.json (write one with nws-export --onnx)")
+        self.desc = json.loads(desc_path.read_text())
+        if device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
+        gpu = device != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers() and _gpu_present()
+        if device == "cuda" and not gpu:
+            warnings.warn("CUDA requested but onnxruntime-gpu or a GPU is missing: running on CPU", stacklevel=2)
+        if gpu and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()  # CUDA / cuDNN from torch's nvidia wheels
+        self.requested_cuda = device == "cuda" or gpu
+        self.providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if gpu else ["CPUExecutionProvider"]
+        self.threads = threads
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[int, object] = OrderedDict()
+        # The pool file, mapped once and shared by every session.
+        pool_file = self.path / "pools.safetensors"
+        self._pools = {}
+        for name, (offset, length, dtype, shape) in safetensors_offsets(pool_file).items():
+            arr = np.memmap(pool_file, dtype=np.float32, mode="r", offset=offset, shape=tuple(shape))
+            self._pools[f"pool/{name}"] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
+        self.last_switch_seconds = None
+
+    @property
+    def tasks(self) -> list[int]:
+        return sorted(int(t) for t, row in self.desc["tasks"].items() if "onnx" in row)
+
+    def class_names(self, task: int) -> list[str]:
+        return self._row(task).get("class_names") or [str(i) for i in range(self._row(task)["num_classes"])]
+
+    def _row(self, task: int) -> dict:
+        row = self.desc["tasks"].get(str(task))
+        if row is None or "onnx" not in row:
+            raise KeyError(f"bundle {self.path} has no ONNX graph for task {task}; tasks with graphs: {self.tasks}")
+        return row
+
+    def session(self, task: int):
+        """The task's session (created on first use, then cached)."""
+        if task in self._sessions:
+            self._sessions.move_to_end(task)
+            return self._sessions[task]
+        row = self._row(task)
+        opts = self.ort.SessionOptions()
+        opts.log_severity_level = 3
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        for name, value in self._pools.items():
+            opts.add_initializer(name, value)
+        tic = time.perf_counter()
+        sess = self.ort.InferenceSession(str(self.path / row["onnx"]), sess_options=opts, providers=self.providers)
+        self.last_switch_seconds = time.perf_counter() - tic
+        if self.requested_cuda and "CUDAExecutionProvider" not in sess.get_providers():
+            warnings.warn(f"task {task}: the CUDA provider was requested but the session runs on {sess.get_providers()}", stacklevel=2)
+        self._sessions[task] = sess
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return sess
+
+    def run(self, task: int, images) -> np.ndarray:
+        """Logits ``(B, num_classes)`` for ``images`` ``(B, C, H, W)`` (normalised as the bundle's metadata says)."""
+        x = np.ascontiguousarray(np.asarray(images, dtype=np.float32))
+        return self.session(task).run(None, {"input": x})[0]
+
+    def predict(self, task: int, images, k: int = 1) -> list[list[tuple[str, float]]]:
+        """Top-``k`` ``(class name, probability)`` per image."""
+        logits = self.run(task, images)
+        e = np.exp(logits - logits.max(1, keepdims=True))
+        prob = e / e.sum(1, keepdims=True)
+        names = self.class_names(task)
+        top = np.argsort(-prob, 1)[:, :k]
+        return [[(names[j], float(prob[i, j])) for j in row] for i, row in enumerate(top)]

@@ -1,0 +1,95 @@
+"""Bundles, ONNX graphs with Gather reconstruction, onnxruntime parity and task switching."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import nwsconvert
+from nwsconvert import Trainer, nws_layers
+from nwsconvert.export import Runtime, StaleBundleError, export_bundle
+from nwsconvert.export.cli import export_main, infer_main
+
+from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("exp") / "run"
+    trainer = Trainer(tiny_model(), out, tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS,
+                      data_info={"channels": 1, "input_size": [16, 16], "mean": [0.5], "std": [0.25]}, progress=False)
+    for t, classes in enumerate((3, 2)):
+        trainer.fit_task(t, blobs(32, classes, 10 + t), blobs(16, classes, 20 + t), classes, name=f"t{t}", class_names=[f"c{i}" for i in range(classes)])
+    return out
+
+
+def test_bundle_files_and_graph_structure(run, tmp_path):
+    desc = export_bundle(run, tmp_path / "b", "all", onnx=True)
+    model = nwsconvert.load(run, task=1)
+    layers = nws_layers(model)
+    proto = onnx.load(str(tmp_path / "b" / "task_1.onnx"), load_external_data=False)
+    gathers = [n for n in proto.graph.node if n.op_type == "Gather"]
+    pools = [t for t in proto.graph.initializer if t.name.startswith("pool/")]
+    assert len(pools) == len(layers) and all(t.data_location == onnx.TensorProto.EXTERNAL for t in pools)
+    assert {e.value for t in pools for e in t.external_data if e.key == "location"} == {"pools.safetensors"}
+    assert len([g for g in gathers if g.input[0].startswith("pool/")]) == len(layers)
+    idx = {t.name: t for t in proto.graph.initializer if t.name.startswith("indices/")}
+    assert len(idx) == len(layers) and all(t.data_type == onnx.TensorProto.UINT16 for t in idx.values())
+    # File size is what the uint16 indices predict (+ small tensors), far below the dense weights.
+    index_bytes = 2 * sum(l.nws.num_vectors for l in layers)
+    dense_bytes = 4 * sum(l.weight.numel() for l in layers)
+    size = (tmp_path / "b" / "task_1.onnx").stat().st_size
+    pack = nwsconvert.TaskPack.load(tmp_path / "b" / "task_1.nwspack")
+    assert index_bytes <= size <= index_bytes + 4 * pack.state_bytes + 64_000
+    assert size < dense_bytes
+    onnx.checker.check_model(str(tmp_path / "b" / "task_1.onnx"))
+    assert proto.ir_version == 10 and proto.opset_import[0].version == 17
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert json.loads(meta["nwsconvert.class_names"]) == ["c0", "c1"] and json.loads(meta["nwsconvert.mean"]) == [0.5]
+    assert json.loads(meta["nwsconvert.input_size"]) == [1, 16, 16]
+    assert desc["tasks"]["1"]["gather_nodes"] == len(layers)
+
+
+def test_onnxruntime_matches_pytorch_and_switches_tasks(run, tmp_path):
+    export_bundle(run, tmp_path / "b", "all", onnx=True)
+    rt = Runtime(tmp_path / "b", device="cpu", max_sessions=1)
+    x = torch.randn(5, 1, 16, 16)
+    for t in (0, 1):
+        with torch.no_grad():
+            ref = nwsconvert.load(run, task=t)(x).numpy()
+        y = rt.run(t, x.numpy())
+        # fp32: onnxruntime fuses BatchNorm into the convolution at load and sums in
+        # another order; logits here are O(1), so 1e-4 absolute is ~1000 ulp of slack.
+        np.testing.assert_allclose(y, ref, atol=1e-4, rtol=1e-4)
+        assert (y.argmax(1) == ref.argmax(1)).all()
+        assert rt.run(t, x[:1].numpy()).shape == (1, ref.shape[1])  # dynamic batch
+    assert list(rt._sessions) == [1]  # LRU bound
+    assert rt.session(1).get_providers() == ["CPUExecutionProvider"]
+    top = rt.predict(0, x.numpy(), k=2)
+    assert len(top) == 5 and {n for n, _ in top[0]} <= {"c0", "c1", "c2"}
+    with pytest.raises(KeyError, match="tasks with graphs"):
+        rt.run(9, x.numpy())
+
+
+def test_stale_bundle_and_cli_errors(run, tmp_path, capsys):
+    export_bundle(run, tmp_path / "b", 0)
+    desc = json.loads((tmp_path / "b" / "bundle.json").read_text())
+    assert not (tmp_path / "b" / "task_0.onnx").exists() and "onnx" not in desc["tasks"]["0"]
+    desc["pool_sha256"] = "0" * 64
+    (tmp_path / "b" / "bundle.json").write_text(json.dumps(desc))
+    with pytest.raises(StaleBundleError, match="another --out"):
+        export_bundle(run, tmp_path / "b", 0)
+    assert export_main(["--run", str(run), "--task", "5", "--out", str(tmp_path / "c")]) == 2
+    assert "finished tasks: [0, 1]" in capsys.readouterr().err
+    assert export_main(["--run", str(tmp_path / "nope"), "--task", "0"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert export_main(["--run", str(run), "--task", "1", "--onnx", "--out", str(tmp_path / "d")]) == 0
+    assert infer_main(["--bundle", str(tmp_path / "d"), "--task", "1", "--bench", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "latency" in out and "task switch" in out
+    with pytest.raises(SystemExit):
+        export_main(["--help"])

@@ -87,7 +87,6 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[1993, 1994, 1995])
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    torch.set_num_threads(torch.get_num_threads())
     job = resolve_job([f"suite={args.suite}", "progress=false", *args.items])
     rows = []
     for seed in args.seeds:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -50,13 +51,10 @@ def export_main(argv: list[str] | None = None) -> int:
 
 def _load_images(paths: list[str], runtime, task: int):
     import numpy as np
+    import onnx
     from PIL import Image
 
-    import onnx
-
     meta = {p.key: p.value for p in onnx.load(str(runtime.path / runtime._row(task)["onnx"]), load_external_data=False).metadata_props}
-    import json
-
     c, h, w = json.loads(meta["nwsconvert.input_size"])
     mean = np.array(json.loads(meta["nwsconvert.mean"]) or [0.0] * c, dtype=np.float32)[:, None, None]
     std = np.array(json.loads(meta["nwsconvert.std"]) or [1.0] * c, dtype=np.float32)[:, None, None]

@@ -24,6 +24,7 @@ import json
 import os
 import struct
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from nwsconvert import nws_layers
+from nwsconvert.storage import atomic_write_bytes
 
 __all__ = ["export_onnx", "safetensors_offsets", "OPSET", "IR_VERSION"]
 
@@ -86,8 +88,6 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
     try:
         with tempfile.TemporaryDirectory() as tmp:
             raw = Path(tmp) / "raw.onnx"
-            import warnings
-
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch.onnx.export(
@@ -110,6 +110,7 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
     pools = {layer.name: layer.nws.pool.detach().cpu().float().numpy() for layer in layers}
     offsets = safetensors_offsets(pool_file)
     consumers = _consumers(graph)
+    producers = {out: n for n in graph.node for out in n.output}
     gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in inits]
     renamed: dict[str, str] = {}
     found = 0
@@ -141,7 +142,7 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
                 entry = t.external_data.add()
                 entry.key, entry.value = key, value
         # Indices: the Cast the exporter wrote reads an int32 initializer; store it compactly.
-        cast = next((n for n in graph.node if n.output and n.output[0] == node.input[1]), None)
+        cast = producers.get(node.input[1])
         src = cast.input[0] if cast is not None and cast.op_type == "Cast" else node.input[1]
         if src in inits:
             idx = numpy_helper.to_array(inits[src]).astype(np.int64)
@@ -169,8 +170,6 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value if isinstance(value, str) else json.dumps(value)
     data = proto.SerializeToString()
-    from nwsconvert.storage import atomic_write_bytes
-
     atomic_write_bytes(out_path, data)
     onnx.checker.check_model(str(out_path))
     return {"gather_nodes": found, "index_dtype": index_dtype, "bytes": len(data)}

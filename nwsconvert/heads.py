@@ -106,13 +106,7 @@ def resize_head(model: nn.Module, num_classes: int, generator: torch.Generator |
         old = plist.original
         new = _resized(old, num_classes, generator)
         plist.original = nn.Parameter(new, requires_grad=old.requires_grad)
-        nws.weight_shape = tuple(new.shape)
-        nws.num_vectors = new.numel() // nws.vector_size
-        nws.indices = torch.zeros(nws.num_vectors, dtype=nws.indices.dtype, device=nws.indices.device)
-        nws.invalidate_cache()
-        nws.reset_search()
-        nws._last = None
-        nws.full_search(new)
+        nws.resize(new)
     else:
         head.weight = nn.Parameter(_resized(weight, num_classes, generator), requires_grad=weight.requires_grad)
     bias = getattr(head, "bias", None)

@@ -221,6 +221,23 @@ class NWSWeight(nn.Module):
             exact_rows = res.exact_rows
         self.stats = {"searched": self.num_vectors, "total": self.num_vectors, "exact_rows": exact_rows}
 
+    @torch.no_grad()
+    def resize(self, weight: torch.Tensor) -> None:
+        """Follow a new weight shape (a resized head): new index table, fresh search; the pool is kept.
+
+        Args:
+            weight: the new temporary weights; ``weight.numel()`` must be a multiple of D.
+        """
+        if weight.numel() % self.vector_size:
+            raise ValueError(f"weight of shape {tuple(weight.shape)} does not split into vectors of {self.vector_size}")
+        self.weight_shape = tuple(weight.shape)
+        self.num_vectors = weight.numel() // self.vector_size
+        self.indices = torch.zeros(self.num_vectors, dtype=self.indices.dtype, device=self.indices.device)
+        self.invalidate_cache()
+        self.reset_search()
+        self._last = None
+        self.full_search(weight)
+
     def reset_search(self) -> None:
         """Forget the lazy-search state: the next training forward searches every kernel."""
         self._ref = None

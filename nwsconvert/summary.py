@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 
-from .bitpack import packed_size
 from .packs import TaskPack
 from .report import format_bytes
 from .rundir import RunDir
@@ -22,7 +21,7 @@ __all__ = ["run_summary", "format_summary"]
 
 def _task_costs(pack: TaskPack) -> dict:
     heads = {r["name"] for r in pack.layers if r["role"] == "head"}
-    index_head = sum(packed_size(r["count"], r["bits"]) for r in pack.layers if r["name"] in heads)
+    index_head = sum(b for name, b in pack.layer_index_bytes().items() if name in heads)
     state_head = sum(t.numel() * t.element_size() for k, t in pack.state.items() if k.rsplit(".", 1)[0] in heads)
     dense_weights = sum(4 * math.prod(r["shape"]) for r in pack.layers)
     return {

@@ -4,6 +4,8 @@ Layout of a bundle folder::
 
     pools.safetensors    the run's pool set, written once; ONNX graphs read it as external data
     task_<t>.nwspack     the task's index pack (for PyTorch: nwsconvert.load / apply_task)
+                         (a pack delta-coded against task 0 finds task_0.nwspack beside it:
+                         the bundle always carries the base a pack needs)
     task_<t>.onnx        the task's graph (with --onnx): Reshape(Gather(pool, Cast(indices)))
     bundle.json          pool-set hash, data geometry, tasks (name, classes, files)
 """
@@ -74,10 +76,15 @@ def export_bundle(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None 
     for entry in entries:
         t = entry["id"]
         pack_dst = out / f"task_{t}.nwspack"
+        src = TaskPack.load(run.path / entry["file"])  # checks the file (and finds its base)
+        if src.base is not None:  # delta-coded: the bundle needs the base file under its name
+            base_dst = out / src.base.source.name
+            if base_dst != pack_dst and (not base_dst.is_file() or TaskPack.load(base_dst).sha256 != src.base.sha256):
+                atomic_write_bytes(base_dst, src.base.source.read_bytes())
         atomic_write_bytes(pack_dst, (run.path / entry["file"]).read_bytes())
         row = {"name": entry["name"], "num_classes": entry["num_classes"], "class_names": entry.get("class_names"), "pack": pack_dst.name, "pack_bytes": pack_dst.stat().st_size}
         if onnx:
-            model = build_task_model(manifest["model"], pools, TaskPack.load(pack_dst)).eval()
+            model = build_task_model(manifest["model"], pools, src).eval()
             shape = (data.get("channels", 3), *(data.get("input_size") or [224, 224]))
             meta = {
                 "nwsconvert.task": t,

@@ -2,33 +2,50 @@
 
 A task pack holds, for one task:
 
-* every NWS layer's indices, bit-packed at ``ceil(log2 n)`` bits;
+* every NWS layer's indices, in the smallest of four codings
+  (:mod:`nwsconvert.indexcode`): fixed width at ``ceil(log2 n)`` bits, static
+  rANS over the layer's index histogram, or the changes against a *base*
+  task's indices (fixed width or rANS);
 * every other parameter and buffer of the model that no pool owns (BatchNorm
   affine parameters and running statistics, biases, LayerNorm, layer scale,
   dense-left layers...), so the task round-trips completely;
 * the class count of the head, the model spec, and the SHA-256 of the pool set
   it was built on.
 
-File: safetensors (``indices/<layer>`` uint8, ``state/<key>``) with a JSON
-header (format version, layer table, pool-set hash, model spec, content hash).
+File: safetensors (``indices/<layer>``, ``table/<layer>``, ``values/<layer>``,
+``values_table/<layer>`` uint8 as the coding needs, ``state/<key>``) with a
+JSON header (format version, layer table with each layer's coding, pool-set
+hash, model spec, content hash, and the base pack's hash when a layer is
+delta-coded). Version 1 files (fixed width only) are read as before.
+
+A delta-coded pack decodes from the pool set, its base and itself: a base is
+never delta-coded itself, so no chain is longer than one step. The header names
+the base's file and hash; :meth:`TaskPack.load` looks for it next to the pack,
+then one folder up. Trainer runs code task 0 on its own and every later task
+against task 0 (stored anyway, so the base costs nothing extra; task t starts
+from task t-1's kernels, so most positions keep task 0's choice).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from .bitpack import pack_bits, packed_size, unpack_bits
+from .indexcode import CODINGS, EncodedLayer, decode_indices, encode_indices
 from .nwsmodel import _require, pool_set
-from .storage import FormatError, read_tensors, write_tensors
+from .storage import FormatError, read_tensors, tensor_digest, write_tensors
 
 __all__ = ["TaskPack", "PackMismatchError", "extract_task", "apply_task", "PACK_FORMAT", "PACK_VERSION"]
 
 PACK_FORMAT = "nwsconvert.taskpack"
-PACK_VERSION = 1
+PACK_VERSION = 2
+BASE_FILE = "base.nwspack"  # the base's file name when it was never saved under another
+_SUFFIXES = ("indices", "table", "values", "values_table")
 
 
 class PackMismatchError(ValueError):
@@ -49,6 +66,10 @@ class TaskPack:
         num_classes: output classes of the head, when the model has one.
         model_spec: e.g. ``timm:resnet18``; informative.
         meta: free JSON-able metadata (task name, metrics...).
+        base: the pack whose indices delta codings refer to (saved or loaded,
+            so that it has a ``sha256``; never itself delta-coded), or ``None``.
+        sha256: content hash, once the pack was saved or loaded.
+        source: the file it was last saved to or loaded from.
     """
 
     layers: list[dict]
@@ -58,10 +79,50 @@ class TaskPack:
     num_classes: int | None = None
     model_spec: str | None = None
     meta: dict = field(default_factory=dict)
+    base: "TaskPack | None" = field(default=None, repr=False, compare=False)
+    sha256: str | None = field(default=None, compare=False)
+    base_sha256: str | None = field(default=None, compare=False)
+    source: Path | None = field(default=None, repr=False, compare=False)
+    _encoded: dict | None = field(default=None, init=False, repr=False, compare=False)
+
+    def content_sha256(self) -> str:
+        """SHA-256 of the decoded indices and the state, whatever coding a file uses."""
+        return tensor_digest({**{f"indices/{k}": v for k, v in self.indices.items()}, **{f"state/{k}": v for k, v in self.state.items()}})
+
+    def encode(self, codings=CODINGS) -> dict[str, EncodedLayer]:
+        """Layer name -> the smallest allowed coding of its indices (delta codings against ``base``)."""
+        base = self._checked_base() if any(c.startswith("delta") for c in codings) else None
+        out = {}
+        for r in self.layers:
+            ref = base.indices.get(r["name"]) if base is not None else None
+            if ref is not None and not _same_layer(r, base):
+                ref = None
+            out[r["name"]] = encode_indices(self.indices[r["name"]], r["pool_size"], r["bits"], ref, codings)
+        return out
+
+    def _checked_base(self) -> "TaskPack | None":
+        base = self.base
+        if base is None:
+            return None
+        if base.sha256 is None:
+            raise ValueError("the base pack must be saved (or loaded) before a pack is delta-coded against it")
+        if base.base_sha256 is not None:
+            raise ValueError("the base pack is delta-coded itself: a task must decode from its base in one step")
+        if base.pool_sha256 != self.pool_sha256:
+            raise PackMismatchError(f"base pack is on pool set {base.pool_sha256[:12]}..., this pack on {self.pool_sha256[:12]}...")
+        return base
 
     def layer_index_bytes(self) -> dict[str, int]:
-        """Layer name -> bytes its indices take in the pack file."""
-        return {r["name"]: packed_size(r["count"], r["bits"]) for r in self.layers}
+        """Layer name -> bytes its indices take in the pack file (as saved or loaded; else as :meth:`save` would write)."""
+        if self._encoded is None:
+            self._encoded = self.encode()
+        return {name: e.nbytes for name, e in self._encoded.items()}
+
+    def layer_codings(self) -> dict[str, str]:
+        """Layer name -> coding of its indices (see :mod:`nwsconvert.indexcode`)."""
+        if self._encoded is None:
+            self._encoded = self.encode()
+        return {name: e.coding for name, e in self._encoded.items()}
 
     @property
     def index_bytes(self) -> int:
@@ -73,44 +134,84 @@ class TaskPack:
         """Bytes of the non-pool tensors (BatchNorm statistics, biases, ...)."""
         return sum(t.numel() * t.element_size() for t in self.state.values())
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"indices/{r['name']}": pack_bits(self.indices[r["name"]], r["bits"]) for r in self.layers}
-        out.update({f"state/{k}": v.detach().cpu() for k, v in self.state.items()})
-        return out
+    def save(self, path: str | os.PathLike, codings=CODINGS) -> str:
+        """Write the pack atomically, each layer in its smallest allowed coding.
 
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the pack atomically. Returns the file's content SHA-256."""
-        return write_tensors(
+        Args:
+            path: the ``.nwspack`` file.
+            codings: codings allowed (default all; ``("bits",)`` writes the paper's
+                fixed 9-bit indices).
+
+        Returns:
+            The file's content SHA-256.
+        """
+        encoded = self.encode(codings)
+        tensors = {f"{suffix}/{name}": t for name, e in encoded.items() for suffix, t in e.tensors.items()}
+        tensors.update({f"state/{k}": v.detach().cpu() for k, v in self.state.items()})
+        rows = []
+        for r in self.layers:
+            e = encoded[r["name"]]
+            rows.append({**r, "coding": e.coding, **({"changes": e.changes} if e.changes is not None else {})})
+        delta = any(e.coding.startswith("delta") for e in encoded.values())
+        base_file = self.base.source.name if delta and self.base.source is not None else BASE_FILE
+        base = {"sha256": self.base.sha256, "file": base_file} if delta else None
+        self.sha256 = write_tensors(
             path,
-            self._tensors(),
+            tensors,
             PACK_FORMAT,
             PACK_VERSION,
             pool_sha256=self.pool_sha256,
             num_classes=self.num_classes,
             model_spec=self.model_spec,
-            layers=self.layers,
+            layers=rows,
             state_keys=list(self.state),
             meta=self.meta,
+            **({"base": base} if base else {}),
         )
+        self._encoded = encoded
+        self.base_sha256 = base["sha256"] if base else None
+        self.source = Path(path)
+        return self.sha256
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "TaskPack":
-        """Read a pack file; truncated, corrupted or foreign files raise :class:`FormatError`."""
+    def load(cls, path: str | os.PathLike, base: "TaskPack | str | os.PathLike | None" = None) -> "TaskPack":
+        """Read a pack file.
+
+        Args:
+            path: the ``.nwspack`` file.
+            base: for a delta-coded pack, its base (a pack or a path). By default
+                ``base.nwspack`` is looked up next to ``path``, then in its parent
+                folder (a run directory keeps task packs in ``tasks/``).
+
+        Raises:
+            FormatError: truncated, corrupted or foreign file; a delta-coded pack
+                whose base is missing or is not the one it was coded against.
+        """
+        path = Path(path)
         tensors, header = read_tensors(path, PACK_FORMAT, PACK_VERSION)
+        base_info = header.get("base")
+        base_pack = _find_base(path, base_info, base) if base_info else None
         try:
-            layers = header["layers"]
-            indices = {}
-            for r in layers:
-                idx = unpack_bits(tensors[f"indices/{r['name']}"], r["bits"], r["count"])
-                if idx.numel() and int(idx.max()) >= r["pool_size"]:
-                    raise FormatError(f"{path}: layer {r['name']!r} has an index >= its pool size {r['pool_size']}")
-                indices[r["name"]] = idx
+            layers, indices, encoded = [], {}, {}
+            for row in header["layers"]:
+                r = {k: v for k, v in row.items() if k not in ("coding", "changes")}
+                name = r["name"]
+                e = EncodedLayer(
+                    row.get("coding", "bits"),
+                    {s: tensors[f"{s}/{name}"] for s in _SUFFIXES if f"{s}/{name}" in tensors},
+                    row.get("changes"),
+                )
+                ref = base_pack.indices.get(name) if base_pack is not None and _same_layer(r, base_pack) else None
+                idx = decode_indices(e, r["count"], r["pool_size"], r["bits"], ref)
+                layers.append(r)
+                indices[name] = idx
+                encoded[name] = e
             state = {k: tensors[f"state/{k}"] for k in header["state_keys"]}
         except (KeyError, ValueError) as e:
             if isinstance(e, FormatError):
                 raise
             raise FormatError(f"{path}: inconsistent task pack ({type(e).__name__}: {e})") from None
-        return cls(
+        pack = cls(
             layers=layers,
             indices=indices,
             state=state,
@@ -118,7 +219,44 @@ class TaskPack:
             num_classes=header.get("num_classes"),
             model_spec=header.get("model_spec"),
             meta=header.get("meta") or {},
+            base=base_pack,
+            sha256=header.get("sha256"),
+            base_sha256=base_info["sha256"] if base_info else None,
+            source=path,
         )
+        pack._encoded = encoded
+        return pack
+
+
+def _same_layer(row: dict, base: TaskPack) -> bool:
+    """Whether ``base`` has the layer of ``row`` with the same index count and pool size."""
+    other = next((r for r in base.layers if r["name"] == row["name"]), None)
+    return other is not None and other["count"] == row["count"] and other["pool_size"] == row["pool_size"]
+
+
+@functools.lru_cache(maxsize=4)
+def _load_base(path: str, mtime_ns: int, size: int) -> TaskPack:
+    """Bases are shared by many packs: decode each file version once (read-only use)."""
+    return TaskPack.load(path)
+
+
+def _find_base(path: Path, info: dict, given) -> TaskPack:
+    want = info["sha256"]
+    if isinstance(given, TaskPack):
+        if given.sha256 != want:
+            raise FormatError(f"{path}: coded against base pack {want[:12]}..., the base given is {str(given.sha256)[:12]}...")
+        return given
+    candidates = [Path(given)] if given is not None else [path.parent / info.get("file", BASE_FILE), path.parent.parent / info.get("file", BASE_FILE)]
+    seen = []
+    for c in candidates:
+        if c.is_file():
+            st = c.stat()
+            base = _load_base(str(c.resolve()), st.st_mtime_ns, st.st_size)
+            if base.sha256 == want:
+                return base
+            seen.append(f"{c} is {str(base.sha256)[:12]}...")
+    where = "; ".join(seen) if seen else f"no {info.get('file', BASE_FILE)} at {' or '.join(str(c) for c in candidates)}"
+    raise FormatError(f"{path}: indices are stored as changes against base pack {want[:12]}... ({where}); pass base= or keep the base beside the pack")
 
 
 def _nws_keys(model: nn.Module) -> set[str]:

@@ -21,6 +21,8 @@ from safetensors.torch import save as st_save
 __all__ = ["FormatError", "atomic_write_bytes", "write_tensors", "read_tensors", "tensor_digest"]
 
 META_KEY = "nwsconvert"
+_UMASK = os.umask(0)  # read once: files get the permissions open() would give (mkstemp makes them 0600)
+os.umask(_UMASK)
 
 
 class FormatError(ValueError):
@@ -37,6 +39,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if hasattr(os, "fchmod"):  # POSIX
+            os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -48,7 +48,7 @@ from .nwsmodel import (
 from .packs import TaskPack, apply_task, extract_task, model_spec_of
 from .pools import PoolSet
 from .rundir import RunDir, library_versions
-from .storage import read_tensors, tensor_digest, write_tensors
+from .storage import read_tensors, write_tensors
 
 __all__ = ["Trainer", "evaluate", "pool_usage"]
 
@@ -477,11 +477,14 @@ class Trainer:
         ev = evaluate(model, self._loader(val, self.config, False, 0), device=self.device, amp=self.config.amp)
         meta = {"task": task, "name": name or f"task_{task}", "class_names": class_names}
         pack = extract_task(model, model_spec=self.manifest["model"]["spec"], meta=meta)
-        digests = gather_strings(tensor_digest(pack._tensors()), self.dist)
+        digests = gather_strings(pack.content_sha256(), self.dist)
         if len(set(digests)) != 1:
             raise RuntimeError(f"task {task}: ranks ended with different indices or state (pack digests {digests})")
         path = self.run.pack_path(task)
         if self.dist.is_main:
+            first = next((e for e in self.manifest["tasks"] if e["id"] == 0), None)
+            if task != 0 and first is not None:  # store what changed against task 0 (see nwsconvert.packs)
+                pack.base = TaskPack.load(self.run.path / first["file"])
             sha = pack.save(path)
         self.dist.barrier()
         rebuilt = self._rebuild(path)

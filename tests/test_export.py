@@ -52,6 +52,15 @@ def test_bundle_files_and_graph_structure(run, tmp_path):
     assert json.loads(meta["nwsconvert.class_names"]) == ["c0", "c1"] and json.loads(meta["nwsconvert.mean"]) == [0.5]
     assert json.loads(meta["nwsconvert.input_size"]) == [1, 16, 16]
     assert desc["tasks"]["1"]["gather_nodes"] == len(layers)
+    # Task 1 stores what changed against task 0; a bundle of task 1 alone carries task 0's
+    # pack as its base, and the pack read from the bundle decodes to the run's indices.
+    run_pack = nwsconvert.TaskPack.load(run / "tasks" / "task_1.nwspack")
+    assert any(c.startswith("delta") for c in run_pack.layer_codings().values())
+    assert run_pack.base.source.name == "task_0.nwspack"
+    export_bundle(run, tmp_path / "only1", 1)
+    alone = nwsconvert.TaskPack.load(tmp_path / "only1" / "task_1.nwspack")
+    assert (tmp_path / "only1" / "task_0.nwspack").is_file()
+    assert alone.content_sha256() == run_pack.content_sha256() == pack.content_sha256()
 
 
 def test_onnxruntime_matches_pytorch_and_switches_tasks(run, tmp_path):

@@ -39,6 +39,10 @@ TORCHVISION_KWARGS = {
 
 INPUT_SIZE = {"inception_v3": 80, "timm:inception_v3": 80}
 
+# ONNX export: timm's VGG head pools adaptively to 7x7, which the exporter only
+# supports when the feature map size is a multiple of 7 (224 input: 7x7 features).
+EXPORT_INPUT_SIZE = {"timm:vgg11": 224}
+
 TIMM_MODELS = [
     "resnet18", "resnet18d", "resnet26t", "seresnet18", "resnext26ts", "regnetx_002", "regnety_002",
     "mobilenetv2_050", "mobilenetv3_small_050", "efficientnet_b0", "tf_efficientnet_b0", "efficientnet_lite0",
@@ -71,3 +75,7 @@ def build(spec: str, num_classes: int = 10):
 
 def input_size(spec: str) -> int:
     return INPUT_SIZE.get(spec, INPUT_SIZE.get(spec.split(":", 1)[1], 64))
+
+
+def export_input_size(spec: str) -> int:
+    return EXPORT_INPUT_SIZE.get(spec, input_size(spec))

@@ -1,0 +1,152 @@
+"""Total memory in the paper's accounting: pool set + per-task packs, beside one dense model per task.
+
+For each architecture and task sequence the model is converted (512-entry
+pools, the paper's setting), every task's head is resized to its class count,
+and the task's pack is measured: indices (fixed 9 bits per kernel: sizes need
+no data) plus every tensor no pool owns (BatchNorm weights, biases and running
+statistics, the head's bias). Dense finetune keeps one float32 model per task.
+The paper's reported totals are printed beside ours.
+
+``--run RUN`` adds a trained run's real packs: their bytes as stored (the
+smallest index coding per layer, see ``nwsconvert.indexcode``) beside the same
+packs at 9 bits, and the order-0 entropy of their indices.
+
+    python benchmarks/memory.py --run runs/demo --json memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+import nwsconvert as nc
+from nwsconvert.entropy import entropy_bits
+from nwsconvert.report import format_bytes
+
+MB = 1e6  # the paper's MB
+
+SEQUENCES = {
+    "split-cifar100": [5] * 20,  # 20 tasks x 5 classes, 32x32
+    "cub-to-sketches": [200, 196, 102, 195, 250],  # CUB, Cars, Flowers, WikiArt, Sketch
+}
+
+# Paper, Tables 1-3 (total MB). Finetune is one full model per task.
+PAPER = {
+    ("resnet18", "split-cifar100"): {"NWS": 33.9, "Finetune": 892.0, "KSM": 192.5, "PackNet": 55.2, "AQD": 52.7},
+    ("resnet18", "cub-to-sketches"): {"NWS": 9.9, "Finetune": 223.0, "KSM": 76.9, "PackNet": 56.0, "AQD": 13.7},
+    ("resnet34", "split-cifar100"): {"NWS": 59.6, "Finetune": 1628.0},
+    ("vgg16", "split-cifar100"): {"NWS": 28.0, "Finetune": 1124.0},
+    ("mobilenet_v2", "split-cifar100"): {"NWS": 52.6, "Finetune": 272.0},
+}
+
+
+def cifar_vgg16(num_classes: int) -> nn.Module:
+    """VGG-16 (BN) as used on 32x32 inputs: the 13 convolutions, then one 512 -> classes layer.
+
+    The paper's Finetune-VGG16 figure (1,124 MB / 20 tasks = 56 MB, 14.7M weights)
+    matches this shape, not ImageNet VGG-16's 4096-wide classifier (138M weights).
+    """
+    vgg = torchvision.models.vgg16_bn(num_classes=num_classes)
+    return nn.Sequential(vgg.features, nn.Flatten(), nn.Linear(512, num_classes))
+
+
+ARCHS = {
+    "resnet18": (lambda c: torchvision.models.resnet18(num_classes=c), {}),
+    "resnet34": (lambda c: torchvision.models.resnet34(num_classes=c), {}),
+    "mobilenet_v2": (lambda c: torchvision.models.mobilenet_v2(num_classes=c), {}),
+    "mobilenet_v2 (1x1 groups of 4)": (lambda c: torchvision.models.mobilenet_v2(num_classes=c), {"group_size": 4}),
+    "vgg16": (cifar_vgg16, {}),
+}
+
+
+def dense_bytes(model: nn.Module) -> int:
+    """float32 bytes of every parameter and floating-point buffer (one finetuned model)."""
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+    return 4 * sum(t.numel() for t in tensors)
+
+
+@torch.no_grad()
+def measure(arch: str, classes: list[int], pool_size: int = 512) -> dict:
+    build, options = ARCHS[arch]
+    torch.manual_seed(0)
+    model = nc.convert(build(classes[0]), pool_size=pool_size, init="random", **options)
+    pools = nc.pool_set(model).nbytes
+    tasks = []
+    for c in classes:
+        nc.resize_head(model, c)
+        pack = nc.extract_task(model)
+        index = sum(math.ceil(r["count"] * r["bits"] / 8) for r in pack.layers)
+        dense = dense_bytes(nc.materialize(model))
+        tasks.append({"classes": c, "indices": index, "state": pack.state_bytes, "nws": index + pack.state_bytes, "dense": dense})
+    nws = pools + sum(t["nws"] for t in tasks)
+    dense = sum(t["dense"] for t in tasks)
+    return {"arch": arch, "options": options, "pool_bytes": pools, "tasks": tasks, "nws_total": nws, "dense_total": dense, "per_task_mean": (nws - pools) / len(tasks)}
+
+
+def measure_run(run: str) -> dict:
+    """Real packs of a trained run: stored bytes, 9-bit bytes, order-0 entropy of the indices."""
+    r = nc.RunDir(run)
+    manifest = r.read()
+    rows = []
+    for entry in sorted(manifest["tasks"], key=lambda e: e["id"]):
+        pack = nc.TaskPack.load(r.path / entry["file"])
+        nine = sum(math.ceil(l["count"] * l["bits"] / 8) for l in pack.layers)
+        h0 = sum(entropy_bits(pack.indices[l["name"]].numpy()) for l in pack.layers) / 8
+        codings: dict[str, int] = {}
+        for c in pack.layer_codings().values():
+            codings[c] = codings.get(c, 0) + 1
+        rows.append({"task": entry["id"], "classes": entry["num_classes"], "kernels": sum(l["count"] for l in pack.layers), "stored_indices": pack.index_bytes, "nine_bit_indices": nine, "order0_entropy": h0, "state": pack.state_bytes, "file": (r.path / entry["file"]).stat().st_size, "codings": codings, "acc": entry["metrics"]["val_acc"]})
+    return {"run": run, "model": manifest["model"]["spec"], "suite": manifest["data"].get("suite"), "pool_bytes": manifest["pools"]["bytes"], "tasks": rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--archs", nargs="*", default=list(ARCHS), help=f"default: all of {list(ARCHS)}")
+    p.add_argument("--run", help="a trained run directory: add its real packs")
+    p.add_argument("--json", help="write the figures here")
+    a = p.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    out = {"sequences": SEQUENCES, "results": []}
+    print("| model | tasks | pool set | per task (mean) | NWS total | dense finetune total | ratio | paper NWS | paper others |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for arch in a.archs:
+        for seq, classes in SEQUENCES.items():
+            if seq == "cub-to-sketches" and arch not in ("resnet18",):
+                continue  # the paper reports the other architectures on Split-CIFAR-100 only
+            m = measure(arch, classes)
+            m["sequence"] = seq
+            paper = PAPER.get((arch, seq), {})
+            m["paper_mb"] = paper
+            out["results"].append(m)
+            others = ", ".join(f"{k} {v:g}" for k, v in paper.items() if k != "NWS")
+            print(
+                f"| {arch} | {seq} ({len(classes)}) | {m['pool_bytes'] / MB:.2f} MB | {m['per_task_mean'] / MB:.2f} MB | "
+                f"{m['nws_total'] / MB:.1f} MB | {m['dense_total'] / MB:.1f} MB | {m['dense_total'] / m['nws_total']:.1f}x | "
+                f"{paper.get('NWS', '-')} | {others or '-'} |",
+                flush=True,
+            )
+    if a.run:
+        run = measure_run(a.run)
+        out["run"] = run
+        print(f"\nreal packs of {a.run} ({run['model']}, {run['suite']}), pools {format_bytes(run['pool_bytes'])}:")
+        print("| task | classes | kernels | indices stored | at 9 bits | order-0 entropy | stored / entropy | BN/state | file | codings |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for t in run["tasks"]:
+            print(
+                f"| {t['task']} | {t['classes']} | {t['kernels']:,} | {format_bytes(t['stored_indices'])} | {format_bytes(t['nine_bit_indices'])} | "
+                f"{format_bytes(t['order0_entropy'])} | {t['stored_indices'] / t['order0_entropy']:.3f} | {format_bytes(t['state'])} | {format_bytes(t['file'])} | {t['codings']} |"
+            )
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

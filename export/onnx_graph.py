@@ -10,8 +10,12 @@ weight). Then, with ``onnx``:
   raw little-endian tensors, so ONNX can address them by offset): every task
   graph shares that one file, and a task's ``.onnx`` holds only its indices
   and small tensors;
-* each index initializer is stored as uint16 (pools of at most 65,536 entries;
-  int32 otherwise) followed by ``Cast(to=INT64)``: Gather takes int32/int64 only;
+* each layer's indices are stored at ``ceil(log2 n)`` bits and unpacked in the
+  graph (:func:`index_nodes`): pools of up to 256 entries as uint8 + Cast;
+  up to 65,536 entries (the paper's 512: 9 bits) as a uint8 low byte plus the
+  high bits as packed bit planes, rebuilt with BitShift / Mod / Mul / ReduceSum;
+  larger pools as int32. onnxruntime folds all of it, like the Gather, once at
+  session creation, so inference runs the dense graph;
 * the input's normalisation, size, class names, task and pool-set hash are
   stored as metadata; the batch dimension is dynamic.
 
@@ -35,7 +39,7 @@ from onnx import TensorProto, helper, numpy_helper
 from nwsconvert import nws_layers
 from nwsconvert.storage import atomic_write_bytes
 
-__all__ = ["export_onnx", "safetensors_offsets", "OPSET", "IR_VERSION"]
+__all__ = ["export_onnx", "index_nodes", "safetensors_offsets", "OPSET", "IR_VERSION"]
 
 OPSET = 17
 IR_VERSION = 10
@@ -53,6 +57,62 @@ def safetensors_offsets(path: str | os.PathLike) -> dict[str, tuple[int, int, st
         start, end = info["data_offsets"]
         out[name] = (8 + n + start, end - start, info["dtype"], info["shape"])
     return out
+
+
+def index_nodes(name: str, indices: np.ndarray, pool_size: int) -> tuple[list, list, str, str]:
+    """Initializers and nodes that rebuild ``indices`` as int64 inside an ONNX graph.
+
+    Args:
+        name: prefix of the new tensors (``indices/<layer>``).
+        indices: ``(N,)`` integers in ``[0, pool_size)``.
+        pool_size: ``n``; the stored width is ``ceil(log2 n)`` bits.
+
+    Returns:
+        ``(initializers, nodes, output name, storage)``; ``storage`` is ``uint8``,
+        ``uint8+<k>bit`` (low byte + k packed high-bit planes) or ``int32``.
+        Bytes stored: N (<= 256 entries), N + k * ceil(N / 8) (<= 65,536), 4N beyond.
+    """
+    idx = np.asarray(indices, dtype=np.int64).ravel()
+    count = idx.size
+    out = f"{name}/int64"
+    bits = max(1, int(np.ceil(np.log2(pool_size))))
+    if bits <= 8:
+        init = numpy_helper.from_array(idx.astype(np.uint8), name)
+        return [init], [helper.make_node("Cast", [name], [out], to=TensorProto.INT64, name=f"{name}/cast")], out, "uint8"
+    if bits > 16:
+        init = numpy_helper.from_array(idx.astype(np.int32), name)
+        return [init], [helper.make_node("Cast", [name], [out], to=TensorProto.INT64, name=f"{name}/cast")], out, "int32"
+    high = bits - 8
+    planes = ((idx[None, :] >> (8 + np.arange(high)[:, None])) & 1).astype(np.uint8)  # (high, N)
+    packed = np.packbits(planes, axis=1, bitorder="little")  # (high, ceil(N / 8))
+    c = lambda suffix, value: numpy_helper.from_array(np.asarray(value), f"{name}/{suffix}")  # noqa: E731
+    inits = [
+        numpy_helper.from_array((idx & 0xFF).astype(np.uint8), f"{name}/low"),
+        numpy_helper.from_array(packed, f"{name}/high"),
+        c("axis2", np.array([2], np.int64)),
+        c("shifts", np.arange(8, dtype=np.uint8)),
+        c("two", np.array(2, np.uint8)),
+        c("shape", np.array([high, 8 * packed.shape[1]], np.int64)),
+        c("start", np.array([0], np.int64)),
+        c("end", np.array([count], np.int64)),
+        c("axis1", np.array([1], np.int64)),
+        c("weights", (np.int64(1) << (8 + np.arange(high, dtype=np.int64)))[:, None]),
+        c("axis0", np.array([0], np.int64)),
+    ]
+    n = lambda op, ins, outs, **kw: helper.make_node(op, [f"{name}/{i}" for i in ins], [f"{name}/{o}" for o in outs], name=f"{name}/{outs[0]}_{op}", **kw)  # noqa: E731
+    nodes = [
+        n("Unsqueeze", ["high", "axis2"], ["h3"]),  # (high, M, 1)
+        n("BitShift", ["h3", "shifts"], ["shifted"], direction="RIGHT"),  # (high, M, 8)
+        n("Mod", ["shifted", "two"], ["bit"]),
+        n("Reshape", ["bit", "shape"], ["flat"]),  # (high, 8M), bit i of plane j at [j, i]
+        n("Slice", ["flat", "start", "end", "axis1"], ["planes"]),  # (high, N)
+        n("Cast", ["planes"], ["planes64"], to=TensorProto.INT64),
+        n("Mul", ["planes64", "weights"], ["scaled"]),
+        n("ReduceSum", ["scaled", "axis0"], ["hi"], keepdims=0),  # (N,)
+        n("Cast", ["low"], ["low64"], to=TensorProto.INT64),
+        helper.make_node("Add", [f"{name}/low64", f"{name}/hi"], [out], name=f"{name}/add"),
+    ]
+    return inits, nodes, out, f"uint8+{high}bit"
 
 
 def _consumers(graph) -> dict[str, list]:
@@ -75,7 +135,7 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
         metadata: JSON-able values stored as ``metadata_props``.
 
     Returns:
-        ``{'gather_nodes', 'index_dtype', 'bytes'}``.
+        ``{'gather_nodes', 'index_dtype' (storage of the indices, e.g. ``uint8+1bit``), 'bytes'}``.
     """
     out_path, pool_file = Path(out_path), Path(pool_file)
     if out_path.parent.resolve() != pool_file.parent.resolve():
@@ -114,8 +174,8 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
     gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in inits]
     renamed: dict[str, str] = {}
     found = 0
-    index_dtype = "uint16" if max(p.shape[0] for p in pools.values()) <= 65536 else "int32"
-    new_nodes = []
+    storage: set[str] = set()
+    new_nodes, drop = [], []
     for node in gathers:
         data = numpy_helper.to_array(inits[node.input[0]])
         match = [name for name, p in pools.items() if p.shape == data.shape and np.array_equal(p, data)]
@@ -141,27 +201,26 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
             for key, value in (("location", pool_file.name), ("offset", str(start)), ("length", str(length))):
                 entry = t.external_data.add()
                 entry.key, entry.value = key, value
-        # Indices: the Cast the exporter wrote reads an int32 initializer; store it compactly.
+        # Indices: the exporter wrote an int32 initializer (and a Cast); store them at
+        # ceil(log2 n) bits and rebuild them in the graph right before the Gather.
         cast = producers.get(node.input[1])
         src = cast.input[0] if cast is not None and cast.op_type == "Cast" else node.input[1]
         if src in inits:
             idx = numpy_helper.to_array(inits[src]).astype(np.int64)
-            compact = idx.astype(np.uint16 if index_dtype == "uint16" else np.int32)
-            name = f"indices/{layer}"
-            graph.initializer.remove(inits[src])
-            graph.initializer.append(numpy_helper.from_array(compact, name))
-            inits.pop(src)
-            if cast is not None and cast.op_type == "Cast":
-                cast.input[0] = name
-                del cast.attribute[:]
-                cast.attribute.append(helper.make_attribute("to", TensorProto.INT64))
-            else:
-                cast_out = f"{name}/int64"
-                new_nodes.append((node, helper.make_node("Cast", [name], [cast_out], to=TensorProto.INT64, name=f"Cast_{name}")))
-                node.input[1] = cast_out
-    for before, cast in new_nodes:
+            new_inits, nodes, out, kind = index_nodes(f"indices/{layer}", idx, pools[layer].shape[0])
+            storage.add(kind)
+            graph.initializer.remove(inits.pop(src))
+            graph.initializer.extend(new_inits)
+            node.input[1] = out
+            if cast is not None and cast.op_type == "Cast" and not any(n is not node for n in consumers.get(cast.output[0], [])):
+                drop.append(cast)
+            new_nodes.append((node, nodes))
+    for cast in drop:
+        graph.node.remove(cast)
+    for before, nodes in new_nodes:
         pos = list(graph.node).index(before)
-        graph.node.insert(pos, cast)
+        for k, extra in enumerate(nodes):
+            graph.node.insert(pos + k, extra)
     if found != len(layers):
         raise RuntimeError(f"ONNX export: found {found} pool Gathers for {len(layers)} NWS layers: the exporter folded some weights")
     proto.ir_version = IR_VERSION
@@ -172,4 +231,4 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
     data = proto.SerializeToString()
     atomic_write_bytes(out_path, data)
     onnx.checker.check_model(str(out_path))
-    return {"gather_nodes": found, "index_dtype": index_dtype, "bytes": len(data)}
+    return {"gather_nodes": found, "index_dtype": ",".join(sorted(storage)), "bytes": len(data)}

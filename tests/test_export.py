@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ import nwsconvert
 from nwsconvert import Trainer, nws_layers
 from nwsconvert.export import Runtime, StaleBundleError, export_bundle
 from nwsconvert.export.cli import export_main, infer_main
+from nwsconvert.export.onnx_graph import IR_VERSION, OPSET, index_nodes
 
 from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
@@ -38,9 +40,10 @@ def test_bundle_files_and_graph_structure(run, tmp_path):
     assert {e.value for t in pools for e in t.external_data if e.key == "location"} == {"pools.safetensors"}
     assert len([g for g in gathers if g.input[0].startswith("pool/")]) == len(layers)
     idx = {t.name: t for t in proto.graph.initializer if t.name.startswith("indices/")}
-    assert len(idx) == len(layers) and all(t.data_type == onnx.TensorProto.UINT16 for t in idx.values())
-    # File size is what the uint16 indices predict (+ small tensors), far below the dense weights.
-    index_bytes = 2 * sum(l.nws.num_vectors for l in layers)
+    assert set(idx) == {f"indices/{l.name}" for l in layers}  # 32-entry pools: one uint8 per index
+    assert all(t.data_type == onnx.TensorProto.UINT8 for t in idx.values())
+    # File size is what the stored indices predict (+ small tensors), far below the dense weights.
+    index_bytes = sum(l.nws.num_vectors for l in layers)
     dense_bytes = 4 * sum(l.weight.numel() for l in layers)
     size = (tmp_path / "b" / "task_1.onnx").stat().st_size
     pack = nwsconvert.TaskPack.load(tmp_path / "b" / "task_1.nwspack")
@@ -61,6 +64,26 @@ def test_bundle_files_and_graph_structure(run, tmp_path):
     alone = nwsconvert.TaskPack.load(tmp_path / "only1" / "task_1.nwspack")
     assert (tmp_path / "only1" / "task_0.nwspack").is_file()
     assert alone.content_sha256() == run_pack.content_sha256() == pack.content_sha256()
+
+
+@pytest.mark.parametrize("pool_size", [2, 200, 256, 257, 512, 4096, 65536, 70000])
+def test_indices_rebuilt_in_the_graph_are_exact(pool_size):
+    """``index_nodes`` stores ceil(log2 n) bits and onnxruntime rebuilds exactly the indices."""
+    rng = np.random.default_rng(pool_size)
+    count = 1001  # not a multiple of 8: the bit planes' padding must be sliced off
+    idx = rng.integers(0, pool_size, count)
+    idx[:2] = [0, pool_size - 1]
+    inits, nodes, out, kind = index_nodes("indices/layer", idx, pool_size)
+    graph = onnx.helper.make_graph(nodes, "g", [], [onnx.helper.make_tensor_value_info(out, onnx.TensorProto.INT64, [count])], initializer=inits)
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)])
+    proto.ir_version = IR_VERSION
+    onnx.checker.check_model(proto)
+    got = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})[0]
+    assert got.dtype == np.int64 and np.array_equal(got, idx)
+    stored = sum(t.raw_data.__len__() for t in inits if t.name in ("indices/layer", "indices/layer/low", "indices/layer/high"))
+    bits = int(np.ceil(np.log2(pool_size)))
+    expected = {"uint8": count, "int32": 4 * count}.get(kind, count + (bits - 8) * ((count + 7) // 8))
+    assert stored == expected and kind == ("uint8" if bits <= 8 else "int32" if bits > 16 else f"uint8+{bits - 8}bit")
 
 
 def test_onnxruntime_matches_pytorch_and_switches_tasks(run, tmp_path):

@@ -1,6 +1,12 @@
 """The demo `make demo` runs (split-mnist through nws-train), here with a tiny model and one task."""
 
+import numpy as np
+import torch
+
+import nwsconvert
 from nwsconvert import RunDir, demo
+from nwsconvert.export import Runtime, export_bundle
+from nwsconvert.zoo import get_suite
 
 
 def test_demo_runs_and_continues(tmp_path, capsys):
@@ -12,3 +18,19 @@ def test_demo_runs_and_continues(tmp_path, capsys):
     assert [t["id"] for t in RunDir(tmp_path / "d").read()["tasks"]] == [0, 1]
     assert demo.main(args) == 0  # a second run continues the existing one
     assert "continuing it" in capsys.readouterr().out
+
+
+def test_onnxruntime_top1_agrees_on_the_demo_test_sets(tmp_path):
+    """Deployment answers like PyTorch on the demo's own test images (split-mnist, 160 per task)."""
+    out = tmp_path / "d"
+    assert demo.main(["model=timm:test_resnet", "pool_size=32", "epochs=1", "pool_epochs=1", "tasks=2", "progress=false", f"out={out}"]) == 0
+    export_bundle(out, tmp_path / "b", "all", onnx=True)
+    rt = Runtime(tmp_path / "b", device="cpu")
+    suite = get_suite("split-mnist")
+    for t in (0, 1):
+        test = suite.tasks[t].test
+        x = torch.stack([test[i][0] for i in range(len(test))])
+        with torch.no_grad():
+            ref = nwsconvert.load(out, task=t)(x).numpy()
+        y = rt.run(t, x.numpy())
+        assert len(x) == 160 and np.array_equal(y.argmax(1), ref.argmax(1))

@@ -45,5 +45,8 @@ def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     raw = data.detach().cpu().numpy().astype(np.uint8, copy=False).ravel()
     if raw.size != packed_size(count, bits):
         raise ValueError(f"{raw.size} bytes cannot hold exactly {count} values of {bits} bits ({packed_size(count, bits)} needed)")
-    planes = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits).astype(np.int64)
-    return torch.from_numpy(planes @ (np.int64(1) << np.arange(bits, dtype=np.int64)))
+    planes = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits)
+    out = np.zeros(count, dtype=np.int64)
+    for j in range(bits):  # one vector op per bit plane
+        out |= planes[:, j].astype(np.int64) << j
+    return torch.from_numpy(out)

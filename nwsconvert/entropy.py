@@ -86,21 +86,21 @@ def encode_varints(values: np.ndarray) -> bytes:
 
 
 def decode_varints(data: bytes, count: int, pos: int = 0) -> tuple[np.ndarray, int]:
-    """Read ``count`` LEB128 values from ``data[pos:]``; returns ``(values, next position)``."""
-    out = np.empty(count, dtype=np.int64)
-    for i in range(count):
-        v = shift = 0
-        while True:
-            if pos >= len(data):
-                raise ValueError("truncated varint table")
-            b = data[pos]
-            pos += 1
-            v |= (b & 0x7F) << shift
-            shift += 7
-            if b < 0x80:
-                break
-        out[i] = v
-    return out, pos
+    """Read ``count`` LEB128 values from ``data[pos:]``; returns ``(values (count,) int64, next position)``."""
+    if count == 0:
+        return np.zeros(0, dtype=np.int64), pos
+    buf = np.frombuffer(data, dtype=np.uint8)[pos:]
+    ends = np.flatnonzero(buf < 0x80)[:count]  # last byte of each value
+    if ends.size < count:
+        raise ValueError("truncated varint table")
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    if lengths.max() > 9:
+        raise ValueError("varint longer than 63 bits")
+    stop = int(ends[-1]) + 1
+    digit = np.arange(stop) - np.repeat(starts, lengths)  # 7-bit digit number within its value
+    parts = (buf[:stop].astype(np.int64) & 0x7F) << (7 * digit)
+    return np.add.reduceat(parts, starts), pos + stop
 
 
 def encode_table(symbols: np.ndarray, counts: np.ndarray, n: int) -> bytes:
@@ -164,15 +164,15 @@ def ans_encode(ranks: np.ndarray, counts: np.ndarray) -> bytes:
 
 
 def ans_decode(payload: bytes, counts: np.ndarray, count: int) -> np.ndarray:
-    """Inverse of :func:`ans_encode`: ``(count,)`` int64 ranks."""
+    """Inverse of :func:`ans_encode`: ``(count,)`` integer ranks (int32, or int64 when trivial)."""
     if len(counts) <= 1 or count == 0:
         return np.zeros(count, dtype=np.int64)
     if len(payload) % 4:
         raise ValueError(f"rANS payload of {len(payload)} bytes is not whole 32-bit words")
     import constriction
 
-    coder = constriction.stream.stack.AnsCoder(np.frombuffer(payload, dtype="<u4").astype(np.uint32))
+    coder = constriction.stream.stack.AnsCoder(np.frombuffer(payload, dtype="<u4").astype(np.uint32, copy=False))
     ranks = coder.decode(_model(counts), count)
     if not coder.is_empty():
         raise ValueError("rANS payload has data left after the last symbol")
-    return ranks.astype(np.int64)
+    return ranks

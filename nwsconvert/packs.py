@@ -87,7 +87,7 @@ class TaskPack:
 
     def content_sha256(self) -> str:
         """SHA-256 of the decoded indices and the state, whatever coding a file uses."""
-        return tensor_digest({**{f"indices/{k}": v for k, v in self.indices.items()}, **{f"state/{k}": v for k, v in self.state.items()}})
+        return tensor_digest({**{f"indices/{k}": v.long() for k, v in self.indices.items()}, **{f"state/{k}": v for k, v in self.state.items()}})
 
     def encode(self, codings=CODINGS) -> dict[str, EncodedLayer]:
         """Layer name -> the smallest allowed coding of its indices (delta codings against ``base``)."""

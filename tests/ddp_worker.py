@@ -25,5 +25,5 @@ pack = extract_task(trainer.model)
 sha = pack.save(out / f"rank{rank}.nwspack")
 indices = {l.name: l.nws.indices for l in nws_layers(trainer.model)}
 (out / f"rank{rank}.json").write_text(
-    json.dumps({"indices": tensor_digest(indices), "pack": sha, "pools": nwsconvert.pool_set(trainer.model).sha256})
+    json.dumps({"indices": tensor_digest(indices), "pack": sha, "content": pack.content_sha256(), "pools": nwsconvert.pool_set(trainer.model).sha256})
 )

@@ -1,0 +1,395 @@
+"""Conversion presets per architecture family: which layers, vector sizes and pool sizes.
+
+    preset = nwsconvert.zoo.get_preset("inverted-residual")
+    kwargs = preset.convert_kwargs(model)          # for nwsconvert.convert(model, **kwargs)
+    model = preset.apply(model)                    # the same, converted in place
+    model = nwsconvert.zoo.apply_preset(model)     # family guessed by preset_for(model)
+
+A preset states its rules by layer *kind* and *role*, not by module name, so
+one preset serves timm, torchvision and other implementations of a family;
+:meth:`Preset.convert_kwargs` resolves the rules for one model into the
+ordinary :func:`nwsconvert.convert` options (``pool_size``, ``group_size``,
+``skip``, and ``layer_pool_size`` / ``layer_group_size`` keyed by exact module
+names), which are JSON-able and recorded in the run manifest like any others.
+
+Rules every preset shares (see :class:`Preset` for the switches):
+
+* **Rate.** A pool of n entries stores ``ceil(log2 n)`` bits per pool vector
+  of D floats: for the paper's n = 512, 1 bit per weight for 3x3 kernels,
+  0.36 for 5x5, but 9 bits per weight for 1x1 convs and linear layers taken
+  as scalars (g = 1). Grouping g consecutive input weights of a 1x1 / linear
+  layer into one vector divides that by g (g = 4: 2.25, g = 8: 1.1 bits per
+  weight). Measured on EfficientNet-Lite0's ImageNet weights with k-means
+  pools and no training (``benchmarks/zoo_pools.py``, 48 photo crops):
+  with this module's depthwise rule, scalar pools of 256-1024 entries keep
+  ||W - K|| / ||W|| at 0.7-1 %, the dense top-1 on 90-92 % of the inputs
+  (the rest are near-ties on textures and micrographs) and KL 0.01-0.02;
+  g = 4 at n = 512 gives 21 % weight error and 10 % top-1 agreement, g = 8
+  none. After task training (split-mnist, 5 tasks, 3 epochs each, no pool
+  learning) g = 1 matched dense finetune (97.75 % vs 97.25 %) and g = 4
+  reached 89.75 %. So g = 1 is the default wherever it is affordable.
+* **Cap.** A non-head layer with fewer kernels d than n gets a pool of exactly
+  d entries (k-means then keeps every kernel: exact at conversion) and
+  ``ceil(log2 d)`` bits per index; a larger pool would only add random
+  entries and bytes. Stems (3 input channels) are the usual case.
+* **Depthwise.** Depthwise convs (groups == in_channels) have one kernel per
+  channel (at most a few thousand) but their kernels differ most from one
+  another: at n = 512 the 5x5 depthwise layers of EfficientNet-Lite0 keep
+  12-22 % relative error, the largest in the network. Presets for families
+  with depthwise convs give them a pool of their own kernel count (up to
+  ``depthwise_pool_size``): exact at conversion, the pool costs what one dense
+  copy of the layer costs (they are 1-4 % of the weights) and a task still
+  stores only ``ceil(log2 d)`` bits per kernel.
+* **Head.** The classifier is resized for every task, so its pool must serve
+  heads of any width: it keeps the full pool size (no cap) and scalar
+  entries (g = 1, as in the paper), whatever the body's group size.
+* **Skip.** No preset leaves layers dense by default: a dense layer is stored
+  in full by every task, a converted one once (its pool) plus a few bits per
+  kernel per task, which is smaller from the second task on for every layer
+  shape. ``skip`` / ``skip_roles`` are there for users who want it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from nwsconvert.convert import convert
+from nwsconvert.graph import analyse, is_weight_layer, roles_by_name
+
+__all__ = [
+    "Preset",
+    "LayerPlan",
+    "register_preset",
+    "list_presets",
+    "get_preset",
+    "preset_for",
+    "apply_preset",
+]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What a preset decides for one layer (see :meth:`Preset.plan`).
+
+    Attributes:
+        name: module name. role: ``stem`` / ``body`` / ``shortcut`` / ``head``.
+        kind: ``kxk``, ``depthwise``, ``1x1`` (1x1 convs and linear layers).
+        kernels: d, pool vectors that build the layer. vector_size: D.
+        group_size: g for 1x1 / linear layers (1 otherwise).
+        pool_size: n for this layer (0 when skipped). skipped: left dense.
+    """
+
+    name: str
+    role: str
+    kind: str
+    kernels: int
+    vector_size: int
+    group_size: int
+    pool_size: int
+    skipped: bool = False
+
+
+def _kind_and_area(module: nn.Module) -> tuple[str, int, int]:
+    """``(kind, kernel area, input weights per output)`` of a weight layer."""
+    if isinstance(module, nn.Linear):
+        return "1x1", 1, module.in_features
+    ks = module.kernel_size if isinstance(module.kernel_size, (tuple, list)) else (module.kernel_size,) * 2
+    area = math.prod(ks)
+    groups = getattr(module, "groups", 1)
+    fan_in = module.in_channels // groups
+    if groups > 1 and groups == module.in_channels and area > 1:
+        return "depthwise", area, fan_in
+    return ("1x1" if area == 1 else "kxk"), area, fan_in
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A family's conversion choices, as rules over layer kinds and roles.
+
+    Args:
+        name: registry name.
+        pool_size: n for every layer the rules below do not change.
+        group_size: g for 1x1 convs and linear layers other than the head.
+        head_group_size: g for the classifier.
+        cap_to_layer: a non-head layer with d < n kernels gets n = d.
+        depthwise_pool_size: depthwise convs get ``min(d, this)`` entries
+            (``None``: the ``pool_size`` / cap rules).
+        skip: module names or fnmatch patterns left dense.
+        skip_roles: roles left dense (e.g. ``("stem",)``).
+        kmeans_iters: Lloyd iterations of the k-means pool initialisation.
+        doc: the reasoning (the registering function's docstring).
+    """
+
+    name: str
+    pool_size: int = 512
+    group_size: int = 1
+    head_group_size: int = 1
+    cap_to_layer: bool = True
+    depthwise_pool_size: int | None = None
+    skip: tuple[str, ...] = ()
+    skip_roles: tuple[str, ...] = ()
+    kmeans_iters: int = 3
+    doc: str = dataclasses.field(default="", repr=False, compare=False)
+
+    def replace(self, **changes) -> "Preset":
+        """A copy with some fields changed (``pool_size=256``, ``group_size=4``...)."""
+        return dataclasses.replace(self, **changes)
+
+    def plan(self, model: nn.Module) -> list[LayerPlan]:
+        """The per-layer decisions for ``model`` (traces it once; converts nothing)."""
+        import fnmatch
+
+        modules = [(n, m) for n, m in model.named_modules() if is_weight_layer(m)]
+        roles = dict(analyse(model).roles)
+        roles.update(roles_by_name(model, [n for n, _ in modules], roles))
+        out, seen = [], set()
+        for name, module in modules:
+            weight = getattr(module, "weight", None)
+            role = roles.get(name, "body")
+            kind, area, fan_in = _kind_and_area(module)
+            if not isinstance(weight, nn.Parameter) or isinstance(weight, nn.parameter.UninitializedParameter):
+                continue  # the converter reports why (lazy, hook-based weight norm...)
+            if id(weight) in seen:
+                continue  # shared weight: converted where first seen
+            seen.add(id(weight))
+            g = 1
+            if area == 1:
+                g = self.head_group_size if role == "head" else self.group_size
+                if fan_in % g:
+                    g = 1  # as the converter does (noted in its report)
+            dim = area if area > 1 else g
+            d = weight.numel() // dim
+            if role in self.skip_roles or any(fnmatch.fnmatchcase(name, p) for p in self.skip):
+                out.append(LayerPlan(name, role, kind, d, dim, g, 0, skipped=True))
+                continue
+            n = self.pool_size
+            if kind == "depthwise" and self.depthwise_pool_size is not None:
+                n = min(d, self.depthwise_pool_size)
+            elif self.cap_to_layer and role != "head" and d < n:
+                n = d
+            out.append(LayerPlan(name, role, kind, d, dim, g, max(2, n)))
+        return out
+
+    def convert_kwargs(self, model: nn.Module, **options) -> dict:
+        """:func:`nwsconvert.convert` keyword arguments for ``model``.
+
+        Args:
+            **options: preset fields to change first (``pool_size``,
+                ``group_size``, ``depthwise_pool_size``...), then any other
+                convert option (``init``, ``seed``, ``skip``,
+                ``layer_pool_size``, ``layer_group_size``); a user's
+                ``layer_*`` patterns win over the preset's (first match wins),
+                ``skip`` patterns are added to the preset's.
+
+        Returns:
+            ``pool_size``, ``group_size``, ``skip``, ``layer_pool_size``,
+            ``layer_group_size``, ``kmeans_iters`` (+ the other options given).
+        """
+        fields = {f.name for f in dataclasses.fields(self)} - {"name", "doc", "skip"}
+        preset = self.replace(**{k: options.pop(k) for k in list(options) if k in fields})
+        plan = preset.plan(model)
+        pools = {p.name: p.pool_size for p in plan if not p.skipped and p.pool_size != preset.pool_size}
+        groups = {p.name: p.group_size for p in plan if not p.skipped and p.kind == "1x1" and p.group_size != preset.group_size}
+        user_skip = options.pop("skip", ())
+        user_skip = (user_skip,) if isinstance(user_skip, str) else tuple(user_skip)
+        kwargs = {
+            "pool_size": preset.pool_size,
+            "group_size": preset.group_size,
+            "skip": [p.name for p in plan if p.skipped] + list(user_skip),
+            "layer_pool_size": {**dict(options.pop("layer_pool_size", None) or {}), **pools},
+            "layer_group_size": {**dict(options.pop("layer_group_size", None) or {}), **groups},
+            "kmeans_iters": preset.kmeans_iters,
+        }
+        kwargs.update(options)
+        return kwargs
+
+    def apply(self, model: nn.Module, **options) -> nn.Module:
+        """Convert ``model`` in place with this preset (``options`` as in :meth:`convert_kwargs`)."""
+        return convert(model, **self.convert_kwargs(model, **options))
+
+
+_PRESETS: dict[str, Callable[[], Preset]] = {}
+
+
+def register_preset(name: str):
+    """Decorator: register a preset factory; its docstring becomes the preset's ``doc``."""
+
+    def deco(fn: Callable[[], Preset]):
+        _PRESETS[name] = fn
+        return fn
+
+    return deco
+
+
+def list_presets() -> list[str]:
+    return sorted(_PRESETS)
+
+
+def get_preset(name: str, **changes) -> Preset:
+    """A registered preset, with ``changes`` to its fields.
+
+    Raises:
+        KeyError: unknown preset (the message lists the known ones).
+    """
+    if name not in _PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(list_presets())}")
+    fn = _PRESETS[name]
+    preset = dataclasses.replace(fn(), name=name, doc=(fn.__doc__ or "").strip())
+    return preset.replace(**changes) if changes else preset
+
+
+# ------------------------------------------------------------------ presets
+@register_preset("paper")
+def paper() -> Preset:
+    """The paper's setting, unchanged: every layer, n = 512, 1x1 convs and the FC as scalars.
+
+    Use it to reproduce the paper's figures (ResNet-18 on Split-CIFAR-100,
+    9 bits per index everywhere). No cap: a stem with fewer kernels than 512
+    still gets 512 entries (the rest random), as in the released code.
+    """
+    return Preset("paper", pool_size=512, group_size=1, cap_to_layer=False)
+
+
+@register_preset("resnet-basic")
+def resnet_basic() -> Preset:
+    """ResNet-18/34 and other basic-block ResNets: the paper's choice plus the cap.
+
+    3x3 convs hold ~94 % of ResNet-18's weights and get 1 bit per weight at
+    n = 512, the setting the paper trains. The only 1x1 convs are the three
+    downsample shortcuts (~1.5 % of the weights), so scalar pools (g = 1)
+    cost little and keep the residual paths exact enough; the FC head is
+    scalar as in the paper. The 7x7 stem has 64 x 3 = 192 kernels: capped to
+    a 192-entry pool (exact, 8-bit indices) instead of 512 entries of which
+    320 no kernel would use.
+    """
+    return Preset("resnet-basic", pool_size=512, group_size=1)
+
+
+@register_preset("resnet-bottleneck")
+def resnet_bottleneck() -> Preset:
+    """ResNet-50/101/152, ResNeXt, Wide ResNet: bottleneck blocks, 1x1 convs as scalars.
+
+    In ResNet-50, 1x1 convs hold ~48 % of the weights (3x3: 44 %, FC: 8 %).
+    As scalars (g = 1) they cost 9 bits per weight per task: ~14 MB of a
+    ~15 MB task, still 7x less than a dense copy (102 MB). Grouped in 4
+    (``group_size=4``, 2.25 bits per weight) a task shrinks to ~5 MB, but
+    the 1x1 layers then start ~20-25 % away from their weights instead of
+    ~1 % (measured on EfficientNet-Lite0's ImageNet 1x1 convs, k-means
+    pools), and after short task training without pool learning that model
+    stayed 7.5 points below dense finetune on split-mnist where g = 1
+    matched it (``benchmarks/zoo_pools.py``). Accuracy first by default;
+    g = 4 is the compact option (to try with learned pools or longer task
+    training). Head scalar, stem capped.
+    """
+    return Preset("resnet-bottleneck", pool_size=512, group_size=1)
+
+
+@register_preset("inverted-residual")
+def inverted_residual() -> Preset:
+    """MobileNetV2/V3, EfficientNet(-Lite), MnasNet: depthwise kernels exact, 1x1 scalars.
+
+    1x1 expand / project convs hold 61-72 % of the weights and the classifier
+    most of the rest; depthwise convs 2-4 % but with the largest pooling
+    error (5x5 depthwise of EfficientNet-Lite0: 12-22 % at n = 512), so each
+    depthwise layer gets a pool of its own kernels (at most 2,048: exact,
+    <= 11-bit indices). Measured on EfficientNet-Lite0's ImageNet weights
+    (k-means pools, no training, ``benchmarks/zoo_pools.py``): this rule
+    takes the plain n = 512 conversion from 85 % to 90 % top-1 agreement with
+    the dense model (KL 0.05 -> 0.02) for 0.12 MB more pools, and at n = 128
+    from 6 % to 73 %. 1x1 convs stay scalar (g = 1): g = 4 loses the dense
+    predictions without training and 7.5 points after short task training
+    (split-mnist: 89.75 % vs 97.25 % dense; g = 1: 97.75 %). A task then
+    stores ~28 % of a dense copy (ImageNet head included); ``group_size=4``
+    brings it to ~14 %, ``pool_size=256`` (8-bit indices, same agreement)
+    to ~25 %. Stem capped (32 x 3 = 96 kernels: exact); SE 1x1 layers follow g.
+    """
+    return Preset("inverted-residual", pool_size=512, group_size=1, depthwise_pool_size=2048)
+
+
+@register_preset("vgg")
+def vgg() -> Preset:
+    """VGG-11/13/16/19: 3x3 convs at n = 512, the big hidden FC layers in 8-vectors.
+
+    In torchvision's VGG-16 the hidden linear layers hold 86 % of the 138 M
+    weights (classifier.0 alone 103 M): as scalars a task would store 9 bits
+    for each, ~134 MB of indices per task. g = 8 brings them to ~1.1 bits per
+    weight (~17 MB), the rate the 3x3 convs already have at n = 512 (the paper's
+    VGG-16 used a small CIFAR classifier, so it never met this). This is the
+    one family where grouping is the default: the FC layers are the task's
+    size, and grouped pointwise layers start far from their weights (~25 %
+    relative error at g = 4 on EfficientNet-Lite0), so expect to need task
+    training (or ``group_size=1``: ~136 MB per task, still 4x below dense).
+    timm's VGG turns those layers into a 7x7 conv (49-float kernels, 0.18
+    bits per weight) and a 1x1 conv (g = 8). Head scalar, stem capped.
+    """
+    return Preset("vgg", pool_size=512, group_size=8)
+
+
+@register_preset("convnext")
+def convnext() -> Preset:
+    """ConvNeXt: depthwise 7x7 kernels exact, the MLP linears as scalars.
+
+    Every block is a depthwise 7x7 conv (one kernel per channel, <= 1,536:
+    own-kernel pools, exact, <= 11-bit indices) followed by a 4x-expansion
+    MLP of linear layers (or 1x1 convs) holding ~91 % of ConvNeXt-T's
+    weights. As for bottleneck ResNets the MLP stays scalar (g = 1, 9 bits
+    per weight: a task is ~27 % of a dense copy) because grouping them costs
+    accuracy until pools are learned; ``group_size=4`` brings a task to ~8 %.
+    The 2x2 downsampling convs are 4-float kernels at n = 512; the 4x4
+    patchify stem (96 x 3 kernels) is capped (exact). Head scalar. LayerNorm
+    and layer-scale parameters are per-task state (packs).
+    """
+    return Preset("convnext", pool_size=512, group_size=1, depthwise_pool_size=2048)
+
+
+# ------------------------------------------------------- family detection
+#: Block class names -> preset, checked in this order (timm, torchvision, efficientnet-lite-pytorch).
+FAMILY_BLOCKS: list[tuple[str, tuple[str, ...]]] = [
+    ("convnext", ("ConvNeXtBlock", "CNBlock")),
+    ("inverted-residual", ("InvertedResidual", "MBConvBlock", "MBConv", "FusedMBConv", "DepthwiseSeparableConv", "EdgeResidual")),
+    ("resnet-bottleneck", ("Bottleneck",)),
+    ("resnet-basic", ("BasicBlock",)),
+]
+
+
+def preset_for(model: nn.Module) -> str:
+    """Guess the preset for ``model`` from its block classes, else from its layer geometry.
+
+    Order: ConvNeXt blocks, inverted-residual blocks, ResNet bottleneck then
+    basic blocks (by class name); a model class named ``VGG``; otherwise
+    ``inverted-residual`` when it has depthwise convs, ``vgg`` when linear
+    layers hold most weights, else ``paper``.
+    """
+    names = {type(m).__name__ for m in model.modules()}
+    for preset, blocks in FAMILY_BLOCKS:
+        if names & set(blocks):
+            return preset
+    if type(model).__name__ == "VGG":
+        return "vgg"
+    depthwise, linear, total = False, 0, 0
+    for m in model.modules():
+        if not is_weight_layer(m) or not isinstance(getattr(m, "weight", None), nn.Parameter):
+            continue
+        kind, _, _ = _kind_and_area(m)
+        depthwise |= kind == "depthwise"
+        total += m.weight.numel()
+        linear += m.weight.numel() if isinstance(m, nn.Linear) else 0
+    if depthwise:
+        return "inverted-residual"
+    if total and linear * 2 > total:
+        return "vgg"
+    return "paper"
+
+
+def apply_preset(model: nn.Module, name: str | None = None, **options) -> nn.Module:
+    """Convert ``model`` in place with preset ``name`` (default :func:`preset_for`).
+
+    Args:
+        **options: preset field changes and convert options (see :meth:`Preset.convert_kwargs`).
+    """
+    return get_preset(name or preset_for(model)).apply(model, **options)

@@ -138,7 +138,9 @@ class Trainer:
             torch.cuda.set_device(device)
         self.device = device
         self.progress = progress
-        if self.run.exists():
+        existed = self.run.exists()
+        self.dist.barrier()  # every rank looks before rank 0 may create the run below
+        if existed:
             if not resume:
                 raise FileExistsError(
                     f"{str(self.run.path)!r} already holds a run: resume it (resume=True, --resume) or choose another directory"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import torchvision
 from torch import nn
 
 import nwsconvert as nc
+from nwsconvert.bitpack import packed_size
 from nwsconvert.entropy import entropy_bits
 from nwsconvert.report import format_bytes
 
@@ -84,7 +84,7 @@ def measure(arch: str, classes: list[int], pool_size: int = 512) -> dict:
     for c in classes:
         nc.resize_head(model, c)
         pack = nc.extract_task(model)
-        index = sum(math.ceil(r["count"] * r["bits"] / 8) for r in pack.layers)
+        index = sum(packed_size(r["count"], r["bits"]) for r in pack.layers)
         dense = dense_bytes(nc.materialize(model))
         tasks.append({"classes": c, "indices": index, "state": pack.state_bytes, "nws": index + pack.state_bytes, "dense": dense})
     nws = pools + sum(t["nws"] for t in tasks)
@@ -118,7 +118,7 @@ def measure_run(run: str) -> dict:
             tic = time.perf_counter()
             nc.TaskPack.load(r.path / entry["file"])
             times.append(time.perf_counter() - tic)
-        nine = sum(math.ceil(l["count"] * l["bits"] / 8) for l in pack.layers)
+        nine = sum(packed_size(l["count"], l["bits"]) for l in pack.layers)
         h0 = sum(entropy_bits(pack.indices[l["name"]].numpy()) for l in pack.layers) / 8
         limit = sum(_limit_bits(pack, l, c) for l, c in zip(pack.layers, pack.layer_codings().values())) / 8
         codings: dict[str, int] = {}

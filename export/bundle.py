@@ -79,8 +79,9 @@ def export_bundle(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None 
         src = TaskPack.load(run.path / entry["file"])  # checks the file (and finds its base)
         if src.base is not None:  # delta-coded: the bundle needs the base file under its name
             base_dst = out / src.base.source.name
-            if base_dst != pack_dst and (not base_dst.is_file() or TaskPack.load(base_dst).sha256 != src.base.sha256):
-                atomic_write_bytes(base_dst, src.base.source.read_bytes())
+            base_bytes = src.base.source.read_bytes()
+            if not base_dst.is_file() or base_dst.read_bytes() != base_bytes:
+                atomic_write_bytes(base_dst, base_bytes)
         atomic_write_bytes(pack_dst, (run.path / entry["file"]).read_bytes())
         row = {"name": entry["name"], "num_classes": entry["num_classes"], "class_names": entry.get("class_names"), "pack": pack_dst.name, "pack_bytes": pack_dst.stat().st_size}
         if onnx:

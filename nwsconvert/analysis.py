@@ -20,8 +20,8 @@ positions chose pool entry u:
   (plain packing spends ``bits`` = ceil(log2 n); a delta coding against a base
   task can go below it).
 * **stored bits per kernel** = 8 × stored index bytes / d, and the coding the
-  pack file uses for the layer (:meth:`TaskPack.layer_codings` where the pack
-  format has codings; ``"bits"``, plain fixed-width packing, otherwise).
+  pack file uses for the layer (:meth:`TaskPack.layer_codings`; version 1
+  packs read as ``"bits"``, plain fixed-width packing).
 
 Bytes follow ``nws-info`` (:mod:`nwsconvert.summary`): per task, indices
 (without the head's), state (BatchNorm statistics, biases, ...; without the
@@ -150,14 +150,6 @@ def task_bytes(pack: TaskPack) -> dict:
     }
 
 
-def _codings(pack: TaskPack) -> dict[str, str]:
-    """Layer name -> index coding in the pack file (``"bits"`` for packs of the fixed-width-only format)."""
-    codings = getattr(pack, "layer_codings", None)
-    if codings is not None:
-        return dict(codings())
-    return {r["name"]: r.get("coding", "bits") for r in pack.layers}
-
-
 def _base_bytes(manifest: dict, packs: list[TaskPack]) -> int | None:
     """Stored bytes (indices + state) of a base the included packs are delta-coded against,
     when that base is not itself one of the run's tasks (whose bytes are counted anyway)."""
@@ -239,7 +231,7 @@ def analyse_run(run_dir: str | os.PathLike, tasks: Sequence[int] | None = None) 
     for t, pack in enumerate(packs):
         rows = {r["name"]: r for r in pack.layers}
         index_bytes = pack.layer_index_bytes()
-        codings = _codings(pack)
+        codings = pack.layer_codings()
         for l, layer in enumerate(layers):
             r = rows.get(layer["name"])
             if r is None:

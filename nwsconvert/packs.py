@@ -112,17 +112,19 @@ class TaskPack:
             raise PackMismatchError(f"base pack is on pool set {base.pool_sha256[:12]}..., this pack on {self.pool_sha256[:12]}...")
         return base
 
-    def layer_index_bytes(self) -> dict[str, int]:
-        """Layer name -> bytes its indices take in the pack file (as saved or loaded; else as :meth:`save` would write)."""
+    def _stored(self) -> dict[str, EncodedLayer]:
+        """The layers' codings as saved or loaded; else as :meth:`save` would write them."""
         if self._encoded is None:
             self._encoded = self.encode()
-        return {name: e.nbytes for name, e in self._encoded.items()}
+        return self._encoded
+
+    def layer_index_bytes(self) -> dict[str, int]:
+        """Layer name -> bytes its indices take in the pack file."""
+        return {name: e.nbytes for name, e in self._stored().items()}
 
     def layer_codings(self) -> dict[str, str]:
         """Layer name -> coding of its indices (see :mod:`nwsconvert.indexcode`)."""
-        if self._encoded is None:
-            self._encoded = self.encode()
-        return {name: e.coding for name, e in self._encoded.items()}
+        return {name: e.coding for name, e in self._stored().items()}
 
     @property
     def index_bytes(self) -> int:

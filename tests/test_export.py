@@ -80,7 +80,7 @@ def test_indices_rebuilt_in_the_graph_are_exact(pool_size):
     onnx.checker.check_model(proto)
     got = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})[0]
     assert got.dtype == np.int64 and np.array_equal(got, idx)
-    stored = sum(t.raw_data.__len__() for t in inits if t.name in ("indices/layer", "indices/layer/low", "indices/layer/high"))
+    stored = sum(len(t.raw_data) for t in inits if t.name in ("indices/layer", "indices/layer/low", "indices/layer/high"))
     bits = int(np.ceil(np.log2(pool_size)))
     expected = {"uint8": count, "int32": 4 * count}.get(kind, count + (bits - 8) * ((count + 7) // 8))
     assert stored == expected and kind == ("uint8" if bits <= 8 else "int32" if bits > 16 else f"uint8+{bits - 8}bit")

@@ -144,11 +144,11 @@ def run_job(job: dict, resume: bool = False) -> str:
             "use a timm model (model=timm:resnet18) or a factory that accepts them"
         )
     first = suite.pretrain_classes or suite.tasks[0].num_classes
+    torch.manual_seed(config.seed)  # the model's random init too: a seed reproduces the whole run
     try:
         model = build_model(job["model"], num_classes=first, **kwargs)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"nws-train: {e}") from None
-    torch.manual_seed(config.seed)
     init = job["init"]
     if run.exists() and run.pool_path.is_file():
         init = str(run.pool_path)  # resuming: the run's own pools, no k-means again

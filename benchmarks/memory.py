@@ -31,6 +31,7 @@ import nwsconvert as nc
 from nwsconvert.bitpack import packed_size
 from nwsconvert.entropy import entropy_bits
 from nwsconvert.report import format_bytes
+from nwsconvert.summary import shared_base_bytes
 
 MB = 1e6  # the paper's MB
 
@@ -110,9 +111,10 @@ def measure_run(run: str) -> dict:
     """Real packs of a trained run: stored bytes, 9-bit bytes, order-0 entropy of the indices."""
     r = nc.RunDir(run)
     manifest = r.read()
-    rows = []
+    rows, packs = [], []
     for entry in sorted(manifest["tasks"], key=lambda e: e["id"]):
         pack = nc.TaskPack.load(r.path / entry["file"])  # also decodes (and caches) the base once
+        packs.append(pack)
         times = []
         for _ in range(5):
             tic = time.perf_counter()
@@ -125,7 +127,9 @@ def measure_run(run: str) -> dict:
         for c in pack.layer_codings().values():
             codings[c] = codings.get(c, 0) + 1
         rows.append({"task": entry["id"], "classes": entry["num_classes"], "kernels": sum(l["count"] for l in pack.layers), "stored_indices": pack.index_bytes, "nine_bit_indices": nine, "order0_entropy": h0, "order0_limit": limit, "state": pack.state_bytes, "file": (r.path / entry["file"]).stat().st_size, "codings": codings, "load_ms": 1e3 * min(times), "acc": entry["metrics"]["val_acc"]})
-    return {"run": run, "model": manifest["model"]["spec"], "suite": manifest["data"].get("suite"), "pool_bytes": manifest["pools"]["bytes"], "tasks": rows}
+    base = shared_base_bytes(manifest, packs)
+    total = manifest["pools"]["bytes"] + base + sum(t["stored_indices"] + t["state"] for t in rows)
+    return {"run": run, "model": manifest["model"]["spec"], "suite": manifest["data"].get("suite"), "pool_bytes": manifest["pools"]["bytes"], "base_bytes": base, "total": total, "tasks": rows}
 
 
 def main(argv=None) -> int:
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
     if a.run:
         run = measure_run(a.run)
         out["run"] = run
-        print(f"\nreal packs of {a.run} ({run['model']}, {run['suite']}), pools {format_bytes(run['pool_bytes'])}:")
+        print(f"\nreal packs of {a.run} ({run['model']}, {run['suite']}), pools {format_bytes(run['pool_bytes'])}, "
+              f"shared base pack {format_bytes(run['base_bytes'])}, total {format_bytes(run['total'])}:")
         print(f"(load = TaskPack.load: read, hash check and decode, best of 5, {torch.get_num_threads()} threads)")
         print("(order-0 entropy: of the indices; limit: of the streams the chosen codings model, see _limit_bits)")
         print("| task | classes | kernels | indices stored | at 9 bits | order-0 entropy | limit | stored / limit | BN/state | file | load | codings |")

@@ -4,8 +4,9 @@ Layout of a bundle folder::
 
     pools.safetensors    the run's pool set, written once; ONNX graphs read it as external data
     task_<t>.nwspack     the task's index pack (for PyTorch: nwsconvert.load / apply_task)
-                         (a pack delta-coded against task 0 finds task_0.nwspack beside it:
-                         the bundle always carries the base a pack needs)
+    base.nwspack         the base the packs' indices are stored as changes against (the run's
+                         model after pool learning; task_0.nwspack for runs with pack_base=task0):
+                         the bundle always carries the base a pack needs
     task_<t>.onnx        the task's graph (with --onnx): Reshape(Gather(pool, Cast(indices)))
     bundle.json          pool-set hash, data geometry, tasks (name, classes, files)
 """

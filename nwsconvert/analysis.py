@@ -46,6 +46,7 @@ import torch
 from .packs import TaskPack
 from .pools import PoolSet
 from .rundir import RunDir
+from .summary import shared_base_bytes
 
 __all__ = [
     "selection_counts",
@@ -150,16 +151,6 @@ def task_bytes(pack: TaskPack) -> dict:
     }
 
 
-def _base_bytes(manifest: dict, packs: list[TaskPack]) -> int | None:
-    """Stored bytes (indices + state) of a base the included packs are delta-coded against,
-    when that base is not itself one of the run's tasks (whose bytes are counted anyway)."""
-    task_shas = {e.get("sha256") for e in manifest.get("tasks", [])}
-    extra = {p.base.sha256: p.base for p in packs if p.base is not None and p.base.sha256 not in task_shas}
-    if not extra:
-        return None
-    return sum(sum(b.layer_index_bytes().values()) + b.state_bytes for b in extra.values())
-
-
 def _pool_bytes(run: RunDir, layers: list[dict]) -> dict[str, int]:
     """Layer name -> bytes of its pool in the run's pool file (float32 n x D from the layer table if absent)."""
     if run.pool_path.is_file():
@@ -260,7 +251,7 @@ def analyse_run(run_dir: str | os.PathLike, tasks: Sequence[int] | None = None) 
         "model": (manifest.get("model") or {}).get("spec"),
         "suite": (manifest.get("data") or {}).get("suite"),
         "pools_bytes": (manifest.get("pools") or {}).get("bytes", sum(r["pool_bytes"] for r in layers)),
-        "base_bytes": _base_bytes(manifest, packs),
+        "base_bytes": shared_base_bytes(manifest, packs) or None,
         "tasks": task_rows,
         "avg_acc": sum(accs) / len(accs) if accs else None,
         "layers": layers,

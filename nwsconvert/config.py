@@ -34,6 +34,12 @@ class TrainConfig:
         reseed_every: reseed unused pool entries every this many pool-learning epochs (0: never).
         task_init: temporary weights of task t start from ``previous`` (task t-1's chosen kernels,
             the paper's choice), ``original`` (the weights after pool learning) or ``random``.
+        pack_base: what a task pack's indices may be stored as changes against (the smaller of
+            that and a standalone coding is kept, per layer): ``pools`` (``base.nwspack``, the
+            model at the end of pool learning, shared like the pool file: every task is small
+            and independent of the others), ``task0`` (task 0's pack, for tasks 1, 2, ...: the
+            smallest total when every task is kept, but every pack then needs task 0) or
+            ``none`` (every pack standalone).
         amp: ``auto`` (bfloat16/float16 autocast on CUDA, off on CPU), ``off``, ``bf16``, ``fp16``.
         seed: seeds model init, data order and head rows.
         deterministic: ``torch.use_deterministic_algorithms(True)`` (slower on GPU).
@@ -59,6 +65,7 @@ class TrainConfig:
     pool_lr: float | None = None
     reseed_every: int = 1
     task_init: str = "previous"
+    pack_base: str = "pools"
     amp: str = "auto"
     seed: int = 1993
     deterministic: bool = False
@@ -71,6 +78,7 @@ class TrainConfig:
             "schedule": ("step", "cosine", "constant"),
             "pool_update": ("gradient", "ema"),
             "task_init": ("previous", "original", "random"),
+            "pack_base": ("pools", "task0", "none"),
             "amp": ("auto", "off", "bf16", "fp16"),
         }
         for key, allowed in choices.items():

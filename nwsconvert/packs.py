@@ -21,9 +21,11 @@ delta-coded). Version 1 files (fixed width only) are read as before.
 A delta-coded pack decodes from the pool set, its base and itself: a base is
 never delta-coded itself, so no chain is longer than one step. The header names
 the base's file and hash; :meth:`TaskPack.load` looks for it next to the pack,
-then one folder up. Trainer runs code task 0 on its own and every later task
-against task 0 (stored anyway, so the base costs nothing extra; task t starts
-from task t-1's kernels, so most positions keep task 0's choice).
+then one folder up. Trainer runs code every task against ``base.nwspack``, the
+model at the end of pool learning, which the run keeps beside its pool file
+(each task starts from kernels chosen during pool learning and changes a few
+percent of them, so every pack is a fraction of a standalone one and depends on
+no other task); ``TrainConfig.pack_base`` selects task 0 or no base instead.
 """
 
 from __future__ import annotations

@@ -16,7 +16,16 @@ from .packs import TaskPack
 from .report import format_bytes
 from .rundir import RunDir
 
-__all__ = ["run_summary", "format_summary"]
+__all__ = ["run_summary", "format_summary", "shared_base_bytes"]
+
+
+def shared_base_bytes(manifest: dict, packs: list[TaskPack]) -> int:
+    """Bytes (indices + state) of the bases ``packs`` are delta-coded against that are
+    not tasks of the run themselves (``base.nwspack``): kept once, like the pool set.
+    A base that is a task (task 0 under ``pack_base=task0``) is counted as that task."""
+    task_shas = {e.get("sha256") for e in manifest.get("tasks", [])}
+    extra = {p.base.sha256: p.base for p in packs if p.base is not None and p.base.sha256 not in task_shas}
+    return sum(b.index_bytes + b.state_bytes for b in extra.values())
 
 
 def _task_costs(pack: TaskPack) -> dict:
@@ -37,7 +46,9 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
     """Per-task accuracy and bytes of a run, and totals beside dense finetune.
 
     Returns:
-        ``{'run', 'model', 'suite', 'pools_bytes', 'tasks': [...], 'total': {...}}``;
+        ``{'run', 'model', 'suite', 'pools_bytes', 'base_bytes', 'tasks': [...], 'total': {...}}``;
+        ``base_bytes`` is the shared pack the tasks' indices are stored against
+        (``base.nwspack``; 0 when they are standalone or coded against task 0);
         every task row has ``id, name, classes, acc, indices, state, head, total, dense``
         (bytes; ``indices`` and ``state`` without the head's share, ``head`` = head
         indices + head bias).
@@ -45,8 +56,10 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
     run = RunDir(run_dir)
     manifest = run.read()
     rows = []
+    packs = []
     for entry in sorted(manifest.get("tasks", []), key=lambda e: e["id"]):
         pack = TaskPack.load(run.path / entry["file"])
+        packs.append(pack)
         rows.append(
             {
                 "id": entry["id"],
@@ -57,7 +70,8 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
             }
         )
     pools = manifest["pools"]["bytes"] if manifest.get("pools") else 0
-    nws_total = pools + sum(r["total"] for r in rows)
+    base_bytes = shared_base_bytes(manifest, packs)
+    nws_total = pools + base_bytes + sum(r["total"] for r in rows)
     dense_total = sum(r["dense"] for r in rows)
     accs = [r["acc"] for r in rows]
     return {
@@ -65,6 +79,7 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
         "model": manifest["model"]["spec"],
         "suite": manifest.get("data", {}).get("suite"),
         "pools_bytes": pools,
+        "base_bytes": base_bytes,
         "tasks": rows,
         "total": {
             "nws_bytes": nws_total,
@@ -100,8 +115,11 @@ def format_summary(s: dict) -> str:
     out += [line(r) for r in rows]
     out.append("")
     out.append(f"pool set (shared)        {format_bytes(s['pools_bytes'])}")
+    if s.get("base_bytes"):
+        out.append(f"base pack (shared)       {format_bytes(s['base_bytes'])}   (indices after pool learning; task indices are stored as changes against it)")
     if t["tasks"]:
-        out.append(f"NWS total ({t['tasks']} tasks)     {format_bytes(t['nws_bytes'])}   (pool set + every task's indices, BN/state, head)")
+        shared = "pool set + base pack" if s.get("base_bytes") else "pool set"
+        out.append(f"NWS total ({t['tasks']} tasks)     {format_bytes(t['nws_bytes'])}   ({shared} + every task's indices, BN/state, head)")
         out.append(f"dense finetune total     {format_bytes(t['dense_finetune_bytes'])}   (one float32 model per task)")
         out.append(f"NWS is {t['ratio']:.1f}x smaller; average accuracy {100 * t['avg_acc']:.2f}%")
     else:

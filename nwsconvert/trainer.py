@@ -484,9 +484,7 @@ class Trainer:
             raise RuntimeError(f"task {task}: ranks ended with different indices or state (pack digests {digests})")
         path = self.run.pack_path(task)
         if self.dist.is_main:
-            first = next((e for e in self.manifest["tasks"] if e["id"] == 0), None)
-            if task != 0 and first is not None:  # store what changed against task 0 (see nwsconvert.packs)
-                pack.base = TaskPack.load(self.run.path / first["file"])
+            pack.base = self._pack_base(task)  # store what changed against it (see nwsconvert.packs)
             sha = pack.save(path)
         self.dist.barrier()
         rebuilt = self._rebuild(path)
@@ -526,6 +524,16 @@ class Trainer:
         if not self.dist.is_main:
             self.manifest = self.run.read()
         return metrics
+
+    def _pack_base(self, task: int) -> TaskPack | None:
+        """The pack task ``task``'s indices are delta-coded against (``config.pack_base``)."""
+        how = self.config.pack_base
+        if how == "pools":
+            return TaskPack.load(self.run.base_path)
+        first = next((e for e in self.manifest["tasks"] if e["id"] == 0), None)
+        if how == "task0" and task != 0 and first is not None:
+            return TaskPack.load(self.run.path / first["file"])
+        return None
 
     def _rebuild(self, pack_path) -> nn.Module:
         """The task's model rebuilt from the files alone (by spec; from a copy of the architecture if it has none)."""

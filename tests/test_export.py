@@ -55,14 +55,14 @@ def test_bundle_files_and_graph_structure(run, tmp_path):
     assert json.loads(meta["nwsconvert.class_names"]) == ["c0", "c1"] and json.loads(meta["nwsconvert.mean"]) == [0.5]
     assert json.loads(meta["nwsconvert.input_size"]) == [1, 16, 16]
     assert desc["tasks"]["1"]["gather_nodes"] == len(layers)
-    # Task 1 stores what changed against task 0; a bundle of task 1 alone carries task 0's
-    # pack as its base, and the pack read from the bundle decodes to the run's indices.
+    # Task 1 stores what changed against the run's base pack; a bundle of task 1 alone carries
+    # that base, and the pack read from the bundle decodes to the run's indices.
     run_pack = nwsconvert.TaskPack.load(run / "tasks" / "task_1.nwspack")
     assert any(c.startswith("delta") for c in run_pack.layer_codings().values())
-    assert run_pack.base.source.name == "task_0.nwspack"
+    assert run_pack.base.source.name == "base.nwspack"
     export_bundle(run, tmp_path / "only1", 1)
     alone = nwsconvert.TaskPack.load(tmp_path / "only1" / "task_1.nwspack")
-    assert (tmp_path / "only1" / "task_0.nwspack").is_file()
+    assert (tmp_path / "only1" / "base.nwspack").read_bytes() == (run / "base.nwspack").read_bytes()
     assert alone.content_sha256() == run_pack.content_sha256() == pack.content_sha256()
 
 

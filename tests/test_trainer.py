@@ -195,3 +195,24 @@ def test_manifest_errors_name_the_directory(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "nwsconvert.run", "version": 99}))
     with pytest.raises(nwsconvert.FormatError, match="newer"):
         nwsconvert.load(tmp_path, task=0)
+
+
+@pytest.mark.parametrize("how", ["pools", "task0", "none"])
+def test_pack_base_options(tmp_path, how):
+    """``pack_base`` decides what the packs are delta-coded against; every choice decodes to the same
+    indices as the trained model, and a task's base is never delta-coded itself."""
+    trainer = Trainer(tiny_model(), tmp_path / "r", tiny_config(epochs=1, pack_base=how), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trained = []
+    for t in range(2):
+        trainer.fit_task(t, blobs(32, 2, 5 + t), blobs(16, 2, 7 + t), 2)
+        trained.append(nwsconvert.extract_task(trainer.model).content_sha256())
+    want = {"pools": ["base.nwspack", "base.nwspack"], "task0": [None, "task_0.nwspack"], "none": [None, None]}[how]
+    for t in range(2):
+        pack = TaskPack.load(tmp_path / "r" / "tasks" / f"task_{t}.nwspack")
+        assert (pack.base.source.name if pack.base is not None else None) == want[t]
+        assert pack.base is None or pack.base.base_sha256 is None
+        assert pack.content_sha256() == trained[t]
+    if how == "pools":  # task 0 keeps most of the choices made in pool learning: stored as changes
+        assert any(c.startswith("delta") for c in TaskPack.load(tmp_path / "r" / "tasks" / "task_0.nwspack").layer_codings().values())
+    with pytest.raises(ValueError, match="pack_base"):
+        tiny_config(pack_base="task1")

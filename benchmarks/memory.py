@@ -12,6 +12,7 @@ smallest index coding per layer, see ``nwsconvert.indexcode``) beside the same
 packs at 9 bits, and the order-0 entropy of their indices.
 
     python benchmarks/memory.py --run runs/demo --json memory.json
+    python benchmarks/memory.py --archs resnet18 --run runs/demo --layers   # + every layer of every pack
 """
 
 from __future__ import annotations
@@ -123,10 +124,15 @@ def measure_run(run: str) -> dict:
         nine = sum(packed_size(l["count"], l["bits"]) for l in pack.layers)
         h0 = sum(entropy_bits(pack.indices[l["name"]].numpy()) for l in pack.layers) / 8
         limit = sum(_limit_bits(pack, l, c) for l, c in zip(pack.layers, pack.layer_codings().values())) / 8
+        stored = pack.layer_index_bytes()
+        layers = []
+        for l, c in zip(pack.layers, pack.layer_codings().values()):
+            changed = int((pack.indices[l["name"]] != pack.base.indices[l["name"]]).sum()) if c.startswith("delta") else None
+            layers.append({"name": l["name"], "kernels": l["count"], "coding": c, "changed": changed, "stored": stored[l["name"]], "limit": _limit_bits(pack, l, c) / 8})
         codings: dict[str, int] = {}
         for c in pack.layer_codings().values():
             codings[c] = codings.get(c, 0) + 1
-        rows.append({"task": entry["id"], "classes": entry["num_classes"], "kernels": sum(l["count"] for l in pack.layers), "stored_indices": pack.index_bytes, "nine_bit_indices": nine, "order0_entropy": h0, "order0_limit": limit, "state": pack.state_bytes, "file": (r.path / entry["file"]).stat().st_size, "codings": codings, "load_ms": 1e3 * min(times), "acc": entry["metrics"]["val_acc"]})
+        rows.append({"task": entry["id"], "classes": entry["num_classes"], "kernels": sum(l["count"] for l in pack.layers), "stored_indices": pack.index_bytes, "nine_bit_indices": nine, "order0_entropy": h0, "order0_limit": limit, "state": pack.state_bytes, "file": (r.path / entry["file"]).stat().st_size, "codings": codings, "load_ms": 1e3 * min(times), "acc": entry["metrics"]["val_acc"], "layers": layers})
     base = shared_base_bytes(manifest, packs)
     total = manifest["pools"]["bytes"] + base + sum(t["stored_indices"] + t["state"] for t in rows)
     return {"run": run, "model": manifest["model"]["spec"], "suite": manifest["data"].get("suite"), "pool_bytes": manifest["pools"]["bytes"], "base_bytes": base, "total": total, "tasks": rows}
@@ -136,6 +142,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--archs", nargs="*", default=list(ARCHS), help=f"default: all of {list(ARCHS)}")
     p.add_argument("--run", help="a trained run directory: add its real packs")
+    p.add_argument("--layers", action="store_true", help="with --run: also print every layer of every pack")
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args(argv)
     out = {"sequences": SEQUENCES, "results": []}
@@ -171,6 +178,15 @@ def main(argv=None) -> int:
                 f"| {t['task']} | {t['classes']} | {t['kernels']:,} | {format_bytes(t['stored_indices'])} | {format_bytes(t['nine_bit_indices'])} | "
                 f"{format_bytes(t['order0_entropy'])} | {format_bytes(t['order0_limit'])} | {t['stored_indices'] / t['order0_limit']:.3f} | {format_bytes(t['state'])} | {format_bytes(t['file'])} | {t['load_ms']:.0f} ms | {t['codings']} |"
             )
+        if a.layers:
+            for t in run["tasks"]:
+                print(f"\ntask {t['task']}, per layer (changed: positions that differ from the base, delta codings only):")
+                print("| layer | kernels | coding | changed | stored | limit | stored / limit |")
+                print("|---|---|---|---|---|---|---|")
+                for l in t["layers"]:
+                    ratio = f"{l['stored'] / l['limit']:.3f}" if l["limit"] > 0 else "–"
+                    changed = "–" if l["changed"] is None else f"{l['changed']:,}"
+                    print(f"| {l['name']} | {l['kernels']:,} | {l['coding']} | {changed} | {l['stored']:,} B | {l['limit'] + 0.0:,.0f} B | {ratio} |")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

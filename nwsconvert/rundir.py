@@ -7,7 +7,8 @@ Layout::
                                pool-set hash, tasks (names, classes, metrics, pack hashes),
                                hyperparameters, library versions
       pools.safetensors        the shared pool set
-      base.nwspack             the model at the end of pool learning (indices + state)
+      base.nwspack             the model at the end of pool learning (indices + state); the
+                               task packs store their indices as changes against it
       tasks/task_<t>.nwspack   one index pack per task
       metrics.jsonl            one JSON line per epoch and per finished stage
       checkpoints/             resumable state of the stage in progress, base weights

@@ -15,8 +15,10 @@ reads as ``self.weight`` changes:
 In training mode every forward brings ``indices`` up to date with W (exact
 nearest neighbour, re-searching only kernels that drifted past their safe
 radius, see ``search.py``) and passes the gradient of K straight through to W.
-In eval mode ``indices`` are used as stored and the gathered weight is cached
-until indices or pool change, so inference costs what the dense layer costs.
+In eval mode ``indices`` are used as stored. In both modes the gathered weight
+is cached and only the rows whose index changed are gathered again, so
+inference costs what the dense layer costs and a training step does not
+rebuild every weight.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ class _GatherSTE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
-        k = pool.index_select(0, indices).view(weight.shape)
+    def forward(ctx, weight: torch.Tensor, gathered: torch.Tensor, scale: float) -> torch.Tensor:
+        k = gathered.view(weight.shape)  # M[indices], built (or kept) by NWSWeight._gathered
         ctx.scale = scale
         if scale:
             ctx.save_for_backward(weight, k)
@@ -103,11 +105,11 @@ class _GatherSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if not ctx.scale:
-            return grad, None, None, None
+            return grad, None, None
         weight, k = ctx.saved_tensors
         out = torch.add(grad, weight, alpha=ctx.scale)
         out.sub_(k.to(out.dtype), alpha=ctx.scale)
-        return out, None, None, None
+        return out, None, None
 
 
 class NWSWeight(nn.Module):
@@ -152,8 +154,10 @@ class NWSWeight(nn.Module):
         self._budget_sq = None
         self._ones_vec = None
         self._scalar_ready = False
-        self._cache = None
-        self._cache_key = None
+        self._cache = None  # M[indices] in W's shape, kept across forwards (see _gathered)
+        self._cache_key = None  # a copy of the pool it was gathered from
+        self._cache_indices = None  # (a copy of the indices it holds, id and version of `indices` then)
+        self._handed_out = weakref.WeakSet()  # views of the cache given to callers and autograd graphs
         self._last = None  # (key, weakref to K) of the last training forward, for the commitment loss
         self._ema = None
         self._prep = None  # PreparedPool of the current pool
@@ -326,29 +330,72 @@ class NWSWeight(nn.Module):
         """``M[indices]`` reshaped to the weight's shape (no gradient to W)."""
         return self.pool.detach().index_select(0, self.indices).view(self.weight_shape)
 
+    @torch.no_grad()
+    def _gathered(self) -> torch.Tensor:
+        """``M[indices]`` in W's shape, kept between forwards.
+
+        The cache follows the pool by value (n x D floats: cheap, and edits
+        through ``.data`` count) and the indices by value whenever their
+        identity or version changed: only rows whose index differs are gathered
+        again, so a training step, which changes few of them, does not gather
+        and page in a whole weight tensor. The rewrite is in place only while
+        no tensor handed out earlier is alive (no autograd graph or caller
+        holds one); otherwise the cache is copied first, so a weight given out
+        never changes under its holder.
+        """
+        pool, idx = self.pool.detach(), self.indices
+        cache = self._cache
+        if (
+            cache is None
+            or cache.device != pool.device
+            or cache.dtype != pool.dtype
+            or tuple(cache.shape) != self.weight_shape
+            or not torch.equal(self._cache_key, pool)
+        ):
+            self._cache = self.gather()
+            self._cache_key = pool.clone()
+            self._cache_indices = (idx.clone(), id(idx), idx._version)
+            self._handed_out = weakref.WeakSet()
+            return self._cache
+        seen, seen_id, seen_version = self._cache_indices
+        if (seen_id, seen_version) == (id(idx), idx._version):
+            return cache
+        rows = (idx != seen).nonzero().squeeze(1)
+        if rows.numel():
+            if len(self._handed_out):
+                cache = self._cache = cache.clone()
+                self._handed_out = weakref.WeakSet()
+            new = idx.index_select(0, rows)
+            cache.view(-1, self.vector_size).index_copy_(0, rows, pool.index_select(0, new))
+            seen.index_copy_(0, rows, new)
+        self._cache_indices = (seen, id(idx), idx._version)
+        return cache
+
+    def _hand_out(self, k: torch.Tensor) -> torch.Tensor:
+        self._handed_out.add(k)
+        return k
+
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if self.export_gather:
             # ONNX export: Reshape(Gather(pool, Cast(indices))) stays in the traced graph.
             return self.pool.index_select(0, self.indices.to(torch.int64)).view(self.weight_shape)
         if self.training:
             self.update_indices(weight)
-            k = _GatherSTE.apply(weight, self.pool, self.indices, self._fused_scale())
+            k = self._hand_out(_GatherSTE.apply(weight, self._gathered(), self._fused_scale()))
             self._last = (self._key(), weakref.ref(k))
             return k
         if torch.is_grad_enabled() and weight.requires_grad:
             # eval() with gradients on (e.g. frozen-BN fine-tuning): stored
             # indices, gradient still reaches W.
-            return _GatherSTE.apply(weight, self.pool, self.indices, self._fused_scale())
-        key = self._key()
-        if self._cache_key != key:
-            self._cache = self.gather()
-            self._cache_key = key
-        return self._cache
+            return self._hand_out(_GatherSTE.apply(weight, self._gathered(), self._fused_scale()))
+        return self._hand_out(self._gathered().view(self.weight_shape))
 
     def invalidate_cache(self) -> None:
-        """Drop the eval-mode weight cache (done automatically when indices or pool change)."""
+        """Drop the weight cache (done automatically when indices or pool change)."""
         self._cache = None
         self._cache_key = None
+        self._cache_indices = None
+        self._handed_out = weakref.WeakSet()
 
     # ---------------------------------------------------------------- losses
     def _fused_scale(self) -> float:

@@ -109,7 +109,7 @@ def test_eval_cache_is_reused_and_invalidated():
 
 def _check_cache(layer):
     w1 = layer.module.weight
-    assert layer.module.weight is w1  # cached: no gather per forward
+    assert layer.module.weight.data_ptr() == w1.data_ptr()  # cached: no gather per forward
     layer.nws.indices[0] = (layer.nws.indices[0] + 1) % layer.nws.pool_size
     w2 = layer.module.weight
     assert w2 is not w1 and not torch.equal(w1, w2)
@@ -117,6 +117,47 @@ def _check_cache(layer):
     with torch.no_grad():
         layer.nws.pool.mul_(2)
     assert torch.equal(layer.module.weight, layer.nws.gather())
+
+
+def test_training_weight_cache_follows_changes_and_never_edits_a_held_tensor():
+    """Training forwards reuse the gathered weight and rewrite only changed rows; a weight an
+    autograd graph (or a caller) still holds is never modified: it is copied instead."""
+    torch.manual_seed(3)
+    model = nc.convert(_small_net(), pool_size=32, init="random").train()
+    layer = nc.nws_layers(model)[0]
+    x = torch.randn(2, 3, 8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ptrs, start = [], layer.nws.indices.clone()
+    for _ in range(4):  # a training loop: the graph is freed by backward before the next forward
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        with torch.no_grad():  # a larger move than these few steps make, so kernels change
+            layer.weight.add_(0.2 * torch.randn_like(layer.weight))
+        k = layer.module.weight  # this access runs the search for the new W, like a forward
+        assert torch.equal(k, layer.nws.gather())
+        ptrs.append(k.data_ptr())
+        del k
+    assert not torch.equal(layer.nws.indices, start)  # the steps changed kernels...
+    assert len(set(ptrs)) == 1  # ...in one buffer, rewritten in place
+    # Two graphs alive at once, W moved in between: the first keeps its weight and both backward.
+    y1 = model(x).sum()
+    held = layer.module.weight
+    before = held.detach().clone()
+    with torch.no_grad():
+        layer.weight.add_(torch.randn_like(layer.weight))
+    y2 = model(x).sum()
+    now = layer.module.weight
+    assert not torch.equal(now, before) and torch.equal(now, layer.nws.gather())
+    assert torch.equal(held, before) and held.data_ptr() != now.data_ptr()
+    (y1 + y2).backward()
+    # Pool edits through .data (no version bump) and index edits are followed too.
+    layer.nws.pool.data.mul_(3)
+    assert torch.equal(layer.module.weight, layer.nws.gather())
+    model.eval()
+    layer.nws.indices[:] = (layer.nws.indices + 1) % layer.nws.pool_size
+    with torch.no_grad():
+        assert torch.equal(layer.module.weight, layer.nws.gather())
 
 
 def test_eval_mode_with_gradients_keeps_indices_and_passes_gradient():

@@ -23,6 +23,7 @@ DEFAULT_JOB: dict = {
     "model_kwargs": {},  # factory keyword arguments; in_chans follows the suite for timm
     "pool_size": 512,
     "group_size": 1,  # floats per pool vector for 1x1 convs and the FC layer
+    "preset": None,  # conversion preset: nwsconvert.zoo.list_presets() or "auto"
     "init": "kmeans",  # kmeans | random | <pool file>
     "recipe": "demo",  # nwsconvert.zoo.list_recipes()
     "learn_pools": True,  # pool learning on the suite's pretraining data
@@ -42,6 +43,8 @@ keys (key=value; values are YAML: 3, 0.01, true, [50, 80], {{a: 1}}):
   model.KW=VALUE          factory keyword argument, e.g. model.drop_rate=0.1
   pool_size=N             pool entries per layer (512)
   group_size=G            floats per pool vector of 1x1 convs and the FC layer (1)
+  preset=NAME|auto        conversion preset per architecture family (nwsconvert.zoo.list_presets();
+                          auto: guessed from the model); pool_size and group_size set its fields
   init=kmeans|random|FILE pools before pool learning (kmeans of the initial weights)
   recipe=NAME             demo (default), split-cifar100, cub-to-sketches, paper-adam
   learn_pools=true|false  learn pools on the suite's pretraining data first
@@ -103,6 +106,22 @@ def resolve_job(items: list[str], base: dict | None = None) -> dict:
     return job
 
 
+def _convert_options(job: dict, model, init, seed: int) -> dict:
+    """``convert`` keyword arguments of a job: its pool and group size, through its preset if it names one."""
+    options = {"pool_size": int(job["pool_size"]), "group_size": int(job["group_size"]), "init": init, "seed": seed}
+    if job["preset"] in (None, "none"):
+        return options
+    from nwsconvert.zoo import get_preset, preset_for
+
+    name = preset_for(model) if job["preset"] == "auto" else str(job["preset"])
+    try:
+        preset = get_preset(name)
+    except KeyError as e:
+        raise SystemExit(f"nws-train: {e.args[0]} (or preset=auto)") from None
+    print(f"conversion preset {name!r}", flush=True)
+    return preset.convert_kwargs(model, **options)
+
+
 def _train_config(job: dict) -> TrainConfig:
     from nwsconvert.zoo import get_recipe
 
@@ -152,7 +171,7 @@ def run_job(job: dict, resume: bool = False) -> str:
     init = job["init"]
     if run.exists() and run.pool_path.is_file():
         init = str(run.pool_path)  # resuming: the run's own pools, no k-means again
-    convert(model, pool_size=int(job["pool_size"]), group_size=int(job["group_size"]), init=init, seed=config.seed)
+    convert(model, **_convert_options(job, model, init, config.seed))
     print(model.nws_report.table().splitlines()[0] + f"; {model.nws_report.kernels:,} kernels", flush=True)
     trainer = Trainer(
         model,

@@ -28,7 +28,7 @@ def test_help_lists_every_key(capsys):
         train_main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for key in ("suite=NAME", "suite.OPTION", "model=SPEC", "pool_size", "group_size", "recipe", "--resume", "out=DIR", "milestones", "task_init", "torchrun"):
+    for key in ("suite=NAME", "suite.OPTION", "model=SPEC", "pool_size", "group_size", "preset=NAME", "recipe", "--resume", "out=DIR", "milestones", "task_init", "torchrun"):
         assert key in out
     with pytest.raises(SystemExit):
         info_main(["--help"])
@@ -118,3 +118,19 @@ def test_same_seed_same_run(tmp_path):
         m = RunDir(tmp_path / name).read()
         shas.append((m["pools"]["sha256"], m["base"]["sha256"], [t["sha256"] for t in m["tasks"]]))
     assert shas[0] == shas[1]
+
+
+def test_preset_key_converts_with_the_family_preset_and_the_run_reloads(tmp_path, capsys):
+    out = tmp_path / "p"
+    assert train_main([*FAST, "epochs=1", "tasks=1", "preset=auto", f"out={out}"]) == 0
+    assert "conversion preset 'resnet-bottleneck'" in capsys.readouterr().out  # timm test_resnet: Bottleneck blocks
+    manifest = RunDir(out).read()
+    options = manifest["model"]["convert"]
+    assert manifest["data"]["job"]["preset"] == "auto"
+    # The preset capped the small layers' pools at their kernel count: recorded, and load() rebuilds them.
+    assert options["layer_pool_size"] and all(n < 32 for n in options["layer_pool_size"].values())
+    model = nwsconvert.load(out, task=0)
+    sizes = {l.name: l.nws.pool_size for l in nwsconvert.nws_layers(model)}
+    assert all(sizes[name] == n for name, n in options["layer_pool_size"].items())
+    with pytest.raises(SystemExit, match="unknown preset 'nope'.*preset=auto"):
+        train_main([*FAST, "preset=nope", f"out={tmp_path / 'q'}"])

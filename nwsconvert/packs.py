@@ -274,12 +274,17 @@ def _num_classes(layers) -> int | None:
 
 
 def model_spec_of(model: nn.Module) -> str:
-    """``timm:<architecture>`` for timm models, else the class's import path."""
+    """``timm:<architecture>`` for timm models, else ``<module>:<class>``.
+
+    The second form rebuilds the model only when its class needs no
+    constructor arguments besides the recorded kwargs; otherwise pass the
+    model itself (``nwsconvert.load(..., model=...)``) or a ``model_spec``.
+    """
     cfg = getattr(model, "pretrained_cfg", None)
     if isinstance(cfg, dict) and cfg.get("architecture"):
         return f"timm:{cfg['architecture']}"
     cls = type(model)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 @torch.no_grad()

@@ -59,4 +59,10 @@ def build_model(spec: str, **kwargs) -> nn.Module:
         factory = getattr(importlib.import_module(source), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"model spec {spec!r}: cannot import {name!r} from {source!r} ({e})") from None
-    return factory(**kwargs)
+    try:
+        return factory(**kwargs)
+    except TypeError as e:
+        raise ValueError(
+            f"model spec {spec!r}: {name}(**{kwargs}) failed ({e}); record a factory that needs only these "
+            "arguments (model_spec=...), or pass the unconverted model itself (nwsconvert.load(..., model=...))"
+        ) from None

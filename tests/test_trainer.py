@@ -216,3 +216,26 @@ def test_pack_base_options(tmp_path, how):
         assert any(c.startswith("delta") for c in TaskPack.load(tmp_path / "r" / "tasks" / "task_0.nwspack").layer_codings().values())
     with pytest.raises(ValueError, match="pack_base"):
         tiny_config(pack_base="task1")
+
+
+class DefaultNet(torch.nn.Sequential):
+    """A user's own model class whose constructor needs no arguments."""
+
+    def __init__(self, num_classes: int = 3):
+        super().__init__(torch.nn.Conv2d(1, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, num_classes))
+
+
+def test_recorded_spec_of_a_plain_class_rebuilds_it_or_says_what_to_do():
+    from nwsconvert.packs import model_spec_of
+    from nwsconvert.specs import build_model
+
+    spec = model_spec_of(DefaultNet())
+    assert spec == f"{__name__}:DefaultNet"
+    assert isinstance(build_model(spec, num_classes=5), DefaultNet)
+    import torchvision
+
+    spec = model_spec_of(torchvision.models.resnet18())  # ResNet(block, layers, ...) needs arguments
+    assert spec == "torchvision.models.resnet:ResNet"
+    with pytest.raises(ValueError, match="model=") as e:
+        build_model(spec, num_classes=5)
+    assert "torchvision.models.resnet:ResNet" in str(e.value)

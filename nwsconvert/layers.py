@@ -155,7 +155,7 @@ class NWSWeight(nn.Module):
         self._ones_vec = None
         self._scalar_ready = False
         self._cache = None  # M[indices] in W's shape, kept across forwards (see _gathered)
-        self._cache_key = None  # a copy of the pool it was gathered from
+        self._cache_key = None  # (a copy of the pool it was gathered from, id and version of `pool` then)
         self._cache_indices = None  # (a copy of the indices it holds, id and version of `indices` then)
         self._handed_out = weakref.WeakSet()  # views of the cache given to callers and autograd graphs
         self._last = None  # (key, weakref to K) of the last training forward, for the commitment loss
@@ -334,9 +334,8 @@ class NWSWeight(nn.Module):
     def _gathered(self) -> torch.Tensor:
         """``M[indices]`` in W's shape, kept between forwards.
 
-        The cache follows the pool by value (n x D floats: cheap, and edits
-        through ``.data`` count) and the indices by value whenever their
-        identity or version changed: only rows whose index differs are gathered
+        The cache follows the pool (see :meth:`_same_pool`) and the indices by
+        value whenever their identity or version changed: only rows whose index differs are gathered
         again, so a training step, which changes few of them, does not gather
         and page in a whole weight tensor. The rewrite is in place only while
         no tensor handed out earlier is alive (no autograd graph or caller
@@ -350,10 +349,10 @@ class NWSWeight(nn.Module):
             or cache.device != pool.device
             or cache.dtype != pool.dtype
             or tuple(cache.shape) != self.weight_shape
-            or not torch.equal(self._cache_key, pool)
+            or not self._same_pool(pool)
         ):
             self._cache = self.gather()
-            self._cache_key = pool.clone()
+            self._cache_key = (pool.clone(), id(self.pool), self.pool._version)
             self._cache_indices = (idx.clone(), id(idx), idx._version)
             self._handed_out = weakref.WeakSet()
             return self._cache
@@ -370,6 +369,18 @@ class NWSWeight(nn.Module):
             seen.index_copy_(0, rows, new)
         self._cache_indices = (seen, id(idx), idx._version)
         return cache
+
+    def _same_pool(self, pool: torch.Tensor) -> bool:
+        """Whether the cache was gathered from ``pool``: by value in training (a step costs far
+        more than comparing n x D floats, and ``.data`` edits count), by identity and version
+        in eval mode (no device sync per inference forward on a GPU)."""
+        saved, saved_id, saved_version = self._cache_key
+        if not self.training and (saved_id, saved_version) == (id(self.pool), self.pool._version):
+            return True
+        if not torch.equal(saved, pool):
+            return False
+        self._cache_key = (saved, id(self.pool), self.pool._version)
+        return True
 
     def _hand_out(self, k: torch.Tensor) -> torch.Tensor:
         self._handed_out.add(k)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .search import nearest_scalar
+
 __all__ = ["kmeans", "assign"]
 
 SEED_SAMPLE = 8192
@@ -23,7 +25,12 @@ def assign(x: torch.Tensor, centers: torch.Tensor, chunk: int = 4096) -> tuple[t
     Returns:
         ``(index, sq_dist)``: ``(N,)`` int64 and ``(N,)`` float32. Good enough for
         clustering; the exact search used by NWS layers is ``search.nearest_two``.
+        Scalars (D = 1) are assigned exactly by binary search over the sorted
+        centres (``search.nearest_scalar``) instead of an ``N x k`` product.
     """
+    if x.shape[1] == 1:  # scalars: the nearest of sorted centres by binary search, O(N log k), exact
+        idx = nearest_scalar(x, centers).to(x.device)
+        return idx, (x[:, 0] - centers[idx, 0]).square()
     c_sq = (centers * centers).sum(1)
     c_t = centers.t().contiguous()
     idx = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)

@@ -31,3 +31,16 @@ def test_duplicate_points_reseed_empty_clusters():
     assert torch.isfinite(c).all()
     # every distinct point is a centre
     assert (torch.cdist(x[:5], c).min(1).values < 1e-6).all()
+
+
+def test_scalar_assignment_is_exact():
+    """D = 1 goes through a binary search over the sorted centres: equal to brute force, ties included."""
+    g = torch.Generator().manual_seed(3)
+    c = torch.randn(64, 1, generator=g)
+    c[10] = c[3]  # a duplicate centre: the lower index wins
+    x = torch.cat([torch.randn(20000, 1, generator=g), c, (c[:-1] + c[1:]) / 2])  # + centres and midpoints
+    idx, dist = assign(x, c)
+    assert torch.equal(idx, brute_force(x, c))
+    assert torch.equal(dist, (x[:, 0] - c[idx, 0]).square())
+    centres = kmeans(torch.randn(50000, 1, generator=g), 32, generator=g)
+    assert centres.shape == (32, 1) and torch.isfinite(centres).all() and centres.unique().numel() == 32

@@ -85,6 +85,8 @@ def export_bundle(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None 
                 atomic_write_bytes(base_dst, base_bytes)
         atomic_write_bytes(pack_dst, (run.path / entry["file"]).read_bytes())
         row = {"name": entry["name"], "num_classes": entry["num_classes"], "class_names": entry.get("class_names"), "pack": pack_dst.name, "pack_bytes": pack_dst.stat().st_size}
+        if src.base is not None:
+            row.update(base=base_dst.name, base_bytes=base_dst.stat().st_size)
         if onnx:
             model = build_task_model(manifest["model"], pools, src).eval()
             shape = (data.get("channels", 3), *(data.get("input_size") or [224, 224]))

@@ -26,11 +26,15 @@ def export_main(argv: list[str] | None = None) -> int:
         description="Write a deployment bundle of a run: the shared pool file (once), the task's index pack and, "
         "with --onnx, task_<t>.onnx whose weights are rebuilt by Gather from the pool file at load time.",
     )
+    p.add_argument("run_dir", nargs="?", default=None, metavar="RUN", help="run directory (as nws-info RUN; or --run)")
     p.add_argument("--task", type=_task_arg, required=True, help="task id, or 'all'")
-    p.add_argument("--run", default=".", help="run directory (default: the current directory)")
+    p.add_argument("--run", default=None, help="run directory (default: the current directory)")
     p.add_argument("--out", default=None, help="bundle folder (default: RUN/export)")
     p.add_argument("--onnx", action="store_true", help="also write the ONNX graph of each task (opset 17)")
     args = p.parse_args(argv)
+    if args.run_dir is not None and args.run is not None and args.run_dir != args.run:
+        p.error(f"two run directories given: {args.run_dir} and --run {args.run}")
+    args.run = args.run_dir or args.run or "."
     from nwsconvert.report import format_bytes
     from nwsconvert.storage import FormatError
 
@@ -43,6 +47,9 @@ def export_main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out) if args.out else Path(args.run) / "export"
     print(f"bundle {out}: pool file {format_bytes(desc['pool_bytes'])} (shared)")
+    bases = {row["base"]: row["base_bytes"] for row in desc["tasks"].values() if "base" in row}
+    for name, size in sorted(bases.items()):
+        print(f"  {name} {format_bytes(size)} (shared: the packs store their indices as changes against it; the .onnx graphs do not need it)")
     for t, row in sorted(desc["tasks"].items(), key=lambda kv: int(kv[0])):
         extra = f", {row['onnx']} {format_bytes(row['onnx_bytes'])} ({row['gather_nodes']} Gather weights, {row['index_dtype']} indices)" if "onnx" in row else ""
         print(f"  task {t} ({row['name']}): {row['pack']} {format_bytes(row['pack_bytes'])}{extra}")

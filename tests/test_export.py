@@ -120,6 +120,11 @@ def test_stale_bundle_and_cli_errors(run, tmp_path, capsys):
     assert export_main(["--run", str(tmp_path / "nope"), "--task", "0"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert export_main(["--run", str(run), "--task", "1", "--onnx", "--out", str(tmp_path / "d")]) == 0
+    capsys.readouterr()
+    assert export_main([str(run), "--task", "1", "--out", str(tmp_path / "e")]) == 0  # RUN as nws-info takes it
+    assert (tmp_path / "e" / "task_1.nwspack").is_file()
+    assert "base.nwspack" in capsys.readouterr().out  # the shared base the pack needs is listed
+    assert json.loads((tmp_path / "e" / "bundle.json").read_text())["tasks"]["1"]["base"] == "base.nwspack"
     assert infer_main(["--bundle", str(tmp_path / "d"), "--task", "1", "--bench", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "latency" in out and "task switch" in out

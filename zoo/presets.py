@@ -61,6 +61,8 @@ from torch import nn
 from nwsconvert.convert import convert
 from nwsconvert.graph import analyse, is_weight_layer, roles_by_name
 
+from .registry import Registry
+
 __all__ = [
     "Preset",
     "LayerPlan",
@@ -213,21 +215,16 @@ class Preset:
         return convert(model, **self.convert_kwargs(model, **options))
 
 
-_PRESETS: dict[str, Callable[[], Preset]] = {}
+_PRESETS: Registry = Registry("preset", "known presets")  # name -> factory () -> Preset
 
 
-def register_preset(name: str):
+def register_preset(name: str) -> Callable[[Callable[[], Preset]], Callable[[], Preset]]:
     """Decorator: register a preset factory; its docstring becomes the preset's ``doc``."""
-
-    def deco(fn: Callable[[], Preset]):
-        _PRESETS[name] = fn
-        return fn
-
-    return deco
+    return _PRESETS.register(name)
 
 
 def list_presets() -> list[str]:
-    return sorted(_PRESETS)
+    return _PRESETS.names()
 
 
 def get_preset(name: str, **changes) -> Preset:
@@ -236,9 +233,7 @@ def get_preset(name: str, **changes) -> Preset:
     Raises:
         KeyError: unknown preset (the message lists the known ones).
     """
-    if name not in _PRESETS:
-        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(list_presets())}")
-    fn = _PRESETS[name]
+    fn = _PRESETS.lookup(name)
     preset = dataclasses.replace(fn(), name=name, doc=(fn.__doc__ or "").strip())
     return preset.replace(**changes) if changes else preset
 

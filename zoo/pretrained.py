@@ -44,6 +44,7 @@ from nwsconvert.convert import convert
 from nwsconvert.report import ConversionReport
 
 from .presets import get_preset
+from .registry import Registry
 
 __all__ = [
     "PretrainedEntry",
@@ -129,21 +130,21 @@ class PretrainedEntry:
         return ((x - mean) / std).contiguous()
 
 
-_PRETRAINED: dict[str, PretrainedEntry] = {}
+_PRETRAINED: Registry = Registry("pretrained model", "known")  # name -> PretrainedEntry
 
 
 def register_pretrained(**fields):
     """Decorator: register the decorated factory as a :class:`PretrainedEntry` (its name is the function's)."""
 
     def deco(fn):
-        _PRETRAINED[fn.__name__] = PretrainedEntry(name=fn.__name__, factory=fn, **fields)
+        _PRETRAINED.register(fn.__name__)(PretrainedEntry(name=fn.__name__, factory=fn, **fields))
         return fn
 
     return deco
 
 
 def list_pretrained() -> list[str]:
-    return sorted(_PRETRAINED)
+    return _PRETRAINED.names()
 
 
 def get_pretrained(name: str) -> PretrainedEntry:
@@ -152,9 +153,7 @@ def get_pretrained(name: str) -> PretrainedEntry:
     Raises:
         KeyError: unknown name (the message lists the known ones).
     """
-    if name not in _PRETRAINED:
-        raise KeyError(f"unknown pretrained model {name!r}; known: {', '.join(list_pretrained())}")
-    return _PRETRAINED[name]
+    return _PRETRAINED.lookup(name)
 
 
 def _adapt_input_channels(weight: torch.Tensor, in_chans: int) -> torch.Tensor:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from nwsconvert.config import TrainConfig
 
+from .registry import Registry
+
 __all__ = ["RECIPES", "get_recipe", "list_recipes"]
 
-RECIPES: dict[str, dict] = {
+RECIPES: Registry = Registry("recipe", "known recipes", {
     # Paper, Split-CIFAR-100 (ResNet-18): SGD momentum 0.9, lr 0.01, beta 0.5,
     # 100 epochs per task, lr / 10 at epochs 50 and 80, batch 32, seeds 1993-1995.
     "split-cifar100": dict(optimizer="sgd", lr=0.01, momentum=0.9, beta=0.5, epochs=100, milestones=[50, 80], batch_size=32, seed=1993),
@@ -20,11 +22,11 @@ RECIPES: dict[str, dict] = {
     "paper-adam": dict(optimizer="adam", lr=0.01, beta=0.5, epochs=100, milestones=[50], batch_size=32, seed=1993),
     # make demo: split-mnist on 2 CPU cores in a few minutes (pool learning 6 epochs, 3 per task).
     "demo": dict(optimizer="sgd", lr=0.02, momentum=0.9, beta=0.5, epochs=3, pool_epochs=6, schedule="cosine", batch_size=64, seed=1993),
-}
+})
 
 
 def list_recipes() -> list[str]:
-    return sorted(RECIPES)
+    return RECIPES.names()
 
 
 def get_recipe(name: str, **changes) -> TrainConfig:
@@ -33,6 +35,4 @@ def get_recipe(name: str, **changes) -> TrainConfig:
     Raises:
         KeyError: unknown recipe (the message lists the known ones).
     """
-    if name not in RECIPES:
-        raise KeyError(f"unknown recipe {name!r}; known recipes: {', '.join(list_recipes())}")
-    return TrainConfig.from_dict({**RECIPES[name], **changes})
+    return TrainConfig.from_dict({**RECIPES.lookup(name), **changes})

@@ -39,9 +39,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from .registry import Registry
+
 __all__ = ["Task", "TaskSuite", "get_suite", "list_suites", "register_suite"]
 
-_SUITES: dict[str, Callable[..., "TaskSuite"]] = {}
+_SUITES: Registry = Registry("task suite", "known suites")  # name -> factory (**options) -> TaskSuite
 
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 FASHION_MEAN, FASHION_STD = (0.2860,), (0.3530,)
@@ -104,18 +106,13 @@ class TaskSuite:
         }
 
 
-def register_suite(name: str):
+def register_suite(name: str) -> Callable[[Callable[..., "TaskSuite"]], Callable[..., "TaskSuite"]]:
     """Decorator: register a suite factory under ``name``."""
-
-    def deco(fn):
-        _SUITES[name] = fn
-        return fn
-
-    return deco
+    return _SUITES.register(name)
 
 
 def list_suites() -> list[str]:
-    return sorted(_SUITES)
+    return _SUITES.names()
 
 
 def get_suite(name: str, **options) -> TaskSuite:
@@ -125,9 +122,7 @@ def get_suite(name: str, **options) -> TaskSuite:
         KeyError: unknown suite (the message lists the known ones).
         FileNotFoundError: the suite's data is not on this machine (the message says how to get it).
     """
-    if name not in _SUITES:
-        raise KeyError(f"unknown task suite {name!r}; known suites: {', '.join(list_suites())}")
-    suite = _SUITES[name](**options)
+    suite = _SUITES.lookup(name)(**options)
     suite.options = dict(options)
     return suite
 

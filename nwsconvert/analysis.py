@@ -46,7 +46,7 @@ import torch
 from .packs import TaskPack
 from .pools import PoolSet
 from .rundir import RunDir
-from .summary import shared_base_bytes
+from .summary import shared_base_bytes, task_bytes
 
 __all__ = [
     "selection_counts",
@@ -122,32 +122,6 @@ def layer_stats(indices: torch.Tensor | Sequence[int], pool_size: int) -> dict:
         "max_rate": max(counts) / d if d else 0.0,
         "entropy_bits": index_entropy(counts),
         "counts": counts,
-    }
-
-
-def _owner(state_key: str) -> str:
-    return state_key.rsplit(".", 1)[0]
-
-
-def task_bytes(pack: TaskPack) -> dict:
-    """Stored bytes of one task, split as ``nws-info`` splits them.
-
-    Returns:
-        ``{'indices', 'state', 'head', 'total'}`` (ints): ``indices`` and ``state``
-        without the head's share, ``head`` = head index bytes + head state bytes
-        (its bias), ``total`` = all indices + all state.
-    """
-    heads = {r["name"] for r in pack.layers if r["role"] == "head"}
-    per_layer = pack.layer_index_bytes()
-    index_head = sum(b for name, b in per_layer.items() if name in heads)
-    index_all = sum(per_layer.values())
-    state_head = sum(t.numel() * t.element_size() for k, t in pack.state.items() if _owner(k) in heads)
-    state_all = pack.state_bytes
-    return {
-        "indices": index_all - index_head,
-        "state": state_all - state_head,
-        "head": index_head + state_head,
-        "total": index_all + state_all,
     }
 
 

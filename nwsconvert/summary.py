@@ -16,7 +16,7 @@ from .packs import TaskPack
 from .report import format_bytes
 from .rundir import RunDir
 
-__all__ = ["run_summary", "format_summary", "shared_base_bytes"]
+__all__ = ["run_summary", "format_summary", "shared_base_bytes", "task_bytes"]
 
 
 def shared_base_bytes(manifest: dict, packs: list[TaskPack]) -> int:
@@ -28,18 +28,31 @@ def shared_base_bytes(manifest: dict, packs: list[TaskPack]) -> int:
     return sum(b.index_bytes + b.state_bytes for b in extra.values())
 
 
-def _task_costs(pack: TaskPack) -> dict:
+def task_bytes(pack: TaskPack) -> dict:
+    """Stored bytes of one task, split as ``nws-info`` splits them.
+
+    Returns:
+        ``{'indices', 'state', 'head', 'total'}`` (ints): ``indices`` and ``state``
+        without the head's share, ``head`` = head index bytes + head state bytes
+        (its bias), ``total`` = all indices + all state.
+    """
     heads = {r["name"] for r in pack.layers if r["role"] == "head"}
-    index_head = sum(b for name, b in pack.layer_index_bytes().items() if name in heads)
+    per_layer = pack.layer_index_bytes()
+    index_head = sum(b for name, b in per_layer.items() if name in heads)
+    index_all = sum(per_layer.values())
     state_head = sum(t.numel() * t.element_size() for k, t in pack.state.items() if k.rsplit(".", 1)[0] in heads)
-    dense_weights = sum(4 * math.prod(r["shape"]) for r in pack.layers)
     return {
-        "indices": pack.index_bytes - index_head,
+        "indices": index_all - index_head,
         "state": pack.state_bytes - state_head,
         "head": index_head + state_head,
-        "total": pack.index_bytes + pack.state_bytes,
-        "dense": dense_weights + pack.state_bytes,
+        "total": index_all + pack.state_bytes,
     }
+
+
+def _task_costs(pack: TaskPack) -> dict:
+    """:func:`task_bytes` plus ``dense``: the same task as one float32 model (every weight + the state)."""
+    dense_weights = sum(4 * math.prod(r["shape"]) for r in pack.layers)
+    return {**task_bytes(pack), "dense": dense_weights + pack.state_bytes}
 
 
 def run_summary(run_dir: str | os.PathLike) -> dict:

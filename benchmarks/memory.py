@@ -123,12 +123,12 @@ def measure_run(run: str) -> dict:
             times.append(time.perf_counter() - tic)
         nine = sum(packed_size(l["count"], l["bits"]) for l in pack.layers)
         h0 = sum(entropy_bits(pack.indices[l["name"]].numpy()) for l in pack.layers) / 8
-        limit = sum(_limit_bits(pack, l, c) for l, c in zip(pack.layers, pack.layer_codings().values())) / 8
         stored = pack.layer_index_bytes()
         layers = []
         for l, c in zip(pack.layers, pack.layer_codings().values()):
             changed = int((pack.indices[l["name"]] != pack.base.indices[l["name"]]).sum()) if c.startswith("delta") else None
             layers.append({"name": l["name"], "kernels": l["count"], "coding": c, "changed": changed, "stored": stored[l["name"]], "limit": _limit_bits(pack, l, c) / 8})
+        limit = sum(l["limit"] for l in layers)
         codings: dict[str, int] = {}
         for c in pack.layer_codings().values():
             codings[c] = codings.get(c, 0) + 1

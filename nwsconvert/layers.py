@@ -30,18 +30,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .search import DEFAULT_CHUNK, PreparedPool, nearest_scalar, nearest_two
+from .search import DEFAULT_CHUNK, PreparedPool, nearest_scalar, nearest_two, round_f32
 
 __all__ = ["NWSWeight", "index_bits"]
 
-
-_NEG_INF = torch.tensor(float("-inf"))
 
 #: dtype of the lazy search's reference copy of W. float32 makes the copy exact
 #: (no budget lost to rounding); float16 halves its memory but every row whose
 #: safe radius is below its own rounding error is re-searched at every step.
 REF_DTYPE = torch.float32
 
+
+#: Weight dtypes whose values are all exact float32 values.
+_F32_EXACT = (torch.float32, torch.float16, torch.bfloat16)
 
 _SCRATCH: dict = {}
 
@@ -60,12 +61,6 @@ def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _round_down_f32(x: torch.Tensor) -> torch.Tensor:
-    """float64 -> float32, never rounding up."""
-    r32 = x.float()
-    return torch.where(r32.double() > x, torch.nextafter(r32, _NEG_INF.to(r32.device)), r32)
-
-
 def _budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Squared movement budget per row, float32, never rounded up; -1 where none is left.
 
@@ -74,9 +69,11 @@ def _budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor) -> to
             searched rows. ref: ``(b, D)`` their stored copies (drift is measured
             from ``ref``, so any rounding of the copy is spent here).
     """
-    err = torch.linalg.vector_norm(vec.double() - ref.double(), dim=1)
-    left = radius - err * (1 + 1e-6)
-    return torch.where(left > 0, _round_down_f32(left * left), torch.full_like(left, -1.0).float())
+    if ref.dtype == vec.dtype:  # an exact copy: no rounding to spend
+        left = radius
+    else:
+        left = radius - torch.linalg.vector_norm(vec.double() - ref.double(), dim=1) * (1 + 1e-6)
+    return torch.where(left > 0, round_f32(left * left, up=False), torch.full_like(left, -1.0).float())
 
 
 def index_bits(pool_size: int) -> int:
@@ -157,6 +154,7 @@ class NWSWeight(nn.Module):
         self._cache = None  # M[indices] in W's shape, kept across forwards (see _gathered)
         self._cache_key = None  # (a copy of the pool it was gathered from, id and version of `pool` then)
         self._cache_indices = None  # (a copy of the indices it holds, id and version of `indices` then)
+        self._touched = None  # (rows, id, version before, version after) of the last lazy index update
         self._handed_out = weakref.WeakSet()  # views of the cache given to callers and autograd graphs
         self._last = None  # (key, weakref to K) of the last training forward, for the commitment loss
         self._ema = None
@@ -255,34 +253,45 @@ class NWSWeight(nn.Module):
             self.full_search(weight)
             return
         prep = self._prepared()
-        x = weight.detach().reshape(-1).to(torch.float64)
-        inside = (prep.lo.index_select(0, self.indices) < x) & (x < prep.hi.index_select(0, self.indices))
+        x = weight.detach().reshape(-1)
+        if x.dtype in _F32_EXACT:  # every value is a float32: float32 cell bounds are exact
+            lo, hi, x = prep.lo32, prep.hi32, x.float()
+        else:
+            lo, hi, x = prep.lo, prep.hi, x.double()
+        inside = (lo.index_select(0, self.indices) < x) & (x < hi.index_select(0, self.indices))
         rows = (~inside).nonzero().squeeze(1)  # NaN counts as outside
         if rows.numel():
-            self.indices.index_copy_(0, rows, nearest_scalar(x.index_select(0, rows), prep).to(self.indices.dtype))
+            self._set_indices(rows, nearest_scalar(x.index_select(0, rows), prep))
         self.stats = {"searched": rows.numel(), "total": self.num_vectors, "exact_rows": 0}
 
     @torch.no_grad()
-    def _track_pool(self) -> None:
+    def _track_pool(self) -> PreparedPool | None:
         """Take the largest pool-entry movement since the last look off every row's budget.
 
         Measured by value at every update (n x D floats), so pool edits of any
         kind, ``.data`` included, are accounted for.
+
+        Returns:
+            The search tables of the current pool, or ``None`` when the lazy-search
+            state was dropped (the caller searches everything).
         """
         pool = self.pool.detach()
         seen = self._prep  # the pool as the budgets last accounted for it
         if self._ref is None or seen is None or seen.pool.shape != pool.shape or seen.pool.device != pool.device:
             self.reset_search()  # the next update searches everything against the new pool
-            return
+            return None
+        if torch.equal(seen.pool, pool.float()):  # the usual case in task mode
+            return seen
         move = float((pool.float() - seen.pool).norm(dim=1).max())
-        if move > 0:
+        if move != 0:  # NaN counts as movement: every budget is dropped
             # Every row's budget shrinks by the largest entry movement (1e-5
             # relative slack covers the float32 norm), computed in float64 and
             # rounded down.
             left = self._budget_sq.double().clamp_min(0).sqrt() - move * (1 + 1e-5)
             left = torch.where(self._budget_sq > 0, left, torch.full_like(left, -1.0))
-            self._budget_sq = torch.where(left > 0, _round_down_f32(left * left), torch.full_like(left, -1.0).float())
+            self._budget_sq = torch.where(left > 0, round_f32(left * left, up=False), torch.full_like(left, -1.0).float())
             self._prep = PreparedPool(pool)
+        return self._prep
 
     @torch.no_grad()
     def update_indices(self, weight: torch.Tensor) -> None:
@@ -300,8 +309,8 @@ class NWSWeight(nn.Module):
             self._update_vectors(weight)
 
     def _update_vectors(self, weight: torch.Tensor) -> None:
-        self._track_pool()
-        if self._ref is None or self._ref.shape[0] != self.num_vectors or self._ref.device != weight.device:
+        prep = self._track_pool()
+        if prep is None or self._ref.shape[0] != self.num_vectors or self._ref.device != weight.device:
             self.full_search(weight)
             return
         vec = self._vectors(weight)
@@ -318,12 +327,19 @@ class NWSWeight(nn.Module):
             self.full_search(weight)
             return
         sub = vec.index_select(0, rows)
-        res = nearest_two(sub, self._prepared(), self.chunk)
+        res = nearest_two(sub, prep, self.chunk)
         ref = sub.to(REF_DTYPE)
-        self.indices.index_copy_(0, rows, res.index.to(self.indices.dtype))
+        self._set_indices(rows, res.index)
         self._budget_sq.index_copy_(0, rows, _budget_sq(res.radius, sub, ref))
         self._ref.index_copy_(0, rows, ref)
         self.stats = {"searched": count, "total": self.num_vectors, "exact_rows": res.exact_rows}
+
+    def _set_indices(self, rows: torch.Tensor, new: torch.Tensor) -> None:
+        """``indices[rows] = new``, remembered so that :meth:`_gathered` compares only these rows."""
+        idx = self.indices
+        before = idx._version
+        idx.index_copy_(0, rows, new.to(idx.dtype))
+        self._touched = (rows, id(idx), before, idx._version)
 
     # --------------------------------------------------------------- forward
     def gather(self) -> torch.Tensor:
@@ -359,7 +375,13 @@ class NWSWeight(nn.Module):
         seen, seen_id, seen_version = self._cache_indices
         if (seen_id, seen_version) == (id(idx), idx._version):
             return cache
-        rows = (idx != seen).nonzero().squeeze(1)
+        touched = self._touched
+        if touched is not None and touched[1:] == (seen_id, seen_version, idx._version) and seen_id == id(idx):
+            # The only change since the cache was brought up to date: one lazy update of these rows.
+            cand = touched[0]
+            rows = cand.masked_select(idx.index_select(0, cand) != seen.index_select(0, cand))
+        else:
+            rows = (idx != seen).nonzero().squeeze(1)
         if rows.numel():
             if len(self._handed_out):
                 cache = self._cache = cache.clone()

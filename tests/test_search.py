@@ -9,7 +9,7 @@ from torch import nn
 
 import nwsconvert as nc
 from nwsconvert.layers import NWSWeight
-from nwsconvert.search import brute_force, nearest_scalar, nearest_two, scalar_cells
+from nwsconvert.search import SMALL_BATCH, brute_force, nearest_scalar, nearest_two, scalar_cells
 
 
 def test_brute_force_matches_numpy_reference():
@@ -37,12 +37,13 @@ def test_ties_go_to_the_lowest_index():
     pool = torch.cat([base, base, base[:5]])  # every vector present two or three times
     x = torch.cat([base, base[:5] + 1e-3, (base[:10] + base[10:20]) / 2])  # exact hits, near hits, midpoints
     x = torch.cat([x, torch.randn(100, 9, generator=g)])  # > SMALL_BATCH rows: the float32 path
-    for rows in (x, x[:30]):  # float32 + certification, and the small-batch float64 path
+    for rows in (x, x[:SMALL_BATCH + 5], x[:SMALL_BATCH]):  # float32 + certification, and the small-batch float64 path
         res = nearest_two(rows, pool)
         assert torch.equal(res.index, brute_force(rows, pool))
-        assert (res.index[:20] == torch.arange(20)).all()  # exact duplicates: lowest index
-        assert (res.radius[:20] == 0).all()  # ties have no safe radius
-        assert res.exact_rows >= 20  # ties were decided in float64
+        ties = min(20, rows.shape[0])
+        assert (res.index[:ties] == torch.arange(ties)).all()  # exact duplicates: lowest index
+        assert (res.radius[:ties] == 0).all()  # ties have no safe radius
+        assert res.exact_rows >= ties  # ties were decided in float64
 
 
 def test_radius_is_safe():
@@ -73,6 +74,36 @@ def test_scalar_search_and_cells():
     # through idx); exact midpoints are ties and lie in no cell.
     assert inside[:20000].float().mean() > 0.9
     assert not inside[-mids.numel():].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scalar_lazy_update_at_cell_borders(dtype):
+    """Values just inside, on and just outside every cell border keep or change their entry
+    exactly as brute force says (float32 weights use float32-rounded borders)."""
+    g = torch.Generator().manual_seed(11)
+    pool = torch.cat([torch.arange(8) / 64, torch.randn(56, generator=g) * 0.3])  # exact and inexact midpoints
+    sp = pool.double().unique()
+    mids = ((sp[1:] + sp[:-1]) / 2).to(dtype)  # float32: the border rounded to nearest
+    inf = torch.tensor(float("inf"), dtype=dtype)
+    borders = torch.cat([mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf)])
+    w = nn.Parameter(torch.randn(borders.numel(), 1, generator=g, dtype=dtype) * 0.3)
+    nws = NWSWeight(w, 1, pool.to(dtype)[:, None])
+    lo, hi = scalar_cells(pool.to(dtype))
+    k = mids.numel()
+    for shift in (0, 1, 2, 3):  # rows [0, k) jump between borders; the rest sit beside theirs
+        values = borders.clone()
+        values[:k] = values[:k].roll(shift)
+        with torch.no_grad():
+            w.copy_(values[:, None])
+        before = nws.indices.long().clone()
+        nws(w)
+        assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool)), shift
+        # Exactly the rows that left their cell (decided in float64) were searched again.
+        x = values.double()
+        left = ~((lo[before] < x) & (x < hi[before]))
+        assert nws.stats["searched"] == int(left.sum()), shift
+        if shift:
+            assert 0 < nws.stats["searched"] <= k  # the lazy path decided; no row beside a border moved
 
 
 def _layer(weight: torch.Tensor, dim: int, n: int, seed: int = 0) -> tuple[nn.Parameter, NWSWeight]:

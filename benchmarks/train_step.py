@@ -3,7 +3,9 @@
     python benchmarks/train_step.py [--model resnet18] [--batch 64] [--size 32] [--rounds 30]
 
 Time: dense and NWS steps interleaved in one process (same threads, same
-machine state), median of ``--rounds`` each after warm-up. A step is
+machine state), median of ``--rounds`` each after warm-up; also the median of
+the per-round ratios (NWS step / the dense step just before it), which drifts
+less when the machine's speed changes during the run. A step is
 forward + cross-entropy (+ commitment loss for NWS) + backward + SGD
 (momentum 0.9, lr 0.01, as in the paper), so W drifts as in real training
 and the lazy search does real work.
@@ -148,8 +150,9 @@ def main():
 
     print(f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, {args.device}, "
           f"torch {torch.__version__}")
+    paired = statistics.median(n / d for n, d in zip(times["nws"], times["dense"]))
     print(f"step time   dense {td * 1e3:8.1f} ms   NWS {tn * 1e3:8.1f} ms   ratio {tn / td:.2f}x "
-          f"(median of {args.rounds}, interleaved)")
+          f"(median of {args.rounds}, interleaved; median of per-round ratios {paired:.2f}x)")
     print(f"commitment: {'autograd MSE (--unfused)' if args.unfused else 'fused into the backward'}")
     print(f"kernels re-searched per step: median {statistics.median(searched) * 100:.2f} %")
     d, n = mem["dense"], mem["nws"]

@@ -49,9 +49,10 @@ class PreparedPool:
     Attributes:
         pool: ``(n, D)`` float32. pool_t: ``(D, n)`` contiguous. pool_sq: ``(n,)``
         squared norms. max_pool_sq: their maximum (a Python float). pool64_t:
-        ``(D, n)`` float64 NumPy array for the exact fallback. For D = 1 also ``uniq`` (sorted distinct values, float64), ``rep`` (the
-        lowest index holding each), the Voronoi cells ``lo``, ``hi`` (float64, ``(n,)``)
-        and ``lo32``, ``hi32``: the same cells for float32 values.
+        ``(D, n)`` float64 NumPy array for the exact fallback. For D = 1 also
+        ``uniq`` (sorted distinct values, float64), ``rep`` (the lowest index
+        holding each), the Voronoi cells ``lo``, ``hi`` (float64, ``(n,)``) and
+        ``lo32``, ``hi32``: the same cells for float32 values.
     """
 
     def __init__(self, pool: torch.Tensor):

@@ -282,15 +282,15 @@ class NWSWeight(nn.Module):
             return None
         if torch.equal(seen.pool, pool.float()):  # the usual case in task mode
             return seen
+        # The pool changed (a norm that underflows to 0 still counts; NaN drops
+        # every budget): every row's budget shrinks by the largest entry movement
+        # (1e-5 relative slack covers the float32 norm), computed in float64 and
+        # rounded down, and the search tables follow the new pool.
         move = float((pool.float() - seen.pool).norm(dim=1).max())
-        if move != 0:  # NaN counts as movement: every budget is dropped
-            # Every row's budget shrinks by the largest entry movement (1e-5
-            # relative slack covers the float32 norm), computed in float64 and
-            # rounded down.
-            left = self._budget_sq.double().clamp_min(0).sqrt() - move * (1 + 1e-5)
-            left = torch.where(self._budget_sq > 0, left, torch.full_like(left, -1.0))
-            self._budget_sq = torch.where(left > 0, round_f32(left * left, up=False), torch.full_like(left, -1.0).float())
-            self._prep = PreparedPool(pool)
+        left = self._budget_sq.double().clamp_min(0).sqrt() - move * (1 + 1e-5)
+        left = torch.where(self._budget_sq > 0, left, torch.full_like(left, -1.0))
+        self._budget_sq = torch.where(left > 0, round_f32(left * left, up=False), torch.full_like(left, -1.0).float())
+        self._prep = PreparedPool(pool)
         return self._prep
 
     @torch.no_grad()

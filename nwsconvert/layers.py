@@ -26,11 +26,12 @@ from __future__ import annotations
 import math
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .search import DEFAULT_CHUNK, PreparedPool, nearest_scalar, nearest_two, round_f32
+from .search import DEFAULT_CHUNK, PreparedPool, flat_nonzero, nearest_scalar, nearest_two, round_down_f32
 
 __all__ = ["NWSWeight", "index_bits"]
 
@@ -43,6 +44,9 @@ REF_DTYPE = torch.float32
 
 #: Weight dtypes whose values are all exact float32 values.
 _F32_EXACT = (torch.float32, torch.float16, torch.bfloat16)
+
+#: Float dtypes NumPy holds (not bfloat16).
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 _SCRATCH: dict = {}
 
@@ -62,7 +66,7 @@ def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def _budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Squared movement budget per row, float32, never rounded up; -1 where none is left.
+    """Squared movement budget per row, float32, never rounded up; <= 0 (or NaN) where none is left.
 
     Args:
         radius: ``(b,)`` float64 safe radii from the search. vec: ``(b, D)`` the
@@ -73,7 +77,15 @@ def _budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor) -> to
         left = radius
     else:
         left = radius - torch.linalg.vector_norm(vec.double() - ref.double(), dim=1) * (1 + 1e-6)
-    return torch.where(left > 0, round_f32(left * left, up=False), torch.full_like(left, -1.0).float())
+    return round_down_f32(left.clamp_min(0).square())
+
+
+def _rows_not_below(value: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Rows where ``value < bound`` fails (NaN included), ``(k,)`` int64 ascending."""
+    if value.device.type == "cpu" and value.dtype in _NUMPY_FLOATS and bound.dtype in _NUMPY_FLOATS:
+        # NumPy: about 3x faster than torch's compare + nonzero here.
+        return torch.from_numpy(np.flatnonzero(~np.less(value.numpy(), bound.numpy())))
+    return (~(value < bound)).nonzero().squeeze(1)
 
 
 def index_bits(pool_size: int) -> int:
@@ -144,7 +156,7 @@ class NWSWeight(nn.Module):
         self.register_buffer("indices", torch.zeros(self.num_vectors, dtype=torch.int32, device=weight.device))
         # Lazy-search state (D > 1): each row's W at its last search, and the
         # squared distance it may still move before its nearest entry can change
-        # (float32, rounded down, shrunk by pool movement; -1: search again).
+        # (float32, rounded down, shrunk by pool movement; <= 0 or NaN: search again).
         # Plain attributes, not buffers: .half() or .to() must not round them;
         # after a device move the next update searches everything.
         self._ref = None
@@ -259,7 +271,7 @@ class NWSWeight(nn.Module):
         else:
             lo, hi, x = prep.lo, prep.hi, x.double()
         inside = (lo.index_select(0, self.indices) < x) & (x < hi.index_select(0, self.indices))
-        rows = (~inside).nonzero().squeeze(1)  # NaN counts as outside
+        rows = flat_nonzero(~inside)  # NaN counts as outside
         if rows.numel():
             self._set_indices(rows, nearest_scalar(x.index_select(0, rows), prep))
         self.stats = {"searched": rows.numel(), "total": self.num_vectors, "exact_rows": 0}
@@ -289,7 +301,7 @@ class NWSWeight(nn.Module):
         move = float((pool.float() - seen.pool).norm(dim=1).max())
         left = self._budget_sq.double().clamp_min(0).sqrt() - move * (1 + 1e-5)
         left = torch.where(self._budget_sq > 0, left, torch.full_like(left, -1.0))
-        self._budget_sq = torch.where(left > 0, round_f32(left * left, up=False), torch.full_like(left, -1.0).float())
+        self._budget_sq = round_down_f32(left.clamp_min(0).square())
         self._prep = PreparedPool(pool)
         return self._prep
 
@@ -318,7 +330,7 @@ class NWSWeight(nn.Module):
         # Squared drift per row: a matrix-vector product sums rows of D far faster
         # than a reduction over a short inner dimension on CPU.
         drift_sq = torch.mv(diff.square_(), self._ones(diff))
-        rows = (~(drift_sq < self._budget_sq)).nonzero().squeeze(1)  # NaN counts as drifted
+        rows = _rows_not_below(drift_sq, self._budget_sq)  # NaN counts as drifted
         count = rows.numel()
         if count == 0:
             self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
@@ -381,7 +393,7 @@ class NWSWeight(nn.Module):
             cand = touched[0]
             rows = cand.masked_select(idx.index_select(0, cand) != seen.index_select(0, cand))
         else:
-            rows = (idx != seen).nonzero().squeeze(1)
+            rows = flat_nonzero(idx != seen)
         if rows.numel():
             if len(self._handed_out):
                 cache = self._cache = cache.clone()

@@ -8,8 +8,16 @@ import torch
 from torch import nn
 
 import nwsconvert as nc
-from nwsconvert.layers import NWSWeight
-from nwsconvert.search import SMALL_BATCH, brute_force, nearest_scalar, nearest_two, scalar_cells
+from nwsconvert.layers import NWSWeight, _rows_not_below
+from nwsconvert.search import (
+    FLOAT64_ROWS,
+    brute_force,
+    flat_nonzero,
+    nearest_scalar,
+    nearest_two,
+    round_down_f32,
+    scalar_cells,
+)
 
 
 def test_brute_force_matches_numpy_reference():
@@ -22,10 +30,11 @@ def test_brute_force_matches_numpy_reference():
 
 @pytest.mark.parametrize("dim", [1, 2, 9, 49])
 @pytest.mark.parametrize("n", [2, 7, 512])
-def test_nearest_two_equals_brute_force(dim, n):
+@pytest.mark.parametrize("rows", [FLOAT64_ROWS + 1000, 600])  # the float32 search, the float64 one
+def test_nearest_two_equals_brute_force(dim, n, rows):
     g = torch.Generator().manual_seed(dim * 1000 + n)
     pool = torch.randn(n, dim, generator=g) * 0.05
-    x = torch.randn(5000, dim, generator=g) * 0.06
+    x = torch.randn(rows, dim, generator=g) * 0.06
     res = nearest_two(x, pool, chunk=777)  # odd chunk: blocks do not align with anything
     assert torch.equal(res.index, brute_force(x, pool))
     assert (res.radius >= 0).all()
@@ -36,8 +45,9 @@ def test_ties_go_to_the_lowest_index():
     base = torch.randn(20, 9, generator=g)
     pool = torch.cat([base, base, base[:5]])  # every vector present two or three times
     x = torch.cat([base, base[:5] + 1e-3, (base[:10] + base[10:20]) / 2])  # exact hits, near hits, midpoints
-    x = torch.cat([x, torch.randn(100, 9, generator=g)])  # > SMALL_BATCH rows: the float32 path
-    for rows in (x, x[:SMALL_BATCH + 5], x[:SMALL_BATCH]):  # float32 + certification, and the small-batch float64 path
+    x = torch.cat([x, torch.randn(100, 9, generator=g)])
+    big = torch.cat([x, torch.randn(FLOAT64_ROWS, 9, generator=g)])
+    for rows in (big, x, x[:20]):  # the float32 search, the float64 one, ties alone
         res = nearest_two(rows, pool)
         assert torch.equal(res.index, brute_force(rows, pool))
         ties = min(20, rows.shape[0])
@@ -46,16 +56,64 @@ def test_ties_go_to_the_lowest_index():
         assert res.exact_rows >= ties  # ties were decided in float64
 
 
-def test_radius_is_safe():
+def test_near_ties_at_every_scale():
+    """Margins from 2^-20 down to 2^-60 of the distance: certified where float64 can tell
+    them apart, decided by the definition (ties: lowest index) where it cannot."""
+    pool = torch.zeros(8, 9)
+    pool[0, 0], pool[1, 0] = -1.0, 1.0  # entry 0, the lower index, is the farther one for x[0] > 0
+    pool[2:, 1:] = torch.randn(6, 8, generator=torch.Generator().manual_seed(14)) + 5  # far away
+    eps = torch.tensor([2.0**-k for k in range(20, 61)] + [0.0])
+    x = torch.zeros(eps.numel(), 9)
+    x[:, 0], x[:, 1] = eps, 0.5
+    big = torch.cat([x, torch.randn(FLOAT64_ROWS, 9)])
+    for rows in (x, big):  # the float64 search, the float32 one
+        res = nearest_two(rows, pool)
+        expect = brute_force(rows, pool)
+        assert torch.equal(res.index, expect)
+        assert expect[0] == 1 and expect[eps.numel() - 1] == 0  # resolved, and an exact tie
+    assert 0 < nearest_two(x, pool).exact_rows < eps.numel()  # float64 certified some, not all
+
+
+@pytest.mark.parametrize("rows", [2000, 600])  # the float32 search, the float64 one
+def test_radius_is_safe(rows):
     """Any move shorter than the radius keeps the nearest entry."""
     g = torch.Generator().manual_seed(3)
     pool = torch.randn(64, 9, generator=g)
-    x = torch.randn(2000, 9, generator=g)
+    x = torch.randn(rows, 9, generator=g)
     res = nearest_two(x, pool)
-    direction = torch.randn(2000, 9, generator=g)
+    direction = torch.randn(rows, 9, generator=g)
     direction /= direction.norm(dim=1, keepdim=True)
     moved = x + direction * (res.radius.float() * 0.999)[:, None]
     assert torch.equal(brute_force(moved, pool), res.index)
+
+
+def test_round_down_f32_never_rounds_up():
+    """Budgets are float32 and must never exceed the float64 value: normal and subnormal
+    float32 results, exact float32 inputs and inputs just beside them."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.exp(torch.empty(200_000, dtype=torch.float64).uniform_(-110, 80, generator=g))  # 1e-48 .. 5e34
+    f32 = x.float().double()  # exact float32 values
+    x = torch.cat([x, f32, torch.nextafter(f32, torch.tensor(0.0, dtype=torch.float64)), f32 * (1 + 2.0**-40)])
+    r = round_down_f32(x)
+    assert r.dtype == torch.float32
+    assert (r.double() <= x).all()
+    assert (r.double() >= x * (1 - 2.0**-21) - 2.0**-148).all()  # and it loses almost nothing
+    special = round_down_f32(torch.tensor([0.0, float("nan")], dtype=torch.float64))
+    assert special[0] < 0 and special[1].isnan()  # no budget left: the row is searched again
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_flat_nonzero_and_rows_not_below(dtype):
+    g = torch.Generator().manual_seed(13)
+    mask = torch.rand(10_000, generator=g) < 0.1
+    assert torch.equal(flat_nonzero(mask), mask.nonzero().squeeze(1))
+    assert flat_nonzero(torch.zeros(5, dtype=torch.bool)).dtype == torch.int64
+    value = torch.rand(10_000, generator=g).to(dtype)
+    bound = torch.rand(10_000, generator=g).float()
+    value[::97] = float("nan")
+    value[::89] = bound[::89].to(dtype)  # equal: not below
+    expect = (~(value.float() < bound)).nonzero().squeeze(1)
+    assert torch.equal(_rows_not_below(value, bound), expect)
 
 
 def test_scalar_search_and_cells():

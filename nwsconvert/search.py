@@ -10,13 +10,14 @@ replaced by its nearest pool vector in L2. Two entry points:
   materialised), takes the two smallest, and certifies the winner with a
   rounding-error bound. Rows whose top-2 gap is inside the bound (near-ties,
   exact ties) are recomputed with the float64 definition, so the result equals
-  :func:`brute_force` exactly.
+  :func:`brute_force` exactly. Small CPU batches (the rows a lazy update
+  re-searches) take the same steps in float64, in NumPy.
 
 It also returns each row's *safe radius*: half the gap between the nearest and
 second-nearest distance, shrunk by the error bound. While a row moves less
 than its radius (plus the largest pool-entry movement), no other pool vector
-can become its nearest, so it need not be searched again. :class:`LazySearch`
-in ``layers.py`` uses that.
+can become its nearest, so it need not be searched again. The lazy update of
+:class:`~nwsconvert.layers.NWSWeight` uses that.
 """
 
 from __future__ import annotations
@@ -316,7 +317,8 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
         ``(D + 4) * u * 2 * (||x||^2 + max ||m||^2)`` (u = 2^-24, standard dot
         product bound, with a factor 2 of slack for BLAS blocking). A winner
         whose margin over the runner-up exceeds twice that is the true argmin;
-        the rest go to the float64 fallback.
+        the rest go to the float64 fallback. On CPU, batches of up to
+        :data:`FLOAT64_ROWS` rows use the same bound in float64 (u = 2^-53).
     """
     prep = _prepared(pool)
     pool = prep.pool

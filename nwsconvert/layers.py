@@ -300,8 +300,8 @@ class NWSWeight(nn.Module):
         # rounded down, and the search tables follow the new pool.
         move = float((pool.float() - seen.pool).norm(dim=1).max())
         left = self._budget_sq.double().clamp_min(0).sqrt() - move * (1 + 1e-5)
-        left = torch.where(self._budget_sq > 0, left, torch.full_like(left, -1.0))
-        self._budget_sq = round_down_f32(left.clamp_min(0).square())
+        left = torch.where(self._budget_sq > 0, left.clamp_min(0), 0.0)  # none left stays none
+        self._budget_sq = round_down_f32(left.square())
         self._prep = PreparedPool(pool)
         return self._prep
 

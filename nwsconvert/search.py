@@ -197,15 +197,7 @@ def _exact_two(x: torch.Tensor, pool) -> tuple[torch.Tensor, torch.Tensor]:
         ``(index, radius)``: ``(b,)`` int64 nearest entries and ``(b,)`` float64 radii,
         on ``x``'s device.
     """
-    dist = _exact_sq_dist(x, pool)
-    rows = np.arange(dist.shape[0])
-    idx = dist.argmin(axis=1)  # first minimum: lowest index on ties
-    d1 = dist[rows, idx]
-    if dist.shape[1] > 1:
-        dist[rows, idx] = np.inf
-        d2 = dist.min(axis=1)
-    else:
-        d2 = np.full_like(d1, np.inf)
+    d1, d2, idx = _two_smallest_np(_exact_sq_dist(x, pool))
     r1, r2 = np.sqrt(d1), np.sqrt(d2)
     radius = (r2 - r1) * 0.5
     # Float64 rounding of the distances is ~1e-16 relative: below 1e-12 of the
@@ -227,6 +219,28 @@ FLOAT64_ROWS = 1024
 _U64 = 2.0**-53
 
 
+def _two_smallest_np(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Smallest and second-smallest value of every row of ``a`` ``(b, n)``, and the smallest one's column.
+
+    NumPy's SIMD ``argmin`` / ``min`` are several times faster than ``torch.topk``
+    on CPU: the winner is taken with ``argmin`` (its first minimum: the lowest
+    column on ties), masked in place (``a`` is overwritten), and the runner-up
+    with ``min``; ``inf`` when n = 1.
+
+    Returns:
+        ``(v1, v2, idx)``: ``(b,)`` values and ``(b,)`` int64 columns.
+    """
+    idx = a.argmin(axis=1)
+    rows = np.arange(a.shape[0])
+    v1 = a[rows, idx]
+    if a.shape[1] > 1:
+        a[rows, idx] = np.inf
+        v2 = a.min(axis=1)
+    else:
+        v2 = np.full_like(v1, np.inf)
+    return v1, v2, idx.astype(np.int64, copy=False)
+
+
 def _two_smallest(dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Smallest and second-smallest value of every row, and the smallest one's column.
 
@@ -240,15 +254,8 @@ def _two_smallest(dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     if dist.device.type != "cpu":
         top = dist.topk(2, dim=1, largest=False, sorted=True)
         return top.values[:, 0], top.values[:, 1], top.indices[:, 0]
-    # NumPy's SIMD argmin/min are several times faster than torch.topk on CPU;
-    # masking the winner and taking the minimum again gives the runner-up.
-    a = dist.numpy()
-    idx = a.argmin(axis=1)
-    rows = np.arange(a.shape[0])
-    v1 = a[rows, idx]
-    a[rows, idx] = np.inf
-    v2 = a.min(axis=1)
-    return torch.from_numpy(v1), torch.from_numpy(v2), torch.from_numpy(idx.astype(np.int64, copy=False))
+    v1, v2, idx = _two_smallest_np(dist.numpy())
+    return torch.from_numpy(v1), torch.from_numpy(v2), torch.from_numpy(idx)
 
 
 def _radius(d1, d2, tol):
@@ -279,26 +286,19 @@ def _nearest_two_f64(vectors: torch.Tensor, prep: PreparedPool) -> tuple[np.ndar
         many rows needed the definition.
     """
     xa = vectors.numpy().astype(np.float64)
-    n = prep.pool64_t.shape[1]
     # ||m||^2 - 2 x.m through torch's BLAS (NumPy's would start its own threads).
     dist = torch.addmm(prep.pool64_sq, torch.from_numpy(xa), prep.pool64_tt, alpha=-2.0).numpy()
     x_sq = np.einsum("ij,ij->i", xa, xa)
     tol = ((xa.shape[1] + 4) * _U64 * 2.0) * (x_sq + prep.max_pool64_sq)
-    rows = np.arange(xa.shape[0])
-    idx = dist.argmin(axis=1)
-    d1 = dist[rows, idx] + x_sq
-    if n > 1:
-        dist[rows, idx] = np.inf
-        d2 = dist.min(axis=1) + x_sq
-    else:
-        d2 = np.full_like(d1, np.inf)
+    v1, v2, idx = _two_smallest_np(dist)
+    d1, d2 = v1 + x_sq, v2 + x_sq
     rad = _radius(d1, d2, tol)
     unsure = np.flatnonzero(~((d2 - d1) > 2 * tol))
     if unsure.size:
         ex_idx, ex_rad = _exact_two(torch.from_numpy(xa[unsure]), prep.pool64_t)
         idx[unsure] = ex_idx.numpy()
         rad[unsure] = ex_rad.numpy()
-    return idx.astype(np.int64, copy=False), rad, int(unsure.size)
+    return idx, rad, int(unsure.size)
 
 
 def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> SearchResult:

@@ -3,10 +3,26 @@
     nwsconvert.export.export_bundle("runs/mnist", tasks="all", onnx=True)   # = nws-export --task all --onnx
     rt = nwsconvert.export.Runtime("runs/mnist/export")
     rt.predict(task=2, images, k=3)
+
+Names are imported on first use: ``Runtime`` and the bundle reader need
+neither torch nor timm, so a robot that only runs bundles never loads them.
 """
 
-from .bundle import StaleBundleError, export_bundle
-from .onnx_graph import export_onnx
-from .runtime import Runtime
+import importlib
 
-__all__ = ["export_bundle", "export_onnx", "Runtime", "StaleBundleError"]
+__all__ = ["export_bundle", "export_onnx", "Runtime", "StaleBundleError", "read_bundle"]
+
+_EXPORTS = {"export_bundle": "bundle", "StaleBundleError": "bundle", "export_onnx": "onnx_graph", "Runtime": "runtime", "read_bundle": "bundlefile"}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nwsconvert.export' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

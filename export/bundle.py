@@ -8,7 +8,11 @@ Layout of a bundle folder::
                          model after pool learning; task_0.nwspack for runs with pack_base=task0):
                          the bundle always carries the base a pack needs
     task_<t>.onnx        the task's graph (with --onnx): Reshape(Gather(pool, Cast(indices)))
-    bundle.json          pool-set hash, data geometry, tasks (name, classes, files)
+    bundle.json          pool-set hash, data geometry, tasks (name, classes, files and their SHA-256s)
+
+Every file a run names is checked before it is copied (manifest fields, pool
+file and packs against the manifest's hashes); ``bundle.json`` records the
+hashes the runtime checks in turn (:mod:`nwsconvert.export.bundlefile`).
 """
 
 from __future__ import annotations
@@ -18,22 +22,24 @@ import os
 import shutil
 from pathlib import Path
 
-from nwsconvert import PoolSet, RunDir, TaskPack
-from nwsconvert.loading import build_task_model
+from nwsconvert import PoolSet, RunDir
+from nwsconvert.errors import FormatError, NWSError
+from nwsconvert.loading import build_task_model, load_run_pools, load_task_files
 from nwsconvert.storage import atomic_write_bytes
 
+from .bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256, read_bundle
 from .onnx_graph import export_onnx
 
 __all__ = ["export_bundle", "StaleBundleError", "BUNDLE_FORMAT"]
 
-BUNDLE_FORMAT = "nwsconvert.bundle"
 
-
-class StaleBundleError(ValueError):
+class StaleBundleError(NWSError, ValueError):
     """The output folder holds a bundle built on another pool set."""
 
 
-def export_bundle(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, tasks="all", *, onnx: bool = False) -> dict:
+def export_bundle(
+    run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, tasks="all", *, onnx: bool = False, trust_code: bool = False
+) -> dict:
     """Write (or extend) the deployment bundle of ``tasks`` of a run.
 
     Args:
@@ -41,6 +47,8 @@ def export_bundle(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None 
         out_dir: bundle folder (default ``RUN/export``).
         tasks: ``"all"``, a task id or a list of ids.
         onnx: also write ``task_<t>.onnx``.
+        trust_code: let a ``<module>:<callable>`` model spec import its code (see
+            :func:`nwsconvert.load`); only the ONNX export builds the model.
 
     Returns:
         The bundle description (also written as ``bundle.json``).
@@ -55,11 +63,12 @@ def export_bundle(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None 
     finished = [e["id"] for e in manifest.get("tasks", [])]
     ids = finished if tasks == "all" else [tasks] if isinstance(tasks, int) else list(tasks)
     entries = [run.task_entry(manifest, t) for t in ids]
-    pool_sha = manifest["pools"]["sha256"]
+    pools = load_run_pools(run, manifest)
+    pool_sha = pools.sha256
     desc_path = out / "bundle.json"
-    desc = {"format": BUNDLE_FORMAT, "version": 1, "pool_sha256": pool_sha, "model": manifest["model"], "data": {k: v for k, v in manifest.get("data", {}).items() if k != "job"}, "tasks": {}}
+    desc = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "pool_sha256": pool_sha, "model": manifest["model"], "data": {k: v for k, v in manifest.get("data", {}).items() if k != "job"}, "tasks": {}}
     if desc_path.is_file():
-        old = json.loads(desc_path.read_text())
+        old = read_bundle(out)
         if old.get("pool_sha256") != pool_sha:
             raise StaleBundleError(
                 f"{out} holds a bundle of pool set {str(old.get('pool_sha256'))[:12]}..., this run has {pool_sha[:12]}...: "
@@ -68,27 +77,33 @@ def export_bundle(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None 
         desc["tasks"] = old.get("tasks", {})
     out.mkdir(parents=True, exist_ok=True)
     pool_dst = out / "pools.safetensors"
-    if not pool_dst.is_file() or PoolSet.load(pool_dst).sha256 != pool_sha:
+    if not _holds_pools(pool_dst, pool_sha):
         tmp = out / ".pools.safetensors.tmp"
         shutil.copyfile(run.pool_path, tmp)
         os.replace(tmp, pool_dst)
-    pools = PoolSet.load(pool_dst)
     data = manifest.get("data", {})
     for entry in entries:
         t = entry["id"]
         pack_dst = out / f"task_{t}.nwspack"
-        src = TaskPack.load(run.path / entry["file"])  # checks the file (and finds its base)
+        _, src = load_task_files(run, manifest, t, pools)  # checks the file against the manifest (and finds its base)
         if src.base is not None:  # delta-coded: the bundle needs the base file under its name
             base_dst = out / src.base.source.name
             base_bytes = src.base.source.read_bytes()
             if not base_dst.is_file() or base_dst.read_bytes() != base_bytes:
                 atomic_write_bytes(base_dst, base_bytes)
-        atomic_write_bytes(pack_dst, (run.path / entry["file"]).read_bytes())
-        row = {"name": entry["name"], "num_classes": entry["num_classes"], "class_names": entry.get("class_names"), "pack": pack_dst.name, "pack_bytes": pack_dst.stat().st_size}
+        atomic_write_bytes(pack_dst, src.source.read_bytes())
+        row = {
+            "name": entry["name"],
+            "num_classes": entry["num_classes"],
+            "class_names": entry.get("class_names"),
+            "pack": pack_dst.name,
+            "pack_bytes": pack_dst.stat().st_size,
+            "pack_sha256": src.sha256,
+        }
         if src.base is not None:
-            row.update(base=base_dst.name, base_bytes=base_dst.stat().st_size)
+            row.update(base=base_dst.name, base_bytes=base_dst.stat().st_size, base_sha256=src.base.sha256)
         if onnx:
-            model = build_task_model(manifest["model"], pools, src).eval()
+            model = build_task_model(manifest["model"], pools, src, trust_code=trust_code).eval()
             shape = (data.get("channels", 3), *(data.get("input_size") or [224, 224]))
             meta = {
                 "nwsconvert.task": t,
@@ -101,8 +116,24 @@ def export_bundle(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None 
                 "nwsconvert.model": manifest["model"]["spec"],
             }
             info = export_onnx(model, out / f"task_{t}.onnx", pool_dst, input_shape=shape, metadata=meta)
-            row.update(onnx=f"task_{t}.onnx", onnx_bytes=info["bytes"], index_dtype=info["index_dtype"], gather_nodes=info["gather_nodes"])
+            row.update(
+                onnx=f"task_{t}.onnx",
+                onnx_bytes=info["bytes"],
+                onnx_sha256=file_sha256(out / f"task_{t}.onnx"),
+                index_dtype=info["index_dtype"],
+                gather_nodes=info["gather_nodes"],
+            )
         desc["tasks"][str(t)] = row
     desc["pool_bytes"] = pool_dst.stat().st_size
     atomic_write_bytes(desc_path, (json.dumps(desc, indent=2) + "\n").encode())
     return desc
+
+
+def _holds_pools(path, sha: str) -> bool:
+    """Whether ``path`` is an intact pool file of pool set ``sha`` (a damaged one is rewritten)."""
+    if not path.is_file():
+        return False
+    try:
+        return PoolSet.load(path).sha256 == sha
+    except FormatError:
+        return False

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
+
+from nwsconvert.cliutil import run_cli
+from nwsconvert.errors import UsageError
 
 __all__ = ["export_main", "infer_main"]
 
@@ -21,6 +23,11 @@ def _task_arg(text: str):
 
 
 def export_main(argv: list[str] | None = None) -> int:
+    """``nws-export``: returns the exit code (0 done, 2 usage error, 1 failure)."""
+    return run_cli("nws-export", _export, argv, resume_hint="export again")
+
+
+def _export(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(
         prog="nws-export",
         description="Write a deployment bundle of a run: the shared pool file (once), the task's index pack and, "
@@ -31,20 +38,33 @@ def export_main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", default=None, help="run directory (default: the current directory)")
     p.add_argument("--out", default=None, help="bundle folder (default: RUN/export)")
     p.add_argument("--onnx", action="store_true", help="also write the ONNX graph of each task (opset 17)")
+    p.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="let the run's package.module:factory model spec import and run its code (only --onnx builds the model; "
+        "timm: and torchvision: specs need no trust)",
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     if args.run_dir is not None and args.run is not None and args.run_dir != args.run:
         p.error(f"two run directories given: {args.run_dir} and --run {args.run}")
     args.run = args.run_dir or args.run or "."
-    from nwsconvert.report import format_bytes
-    from nwsconvert.storage import FormatError
-
-    from .bundle import StaleBundleError, export_bundle
+    from nwsconvert.rundir import RunDir
 
     try:
-        desc = export_bundle(args.run, args.out, args.task, onnx=args.onnx)
-    except (FileNotFoundError, KeyError, FormatError, StaleBundleError) as e:
-        print(f"nws-export: {e.args[0] if e.args else e}", file=sys.stderr)
-        return 2
+        manifest = RunDir(args.run).read()
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    done = [e["id"] for e in manifest["tasks"]]
+    if args.task != "all" and args.task not in done:
+        raise UsageError(f"--task {args.task}: run {args.run} has no finished task {args.task}; finished tasks: {done or 'none'}")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a file, not a folder")
+    from nwsconvert.report import format_bytes
+
+    from .bundle import export_bundle
+
+    desc = export_bundle(args.run, args.out, args.task, onnx=args.onnx, trust_code=args.trust_code)
     out = Path(args.out) if args.out else Path(args.run) / "export"
     print(f"bundle {out}: pool file {format_bytes(desc['pool_bytes'])} (shared)")
     bases = {row["base"]: row["base_bytes"] for row in desc["tasks"].values() if "base" in row}
@@ -58,16 +78,25 @@ def export_main(argv: list[str] | None = None) -> int:
 
 def _load_images(paths: list[str], runtime, task: int):
     import numpy as np
-    import onnx
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
-    meta = {p.key: p.value for p in onnx.load(str(runtime.path / runtime._row(task)["onnx"]), load_external_data=False).metadata_props}
-    c, h, w = json.loads(meta["nwsconvert.input_size"])
-    mean = np.array(json.loads(meta["nwsconvert.mean"]) or [0.0] * c, dtype=np.float32)[:, None, None]
-    std = np.array(json.loads(meta["nwsconvert.std"]) or [1.0] * c, dtype=np.float32)[:, None, None]
+    meta = runtime.session(task).get_modelmeta().custom_metadata_map
+    try:
+        c, h, w = json.loads(meta["nwsconvert.input_size"])
+        mean = np.array(json.loads(meta["nwsconvert.mean"]) or [0.0] * c, dtype=np.float32)[:, None, None]
+        std = np.array(json.loads(meta["nwsconvert.std"]) or [1.0] * c, dtype=np.float32)[:, None, None]
+    except (KeyError, ValueError, TypeError) as e:
+        from nwsconvert.errors import FormatError
+
+        raise FormatError(f"{runtime.path / runtime._row(task)['onnx']}: metadata without a valid input size and normalisation ({e})") from None
     out = []
     for path in paths:
-        img = Image.open(path).convert("L" if c == 1 else "RGB").resize((w, h))
+        try:
+            img = Image.open(path)
+            img.load()
+        except (UnidentifiedImageError, OSError) as e:
+            raise UsageError(f"{path}: cannot read it as an image ({type(e).__name__}: {str(e)[:120]})") from None
+        img = img.convert("L" if c == 1 else "RGB").resize((w, h))
         arr = np.asarray(img, dtype=np.float32) / 255.0
         arr = arr[None] if c == 1 else arr.transpose(2, 0, 1)
         out.append((arr - mean) / std)
@@ -75,6 +104,11 @@ def _load_images(paths: list[str], runtime, task: int):
 
 
 def infer_main(argv: list[str] | None = None) -> int:
+    """``nws-infer``: returns the exit code (0 done, 2 usage error, 1 failure)."""
+    return run_cli("nws-infer", _infer, argv)
+
+
+def _infer(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(prog="nws-infer", description="Classify images with a bundle's task on onnxruntime (CUDA when present).")
     p.add_argument("--bundle", required=True, help="bundle folder written by nws-export --onnx")
     p.add_argument("--task", type=int, required=True)
@@ -82,17 +116,30 @@ def infer_main(argv: list[str] | None = None) -> int:
     p.add_argument("-k", type=int, default=3, help="top-k classes to print")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--bench", action="store_true", help="print latency and the task-switch time")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = p.parse_args(argv)
+    missing = [path for path in args.images if not Path(path).is_file()]
+    if missing:
+        raise UsageError(f"{missing[0]}: no such image file")
     import numpy as np
 
+    from nwsconvert.devices import check_device
+
+    from .bundlefile import read_bundle
     from .runtime import Runtime
 
+    if args.device == "cuda" and check_device("cuda") is not None:
+        raise UsageError(check_device("cuda"))
     try:
-        rt = Runtime(args.bundle, device=args.device)
-        rt.session(args.task)
-    except (FileNotFoundError, KeyError) as e:
-        print(f"nws-infer: {e.args[0] if e.args else e}", file=sys.stderr)
-        return 2
+        desc = read_bundle(args.bundle)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    row = desc["tasks"].get(str(args.task))
+    if row is None or "onnx" not in row:
+        have = sorted(int(t) for t, r in desc["tasks"].items() if "onnx" in r)
+        raise UsageError(f"--task {args.task}: bundle {args.bundle} has no ONNX graph for task {args.task}; tasks with graphs: {have}")
+    rt = Runtime(args.bundle, device=args.device)
+    rt.session(args.task)
     print(f"providers: {rt.session(args.task).get_providers()}")
     if args.images:
         for path, top in zip(args.images, rt.predict(args.task, _load_images(args.images, rt, args.task), k=args.k)):

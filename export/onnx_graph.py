@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import tempfile
 import warnings
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from nwsconvert import nws_layers
+from nwsconvert.stfile import read_header
 from nwsconvert.storage import atomic_write_bytes
 
 __all__ = ["export_onnx", "index_nodes", "safetensors_offsets", "OPSET", "IR_VERSION"]
@@ -46,17 +46,9 @@ IR_VERSION = 10
 
 
 def safetensors_offsets(path: str | os.PathLike) -> dict[str, tuple[int, int, str, list[int]]]:
-    """``name -> (absolute offset, length, dtype, shape)`` of every tensor in a safetensors file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        out[name] = (8 + n + start, end - start, info["dtype"], info["shape"])
-    return out
+    """``name -> (absolute offset, length, dtype, shape)`` of every tensor in a safetensors file (checked header)."""
+    header = read_header(path)
+    return {name: (t.start, t.end - t.start, t.dtype, list(t.shape)) for name, t in header.tensors.items()}
 
 
 def index_nodes(name: str, indices: np.ndarray, pool_size: int) -> tuple[list, list, str, str]:

@@ -8,11 +8,16 @@ The pool file is memory-mapped once; its tensors are handed to every task's
 session as shared initializers (``SessionOptions.add_initializer``), so a task
 switch costs one session creation (indices + small tensors), never a re-read
 of the pools. Sessions are cached, least recently used first out.
+
+Everything it opens is checked first: ``bundle.json``'s fields, the pool file
+against the bundle's pool-set hash (once, on the mapped file), and each task
+graph against its recorded SHA-256 before its session is built. A bad file is
+refused by name (:class:`~nwsconvert.errors.FormatError`), never answered with
+NaN. Imports neither torch nor timm.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import warnings
@@ -21,18 +26,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .onnx_graph import safetensors_offsets
+from nwsconvert.devices import cuda_device_count
+from nwsconvert.errors import FormatError, TaskNotFoundError
+from nwsconvert.stfile import raw_digest, read_header
+
+from .bundlefile import file_sha256, read_bundle
 
 __all__ = ["Runtime"]
 
 
 def _gpu_present() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch is a dependency
-        return False
+    return cuda_device_count() > 0
 
 
 class Runtime:
@@ -46,6 +50,10 @@ class Runtime:
 
     Attributes:
         providers: the providers requested; ``session(task).get_providers()`` says what runs.
+
+    Raises:
+        FileNotFoundError: no bundle there. FormatError: ``bundle.json``, the pool file
+            or a graph is damaged or not the one the bundle records (named).
     """
 
     def __init__(self, bundle: str | os.PathLike, device: str = "auto", max_sessions: int = 4, threads: int | None = None):
@@ -53,10 +61,7 @@ class Runtime:
 
         self.ort = ort
         self.path = Path(bundle)
-        desc_path = self.path / "bundle.json"
-        if not desc_path.is_file():
-            raise FileNotFoundError(f"{self.path} is not a bundle: no bundle.json (write one with nws-export --onnx)")
-        self.desc = json.loads(desc_path.read_text())
+        self.desc = read_bundle(self.path)
         if device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
         gpu = device != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers() and _gpu_present()
@@ -69,13 +74,26 @@ class Runtime:
         self.threads = threads
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[int, object] = OrderedDict()
-        # The pool file, mapped once and shared by every session.
-        pool_file = self.path / "pools.safetensors"
-        self._pools = {}
-        for name, (offset, length, dtype, shape) in safetensors_offsets(pool_file).items():
-            arr = np.memmap(pool_file, dtype=np.float32, mode="r", offset=offset, shape=tuple(shape))
-            self._pools[f"pool/{name}"] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
+        self._pools = self._map_pools(self.path / "pools.safetensors")
+        self._verified: set[int] = set()
         self.last_switch_seconds = None
+
+    def _map_pools(self, pool_file: Path) -> dict:
+        """The pool file, mapped once, checked against the bundle's pool-set hash, shared by every session."""
+        header = read_header(pool_file, "pool")
+        data = np.memmap(pool_file, dtype=np.uint8, mode="r")
+        if raw_digest(data, header) != self.desc["pool_sha256"]:
+            raise FormatError(
+                f"{pool_file}: its content does not match the pool set {self.desc['pool_sha256'][:12]}... this bundle "
+                "was exported with (corrupted, or a pool file of another run): export the bundle again"
+            )
+        pools = {}
+        for name, t in header.tensors.items():
+            if t.dtype != "F32":
+                raise FormatError(f"{pool_file}: tensor {name!r} is {t.dtype}, pools are float32")
+            arr = data[t.start : t.end].view(np.float32).reshape(t.shape)
+            pools[f"pool/{name}"] = self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
+        return pools
 
     @property
     def tasks(self) -> list[int]:
@@ -87,7 +105,7 @@ class Runtime:
     def _row(self, task: int) -> dict:
         row = self.desc["tasks"].get(str(task))
         if row is None or "onnx" not in row:
-            raise KeyError(f"bundle {self.path} has no ONNX graph for task {task}; tasks with graphs: {self.tasks}")
+            raise TaskNotFoundError(f"bundle {self.path} has no ONNX graph for task {task}; tasks with graphs: {self.tasks}")
         return row
 
     def session(self, task: int):
@@ -102,8 +120,18 @@ class Runtime:
             opts.intra_op_num_threads = self.threads
         for name, value in self._pools.items():
             opts.add_initializer(name, value)
+        graph = self.path / row["onnx"]
+        if not graph.is_file():
+            raise FileNotFoundError(f"{graph}: task {task}'s graph is missing from the bundle")
         tic = time.perf_counter()
-        sess = self.ort.InferenceSession(str(self.path / row["onnx"]), sess_options=opts, providers=self.providers)
+        if "onnx_sha256" in row and task not in self._verified:  # checked once per task and Runtime
+            if file_sha256(graph) != row["onnx_sha256"]:
+                raise FormatError(f"{graph}: content does not match the SHA-256 bundle.json records: the graph is corrupted or was replaced")
+            self._verified.add(task)
+        try:
+            sess = self.ort.InferenceSession(str(graph), sess_options=opts, providers=self.providers)
+        except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
+            raise FormatError(f"{graph}: onnxruntime cannot load task {task}'s graph ({type(e).__name__}: {str(e)[:200]})") from None
         self.last_switch_seconds = time.perf_counter() - tic
         if self.requested_cuda and "CUDAExecutionProvider" not in sess.get_providers():
             warnings.warn(f"task {task}: the CUDA provider was requested but the session runs on {sess.get_providers()}", stacklevel=2)

@@ -8,34 +8,70 @@
     nwsconvert.pool_set(model).save("pools.safetensors")
 """
 
-from .config import TrainConfig
-from .convert import ConversionError, NWSConverter, convert
-from .heads import find_head, resize_head
-from .layers import NWSWeight
-from .nwsmodel import (
-    NWSLayer,
-    commitment_loss,
-    conversion_report,
-    distillation_loss,
-    ema_update,
-    is_converted,
-    load_pools,
-    materialize,
-    nws_layers,
-    pool_set,
-    reseed_unused,
-    search_stats,
-    set_commitment,
-    set_mode,
-)
-from .packs import PackMismatchError, TaskPack, apply_task, extract_task
-from .pools import PoolSet
-from .report import ConversionReport
-from .search import brute_force, nearest_two
-from .storage import FormatError
-from .trainer import Trainer, evaluate
-from .loading import load
-from .rundir import RunDir
+import importlib
+
+# Public names -> the module that defines them. Imported on first use (PEP 562), so the
+# command lines can check their arguments and refuse bad input before torch is loaded.
+_EXPORTS = {
+    "TrainConfig": "config",
+    "ConversionError": "converter",
+    "NWSConverter": "converter",
+    "convert": "converter",
+    "find_head": "heads",
+    "resize_head": "heads",
+    "NWSWeight": "layers",
+    **dict.fromkeys(
+        (
+            "NWSLayer",
+            "commitment_loss",
+            "conversion_report",
+            "distillation_loss",
+            "ema_update",
+            "is_converted",
+            "load_pools",
+            "materialize",
+            "nws_layers",
+            "pool_set",
+            "reseed_unused",
+            "search_stats",
+            "set_commitment",
+            "set_mode",
+        ),
+        "nwsmodel",
+    ),
+    "TaskPack": "packs",
+    "apply_task": "packs",
+    "extract_task": "packs",
+    "PoolSet": "pools",
+    "ConversionReport": "report",
+    "brute_force": "search",
+    "nearest_two": "search",
+    "NWSError": "errors",
+    "FormatError": "errors",
+    "PackMismatchError": "errors",
+    "UntrustedCodeError": "errors",
+    "RunLockedError": "errors",
+    "RunExistsError": "errors",
+    "TaskNotFoundError": "errors",
+    "Trainer": "trainer",
+    "evaluate": "trainer",
+    "load": "loading",
+    "RunDir": "rundir",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nwsconvert' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __version__ = "0.1.0"
 
@@ -65,6 +101,11 @@ __all__ = [
     "apply_task",
     "PackMismatchError",
     "FormatError",
+    "NWSError",
+    "UntrustedCodeError",
+    "RunLockedError",
+    "RunExistsError",
+    "TaskNotFoundError",
     "nearest_two",
     "brute_force",
     "Trainer",

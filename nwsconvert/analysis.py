@@ -43,7 +43,6 @@ from collections.abc import Sequence
 
 import torch
 
-from .packs import TaskPack
 from .pools import PoolSet
 from .rundir import RunDir
 from .summary import shared_base_bytes, task_bytes
@@ -175,13 +174,16 @@ def analyse_run(run_dir: str | os.PathLike, tasks: Sequence[int] | None = None) 
         FormatError: a corrupted manifest or pack.
         KeyError: a requested task is not finished (the message lists those that are).
     """
+    from .loading import load_run_pools, load_task_files
+
     run = RunDir(run_dir)
     manifest = run.read()
     if tasks is None:
         entries = sorted(manifest.get("tasks", []), key=lambda e: e["id"])
     else:
         entries = [run.task_entry(manifest, int(t)) for t in tasks]
-    packs = [TaskPack.load(run.path / e["file"]) for e in entries]
+    pool_set = load_run_pools(run, manifest) if entries else None
+    packs = [load_task_files(run, manifest, e["id"], pool_set)[1] for e in entries]
 
     layers: list[dict] = []
     if packs:

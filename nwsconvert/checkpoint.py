@@ -17,7 +17,7 @@ from .storage import read_tensors, write_tensors
 __all__ = ["save_checkpoint", "load_checkpoint", "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION"]
 
 CHECKPOINT_FORMAT = "nwsconvert.checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: header_sha256
 
 
 def save_checkpoint(
@@ -54,7 +54,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict, dict]:
         ``(header, model_state, optimizer_state)``; ``optimizer_state`` is
         ready for ``optimizer.load_state_dict``.
     """
-    tensors, header = read_tensors(path, CHECKPOINT_FORMAT, CHECKPOINT_VERSION)
+    tensors, header = read_tensors(path, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, hashed_since=2)
     model_state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     opt_state: dict[int, dict] = {}
     for k, v in tensors.items():

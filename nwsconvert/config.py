@@ -9,7 +9,58 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .errors import UsageError
+
 __all__ = ["TrainConfig", "lr_factor"]
+
+# field -> (kind, lower bound, upper bound); None bounds are open. "float" accepts integers too.
+_RANGES = {
+    "lr": ("float", 0.0, None),
+    "momentum": ("float", 0.0, 1.0),
+    "nesterov": ("bool", None, None),
+    "weight_decay": ("float", 0.0, None),
+    "epochs": ("int", 1, None),
+    "milestones": ("ints", 0, None),
+    "gamma": ("float", 0.0, None),
+    "batch_size": ("int", 1, None),
+    "commitment": ("float", 0.0, None),
+    "beta": ("float", 0.0, None),
+    "ema_decay": ("float", 0.0, 1.0),
+    "pool_epochs": ("int?", 1, None),
+    "pool_lr": ("float?", 0.0, None),
+    "reseed_every": ("int", 0, None),
+    "seed": ("int", 0, 2**63 - 1),
+    "deterministic": ("bool", None, None),
+    "num_workers": ("int", 0, None),
+    "checkpoint_every": ("int", 1, None),
+}
+_POSITIVE = ("lr", "gamma", "pool_lr")  # strictly above their lower bound
+
+
+def _check_types(config) -> None:
+    """Every field of the right type and in range, with a message a command-line user can act on."""
+    for key, (kind, lo, hi) in _RANGES.items():
+        value = getattr(config, key)
+        if kind.endswith("?"):
+            if value is None:
+                continue
+            kind = kind[:-1]
+        if kind == "ints":
+            if isinstance(value, int) and not isinstance(value, bool):
+                raise UsageError(f"{key}={value!r}: give a list of epochs, e.g. {key}=[{value}]")
+            ok = isinstance(value, (list, tuple)) and all(type(v) is int and v >= lo for v in value)
+            what = "a list of whole epochs >= 0, e.g. [50, 80]"
+        elif kind == "bool":
+            ok, what = type(value) is bool, "true or false"
+        elif kind == "int":
+            ok = type(value) is int and (lo is None or value >= lo) and (hi is None or value <= hi)
+            what = f"a whole number >= {lo}" if hi is None or hi > 2**62 else f"a whole number in [{lo}, {hi}]"
+        else:
+            ok = type(value) in (int, float) and math.isfinite(value)
+            ok = ok and (value > lo if key in _POSITIVE else value >= lo) and (hi is None or value <= hi)
+            what = f"a number {'>' if key in _POSITIVE else '>='} {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+        if not ok:
+            raise UsageError(f"{key}={value!r}: expected {what}")
 
 
 @dataclass
@@ -73,6 +124,7 @@ class TrainConfig:
     checkpoint_every: int = 1
 
     def __post_init__(self):
+        _check_types(self)
         choices = {
             "optimizer": ("sgd", "adam"),
             "schedule": ("step", "cosine", "constant"),
@@ -83,10 +135,7 @@ class TrainConfig:
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
-                raise ValueError(f"TrainConfig.{key}={getattr(self, key)!r}: choose one of {', '.join(allowed)}")
-        for key in ("lr", "epochs", "batch_size"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"TrainConfig.{key} must be positive, got {getattr(self, key)}")
+                raise UsageError(f"{key}={getattr(self, key)!r}: choose one of {', '.join(allowed)}")
         self.milestones = [int(m) for m in self.milestones]
 
     def to_dict(self) -> dict:

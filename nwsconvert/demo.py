@@ -17,23 +17,30 @@ from __future__ import annotations
 import sys
 import time
 
-from .cli import resolve_job, run_job
+from .cli import launch, resolve_job, validate_job
+from .cliutil import run_cli
 from .rundir import RunDir
 
 DEMO = ["suite=split-mnist", "model=timm:resnet18", "recipe=demo", "out=runs/demo"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Returns the exit code (0 done, 2 usage error, 1 failure; see :mod:`nwsconvert.cliutil`)."""
+    return run_cli("nwsconvert.demo", _demo, argv, resume_hint="run the demo again")
+
+
+def _demo(argv: list[str] | None) -> int:
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--debug"]
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
     job = resolve_job([*DEMO, *argv])
+    validate_job(job)
     resume = RunDir(job["out"]).exists()
     if resume:
         print(f"{job['out']} holds a demo run: continuing it (finished stages are skipped; rm -r {job['out']} to start over)")
     tic = time.perf_counter()
-    run_job(job, resume=resume)
+    launch(job, resume=resume)
     print(f"\ndemo finished in {time.perf_counter() - tic:.0f} s; run directory {job['out']} "
           f"(nws-info {job['out']}, nwsconvert.load('{job['out']}', task=0))")
     return 0

@@ -11,7 +11,8 @@ import os
 import torch
 from torch import nn
 
-from .convert import convert
+from .converter import convert
+from .errors import FormatError
 from .heads import resize_head
 from .nwsmodel import materialize
 from .packs import TaskPack, apply_task
@@ -19,11 +20,36 @@ from .pools import PoolSet
 from .rundir import RunDir
 from .specs import build_model
 
-__all__ = ["load", "build_task_model"]
+__all__ = ["load", "build_task_model", "load_task_files", "load_run_pools"]
+
+
+def load_run_pools(run: RunDir, manifest: dict) -> PoolSet:
+    """The run's pool file, checked against the manifest's pool-set hash.
+
+    Raises:
+        FormatError: the run has no pools yet, or the file is not the one the manifest records.
+    """
+    if manifest.get("pools") is None:
+        raise FormatError(f"{run.manifest_path}: the run has no pool set yet (killed before its pools were written?)")
+    pools = PoolSet.load(run.pool_path)
+    want = manifest["pools"]["sha256"]
+    if pools.sha256 != want:
+        raise FormatError(f"{run.pool_path}: pool set {pools.sha256[:12]}..., the manifest records {want[:12]}... (a pool file of another run?)")
+    return pools
+
+
+def load_task_files(run: RunDir, manifest: dict, task: int, pools: PoolSet | None = None) -> tuple[PoolSet, TaskPack]:
+    """The pool set and task ``task``'s pack of a run, each checked against the manifest."""
+    pools = pools if pools is not None else load_run_pools(run, manifest)
+    entry = run.task_entry(manifest, task)
+    pack = TaskPack.load(
+        run.task_path(manifest, task), sha256=entry["sha256"], pool_sha256=pools.sha256, run_id=manifest.get("run_id"), task=task
+    )
+    return pools, pack
 
 
 def build_task_model(
-    model_info: dict, pools: PoolSet, pack: TaskPack, model: nn.Module | None = None
+    model_info: dict, pools: PoolSet, pack: TaskPack, model: nn.Module | None = None, *, trust_code: bool = False
 ) -> nn.Module:
     """A converted model holding ``pack``'s task.
 
@@ -32,9 +58,10 @@ def build_task_model(
         pools: the run's pool set.
         pack: the task pack.
         model: an unconverted instance of the architecture to use instead of building ``spec``.
+        trust_code: allow a ``<module>:<callable>`` spec (see :mod:`nwsconvert.specs`).
     """
     if model is None:
-        model = build_model(model_info["spec"], **model_info.get("kwargs", {}))
+        model = build_model(model_info["spec"], trust_code=trust_code, **model_info.get("kwargs", {}))
     options = {k: v for k, v in model_info.get("convert", {}).items() if k != "pool_size"}
     convert(model, init=pools, **options)
     if pack.num_classes is not None:
@@ -50,6 +77,7 @@ def load(
     dense: bool = False,
     device: str | torch.device = "cpu",
     model: nn.Module | None = None,
+    trust_code: bool = False,
 ) -> nn.Module:
     """Task ``task`` of a run, in eval mode.
 
@@ -61,17 +89,25 @@ def load(
         device: where to put the model.
         model: an unconverted instance of the architecture, for runs whose model
             spec cannot be rebuilt by name (a model class defined in a script).
+        trust_code: let a ``<module>:<callable>`` model spec in the manifest import
+            and call its code. Off by default: a run directory from someone else
+            is data; ``timm:`` and ``torchvision:`` specs need no trust.
+
+    Every file is checked before it is used: the manifest's fields, the pool file
+    against the manifest's hash, the pack against the manifest's hash, the run,
+    the task and the pool set; files named by the manifest must lie inside the run.
 
     Raises:
-        FileNotFoundError: no run there. KeyError: no such finished task (the message lists them).
-        FormatError: a damaged file (named). ValueError: the spec cannot be built.
+        FileNotFoundError: no run there. TaskNotFoundError: (a ``KeyError``) no such
+        finished task (the message lists them). FormatError: a damaged or edited file
+        (named, with the field). PackMismatchError: a pack of another task, run or pool
+        set. UntrustedCodeError: a ``<module>:<callable>`` spec without ``trust_code``.
+        ValueError: the spec cannot be built.
     """
     run = RunDir(run_dir)
     manifest = run.read()
-    entry = run.task_entry(manifest, task)
-    pools = PoolSet.load(run.pool_path)
-    pack = TaskPack.load(run.path / entry["file"])
-    net = build_task_model(manifest["model"], pools, pack, model=model)
+    pools, pack = load_task_files(run, manifest, task)
+    net = build_task_model(manifest["model"], pools, pack, model=model, trust_code=trust_code)
     if dense:
         net = materialize(net)
     return net.to(device).eval()

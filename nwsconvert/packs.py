@@ -31,6 +31,7 @@ no other task); ``TrainConfig.pack_base`` selects task 0 or no base instead.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,20 +39,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .bitpack import packed_size
+from .errors import FormatError, PackMismatchError
 from .indexcode import CODINGS, EncodedLayer, decode_indices, encode_indices
 from .nwsmodel import _require, pool_set
-from .storage import FormatError, read_tensors, tensor_digest, write_tensors
+from .limits import MAX_KERNELS, MAX_POOL_SIZE, MAX_VECTOR_SIZE
+from .schema import Fields
+from .storage import read_tensors, tensor_digest, write_tensors
 
-__all__ = ["TaskPack", "PackMismatchError", "extract_task", "apply_task", "PACK_FORMAT", "PACK_VERSION"]
+__all__ = ["TaskPack", "PackMismatchError", "extract_task", "apply_task", "PACK_FORMAT", "PACK_VERSION", "MAX_KERNELS"]
 
 PACK_FORMAT = "nwsconvert.taskpack"
-PACK_VERSION = 2
+PACK_VERSION = 3  # 3: header_sha256 and the pack's identity (run, task); versions 1 and 2 still load
 BASE_FILE = "base.nwspack"  # the base's file name when it was never saved under another
 _SUFFIXES = ("indices", "table", "values", "values_table")
-
-
-class PackMismatchError(ValueError):
-    """A pack does not fit the model or pool set it is applied to; the message names the mismatch."""
+_ROLES = ("stem", "body", "shortcut", "head")
 
 
 @dataclass
@@ -72,6 +74,9 @@ class TaskPack:
             so that it has a ``sha256``; never itself delta-coded), or ``None``.
         sha256: content hash, once the pack was saved or loaded.
         source: the file it was last saved to or loaded from.
+        run_id: the run the pack belongs to (``None``: outside a run); checked by
+            :meth:`load` when the caller expects a run.
+        task: the task id (``None``: a base pack, or outside a run).
     """
 
     layers: list[dict]
@@ -85,6 +90,8 @@ class TaskPack:
     sha256: str | None = field(default=None, compare=False)
     base_sha256: str | None = field(default=None, compare=False)
     source: Path | None = field(default=None, repr=False, compare=False)
+    run_id: str | None = field(default=None, compare=False)
+    task: int | None = field(default=None, compare=False)
     _encoded: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def content_sha256(self) -> str:
@@ -170,6 +177,8 @@ class TaskPack:
             layers=rows,
             state_keys=list(self.state),
             meta=self.meta,
+            run_id=self.run_id,
+            task=self.task,
             **({"base": base} if base else {}),
         )
         self._encoded = encoded
@@ -178,23 +187,46 @@ class TaskPack:
         return self.sha256
 
     @classmethod
-    def load(cls, path: str | os.PathLike, base: "TaskPack | str | os.PathLike | None" = None) -> "TaskPack":
-        """Read a pack file.
+    def load(
+        cls,
+        path: str | os.PathLike,
+        base: "TaskPack | str | os.PathLike | None" = None,
+        *,
+        sha256: str | None = None,
+        pool_sha256: str | None = None,
+        run_id: str | None = None,
+        task: int | None = None,
+    ) -> "TaskPack":
+        """Read a pack file and verify it: header and content hashes, every header field, its base.
 
         Args:
             path: the ``.nwspack`` file.
             base: for a delta-coded pack, its base (a pack or a path). By default
                 ``base.nwspack`` is looked up next to ``path``, then in its parent
                 folder (a run directory keeps task packs in ``tasks/``).
+            sha256, pool_sha256, run_id, task: when given, what the pack must be:
+                its content hash (as a manifest records it), the pool set it was
+                built on, its run and its task id. A pack swapped for another
+                task's, another run's or one of another pool set is refused by name
+                (a pack that names no run or task, as packs before version 3, is
+                checked by its hash alone).
 
         Raises:
-            FormatError: truncated, corrupted or foreign file; a delta-coded pack
-                whose base is missing or is not the one it was coded against.
+            FileNotFoundError: no such file.
+            FormatError: truncated, corrupted, edited or foreign file; a header field
+                out of type or range; a delta-coded pack whose base is missing or is
+                not the one it was coded against.
+            PackMismatchError: the pack is not the one expected (``sha256``, ``pool_sha256``, ``run_id``, ``task``).
         """
         path = Path(path)
-        tensors, header = read_tensors(path, PACK_FORMAT, PACK_VERSION)
+        tensors, header = read_tensors(path, PACK_FORMAT, PACK_VERSION, hashed_since=3, check=_check_header)
+        _expect(path, header, sha256=sha256, pool_sha256=pool_sha256, run_id=run_id, task=task)
         base_info = header.get("base")
+        if base_info and base is _STANDALONE:
+            raise FormatError(f"{path}: is delta-coded itself, so it cannot serve as a base pack (a task pack in place of {BASE_FILE}?)")
         base_pack = _find_base(path, base_info, base) if base_info else None
+        if base_pack is not None and base_pack.pool_sha256 != header["pool_sha256"]:
+            raise FormatError(f"{path}: its base {base_pack.source} is on pool set {base_pack.pool_sha256[:12]}..., the pack on {header['pool_sha256'][:12]}...")
         try:
             layers, indices, encoded = [], {}, {}
             for row in header["layers"]:
@@ -211,7 +243,7 @@ class TaskPack:
                 indices[name] = idx
                 encoded[name] = e
             state = {k: tensors[f"state/{k}"] for k in header["state_keys"]}
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, TypeError, IndexError, OverflowError, RuntimeError) as e:
             if isinstance(e, FormatError):
                 raise
             raise FormatError(f"{path}: inconsistent task pack ({type(e).__name__}: {e})") from None
@@ -224,12 +256,112 @@ class TaskPack:
             model_spec=header.get("model_spec"),
             meta=header.get("meta") or {},
             base=base_pack,
-            sha256=header.get("sha256"),
+            sha256=header["sha256"],
             base_sha256=base_info["sha256"] if base_info else None,
             source=path,
+            run_id=header.get("run_id"),
+            task=header.get("task"),
         )
         pack._encoded = encoded
         return pack
+
+
+def _expect(path: Path, header: dict, **want) -> None:
+    """Refuse a pack that is not the one the caller expects (each expectation given is checked)."""
+    names = {"sha256": "content SHA-256", "pool_sha256": "pool set", "run_id": "run", "task": "task"}
+    for key, value in want.items():
+        if value is None:
+            continue
+        have = header.get(key)
+        if key in ("run_id", "task") and have is None:
+            continue  # a pack that names no run or task (version <= 2, or made outside a run): its hash pins it
+        if have != value:
+            show = (lambda v: f"{v[:12]}..." if isinstance(v, str) and len(v) > 16 else repr(v))
+            raise PackMismatchError(
+                f"{path}: the pack's {names[key]} is {show(have)}, expected {show(value)} "
+                "(a pack swapped for another task's or another run's, or read against the wrong pool set)"
+            )
+
+
+def _check_header(header: dict, layout, path) -> None:
+    """Types, ranges and cross-field sizes of a pack header against the file's tensors, before decoding."""
+    f = Fields(header, path)
+    f.sha("pool_sha256")
+    f.str("model_spec", optional=True)
+    f.dict("meta", optional=True)
+    f.str("run_id", optional=True)
+    f.int("task", lo=0, optional=True)
+    num_classes = f.int("num_classes", lo=1, optional=True)
+    base = f.obj_fields("base", optional=True)
+    if base is not None:
+        base.sha("sha256")
+        base.filename("file", optional=True)
+    state_keys = f.strs("state_keys")
+    if len(set(state_keys)) != len(state_keys):
+        raise f.fail("state_keys", "unique names", state_keys)
+    expected = {f"state/{k}" for k in state_keys}
+    names, heads, delta = set(), [], False
+    for i, row in enumerate(f.list("layers")):
+        r = f.sub(row, f"layers[{i}]")
+        name = r.str("name")
+        if not name or name in names:
+            raise r.fail("name", "a unique, non-empty layer name", name)
+        names.add(name)
+        r.str("pool")
+        r.str("role", choices=_ROLES)
+        shape = r.ints("shape", lo=1, max_len=6)
+        r.int("groups", lo=1)
+        d = r.int("vector_size", lo=1, hi=MAX_VECTOR_SIZE)
+        n = r.int("pool_size", lo=1, hi=MAX_POOL_SIZE)
+        bits = r.int("bits", lo=1, hi=32)
+        count = r.int("count", lo=0, hi=MAX_KERNELS)
+        if bits != max(1, (n - 1).bit_length()):
+            raise r.fail("bits", f"{max(1, (n - 1).bit_length())} (ceil(log2 pool_size))", bits)
+        if math.prod(shape) != count * d:
+            raise r.fail("count", f"{math.prod(shape) // d} (the weight shape {shape} over vectors of {d})", count)
+        if row["role"] == "head":
+            heads.append(shape[0])
+        coding = r.str("coding", choices=CODINGS, optional=True, default="bits") or "bits"
+        want = _coded_tensors(r, coding, count, bits, layout, name)
+        delta = delta or coding.startswith("delta")
+        expected |= {f"{s}/{name}" for s in want}
+    if delta and base is None:
+        raise FormatError(f"{path}: field base is missing, but some layers are stored as changes against a base")
+    if heads and num_classes != heads[-1]:
+        raise f.fail("num_classes", f"{heads[-1]} (the head layer's rows)", num_classes)
+    extra = sorted(set(layout.tensors) - expected)
+    missing = sorted(expected - set(layout.tensors))
+    if missing or extra:
+        raise FormatError(f"{path}: tensors do not match the header: missing {missing[:3]}, not described {extra[:3]}")
+
+
+def _coded_tensors(r: Fields, coding: str, count: int, bits: int, layout, name: str) -> set[str]:
+    """The suffixes a layer's coding stores, with the sizes that follow from the header checked."""
+    def u8(suffix, size=None, words=False):
+        info = layout.tensors.get(f"{suffix}/{name}")
+        if info is None:
+            raise FormatError(f"{r.file}: layer {name!r} ({coding}) has no tensor {suffix}/{name}")
+        if info.dtype != "U8" or len(info.shape) != 1 or (size is not None and info.shape[0] != size) or (words and info.shape[0] % 4):
+            expect = f"{size} bytes" if size is not None else "whole 32-bit words" if words else "bytes"
+            raise FormatError(f"{r.file}: tensor {suffix}/{name} is {info.dtype} {list(info.shape)}, the header's {coding} coding needs uint8 {expect}")
+
+    if coding == "bits":
+        u8("indices", packed_size(count, bits))
+        return {"indices"}
+    if coding == "ans":
+        u8("indices", words=True)
+        u8("table")
+        return {"indices", "table"}
+    changes = r.int("changes", lo=0, hi=count)
+    u8("indices", 0 if changes in (0, count) else None, words=True)
+    if changes == 0:
+        return {"indices"}
+    if coding == "delta+bits":
+        u8("values", packed_size(changes, bits))
+        return {"indices", "values"}
+    u8("values", words=True)
+    u8("values_table")
+    return {"indices", "values", "values_table"}
 
 
 def _same_layer(row: dict, base: TaskPack) -> bool:
@@ -238,10 +370,13 @@ def _same_layer(row: dict, base: TaskPack) -> bool:
     return other is not None and other["count"] == row["count"] and other["pool_size"] == row["pool_size"]
 
 
+_STANDALONE = object()  # TaskPack.load(base=_STANDALONE): the file must not be delta-coded itself
+
+
 @functools.lru_cache(maxsize=4)
 def _load_base(path: str, mtime_ns: int, size: int) -> TaskPack:
     """Bases are shared by many packs: decode each file version once (read-only use)."""
-    return TaskPack.load(path)
+    return TaskPack.load(path, base=_STANDALONE)
 
 
 def _find_base(path: Path, info: dict, given) -> TaskPack:
@@ -288,10 +423,14 @@ def model_spec_of(model: nn.Module) -> str:
 
 
 @torch.no_grad()
-def extract_task(model: nn.Module, *, model_spec: str | None = None, meta: dict | None = None) -> TaskPack:
+def extract_task(
+    model: nn.Module, *, model_spec: str | None = None, meta: dict | None = None, run_id: str | None = None, task: int | None = None
+) -> TaskPack:
     """The current task of a converted model as a :class:`TaskPack`.
 
-    Indices are taken as stored (the ones the last forward used).
+    Indices are taken as stored (the ones the last forward used). ``run_id``
+    and ``task`` are the pack's identity, written into its header and checked
+    by :meth:`TaskPack.load` against what a reader expects.
     """
     layers = _require(model)
     table = [
@@ -318,6 +457,8 @@ def extract_task(model: nn.Module, *, model_spec: str | None = None, meta: dict 
         num_classes=_num_classes(layers),
         model_spec=model_spec or model_spec_of(model),
         meta=dict(meta or {}),
+        run_id=run_id,
+        task=task,
     )
 
 

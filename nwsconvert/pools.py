@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .kmeans import kmeans
+from .limits import MAX_POOL_SIZE, MAX_VECTOR_SIZE
+from .schema import Fields
 from .storage import FormatError, read_tensors, tensor_digest, write_tensors
 
 __all__ = ["PoolSet", "init_pool", "POOLSET_FORMAT", "POOLSET_VERSION"]
 
 POOLSET_FORMAT = "nwsconvert.poolset"
-POOLSET_VERSION = 1
+POOLSET_VERSION = 2  # 2: the header carries header_sha256; version 1 files still load
 
 
 def init_pool(
@@ -92,10 +94,36 @@ class PoolSet:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "PoolSet":
-        """Read a pool file; a truncated, corrupted or foreign file raises :class:`FormatError`."""
-        tensors, header = read_tensors(path, POOLSET_FORMAT, POOLSET_VERSION)
-        names = [row["name"] for row in header.get("layers", [])]
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise FormatError(f"{path}: layer table lists {missing[:3]} but the file has no such tensors")
-        return cls({n: tensors[n] for n in names})
+        """Read a pool file.
+
+        Raises:
+            FileNotFoundError: no such file.
+            FormatError: truncated, corrupted or foreign file, or a layer table that
+                does not describe the file's tensors (the message names the file and field).
+        """
+        tensors, header = read_tensors(path, POOLSET_FORMAT, POOLSET_VERSION, hashed_since=2, check=_check_header)
+        return cls({row["name"]: tensors[row["name"]] for row in header["layers"]})
+
+
+def _check_header(header: dict, layout, path) -> None:
+    """Every layer row names one float tensor of ``(pool_size, vector_size)`` and every tensor has a row."""
+    f = Fields(header, path)
+    rows = f.list("layers")
+    names = []
+    for i, row in enumerate(rows):
+        r = f.sub(row, f"layers[{i}]")
+        name = r.str("name")
+        n = r.int("pool_size", lo=1, hi=MAX_POOL_SIZE)
+        d = r.int("vector_size", lo=1, hi=MAX_VECTOR_SIZE)
+        info = layout.tensors.get(name)
+        if info is None:
+            raise FormatError(f"{f.file}: field layers[{i}].name: layer {name!r} has no tensor in the file")
+        if info.dtype not in ("F32", "F16", "BF16", "F64") or info.shape != (n, d):
+            raise FormatError(f"{f.file}: tensor {name!r} is {info.dtype} {list(info.shape)}, its layer row says float ({n}, {d})")
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise FormatError(f"{f.file}: field layers: a layer is listed twice")
+    extra = sorted(set(layout.tensors) - set(names))
+    if extra:
+        raise FormatError(f"{f.file}: tensors {extra[:3]} are not in the layer table")
+

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cliutil import run_cli
+from .errors import UsageError
+from .rundir import RunDir
+
 __all__ = ["report_main"]
 
 _EPILOG = """\
@@ -25,7 +29,11 @@ examples:
 
 
 def report_main(argv: list[str] | None = None) -> int:
-    """Entry point of ``nws-report``; returns the exit status (0 ok, 2 bad run / task)."""
+    """Entry point of ``nws-report``; returns the exit status (0 ok, 2 bad run / task, 1 damaged file)."""
+    return run_cli("nws-report", _report, argv)
+
+
+def _report(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="nws-report",
         description="Analyse which pool kernels a run's tasks chose (paper Sec. 5.7 and App. F) and write "
@@ -37,19 +45,20 @@ def report_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", metavar="DIR", default=None, help="output folder (default: RUN/report)")
     parser.add_argument("--tasks", metavar="ID", type=int, nargs="+", default=None,
                         help="task ids to include, in this order (default: every finished task)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = parser.parse_args(argv)
+    try:
+        manifest = RunDir(args.run).read()
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    done = [e["id"] for e in manifest["tasks"]]
+    missing = [t for t in args.tasks or () if t not in done]
+    if missing:
+        raise UsageError(f"--tasks {missing[0]}: run {args.run} has no finished task {missing[0]}; finished tasks: {done or 'none'}")
 
     from .report_html import write_report
-    from .storage import FormatError
 
-    try:
-        paths = write_report(args.run, args.out, args.tasks)
-    except KeyError as e:
-        print(f"nws-report: {e.args[0] if e.args else e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, FormatError, ValueError) as e:
-        print(f"nws-report: {e}", file=sys.stderr)
-        return 2
+    paths = write_report(args.run, args.out, args.tasks)
     print(f"wrote {paths['html']} ({len(paths['figures'])} figures, numbers in {paths['json']})")
     return 0
 

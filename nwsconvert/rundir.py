@@ -15,7 +15,12 @@ Layout::
 
 Every file is written atomically (temporary file + rename), the manifest last:
 a run killed at any point holds either the old or the new version of each
-file, and the manifest only lists files that are complete.
+file, and the manifest only lists files that are complete. One process
+writes a run at a time (:class:`nwsconvert.runlock.RunLock`, ``RUN/.lock``).
+
+A run directory from someone else is data, never code: :meth:`RunDir.read`
+checks every manifest field's type and range, and every file the manifest
+names must resolve inside the directory (:meth:`RunDir.resolve`).
 """
 
 from __future__ import annotations
@@ -23,14 +28,67 @@ from __future__ import annotations
 import json
 import os
 import platform
+import uuid
 from pathlib import Path
 
-from .storage import FormatError, atomic_write_bytes
+from .errors import FormatError, TaskNotFoundError
+from .schema import Fields, is_relative_inside
+from .atomic import atomic_write_bytes, disk_error
 
-__all__ = ["RunDir", "MANIFEST_FORMAT", "MANIFEST_VERSION", "library_versions"]
+__all__ = ["RunDir", "MANIFEST_FORMAT", "MANIFEST_VERSION", "library_versions", "check_manifest", "TaskNotFoundError", "new_run_id"]
 
 MANIFEST_FORMAT = "nwsconvert.run"
 MANIFEST_VERSION = 1
+
+
+def new_run_id() -> str:
+    """A random identity for a new run; its packs carry it, so a pack of another run is refused."""
+    return uuid.uuid4().hex
+
+
+def check_manifest(manifest: dict, path) -> None:
+    """Types and ranges of every manifest field a reader uses (the message names the field).
+
+    Raises:
+        FormatError: a field missing, of the wrong type, or out of range.
+    """
+    f = Fields(manifest, path)
+    f.str("run_id", optional=True)
+    model = f.obj_fields("model")
+    spec = model.str("spec")
+    if ":" not in spec:
+        raise model.fail("spec", "'timm:<name>', 'torchvision:<name>' or '<module>:<callable>'", spec)
+    model.dict("kwargs", optional=True)
+    model.dict("convert", optional=True)
+    model.int("layers", lo=0, optional=True)
+    f.dict("data", optional=True)
+    f.dict("config", optional=True)
+    pools = f.obj_fields("pools", optional=True)
+    if pools is not None:
+        pools.filename("file", optional=True)
+        pools.sha("sha256")
+        pools.int("bytes", lo=0, optional=True)
+        pools.bool("learned", optional=True)
+        pools.dict("metrics", optional=True)
+    base = f.obj_fields("base", optional=True)
+    if base is not None:
+        base.filename("file", optional=True)
+        base.sha("sha256")
+        base.int("num_classes", lo=1, optional=True)
+    ids = set()
+    for i, entry in enumerate(f.list("tasks")):
+        e = f.sub(entry, f"tasks[{i}]")
+        t = e.int("id", lo=0)
+        if t in ids:
+            raise e.fail("id", "a task id listed once", t)
+        ids.add(t)
+        e.str("name")
+        e.int("num_classes", lo=1)
+        e.strs("class_names", optional=True)
+        e.relpath("file")
+        e.sha("sha256")
+        e.dict("bytes", optional=True)
+        e.dict("metrics")
 
 
 def library_versions() -> dict:
@@ -102,21 +160,38 @@ class RunDir:
             FormatError: not a manifest of this library, or a newer version.
         """
         if not self.path.is_dir():
-            raise FileNotFoundError(f"run directory {str(self.path)!r} does not exist")
+            what = "is a file, not a run directory" if self.path.exists() else "does not exist"
+            raise FileNotFoundError(f"run directory {str(self.path)!r} {what}")
         if not self.exists():
             raise FileNotFoundError(f"{str(self.path)!r} is not a run directory: it has no manifest.json")
         try:
-            manifest = json.loads(self.manifest_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            manifest = json.loads(self.manifest_path.read_bytes())
+        except (ValueError, UnicodeDecodeError) as e:
             raise FormatError(f"{self.manifest_path}: not valid JSON ({e})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
             raise FormatError(f"{self.manifest_path}: not an nwsconvert run manifest")
-        if int(manifest.get("version", 0)) > MANIFEST_VERSION:
+        version = manifest.get("version")
+        if type(version) is not int or version < 1:
+            raise FormatError(f"{self.manifest_path}: field version: expected an integer >= 1, got {str(version)[:40]!r}")
+        if version > MANIFEST_VERSION:
             raise FormatError(
-                f"{self.manifest_path}: manifest version {manifest['version']} is newer than this nwsconvert "
+                f"{self.manifest_path}: manifest version {version} is newer than this nwsconvert "
                 f"reads ({MANIFEST_VERSION}): upgrade nwsconvert"
             )
+        check_manifest(manifest, self.manifest_path)
         return manifest
+
+    def resolve(self, rel: str, what: str = "file") -> Path:
+        """``RUN/rel``, refused unless it stays inside the run directory (links followed).
+
+        Raises:
+            FormatError: ``rel`` is absolute, climbs out with ``..``, or a link leads outside.
+        """
+        root = self.path.resolve()
+        target = (root / rel).resolve() if is_relative_inside(rel) else None
+        if target is None or not target.is_relative_to(root):
+            raise FormatError(f"{self.manifest_path}: {what} {str(rel)[:80]!r} points outside the run directory {self.path}")
+        return target
 
     def write(self, manifest: dict) -> None:
         """Write the manifest atomically."""
@@ -124,21 +199,33 @@ class RunDir:
         atomic_write_bytes(self.manifest_path, (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode())
 
     def task_entry(self, manifest: dict, task: int) -> dict:
-        """The manifest entry of ``task``; a clear error listing the finished tasks otherwise."""
+        """The manifest entry of ``task``; a clear error listing the finished tasks otherwise.
+
+        Raises:
+            TaskNotFoundError: (a ``KeyError``) no such finished task.
+        """
         for entry in manifest.get("tasks", []):
             if entry["id"] == task:
                 return entry
         done = [e["id"] for e in manifest.get("tasks", [])]
-        raise KeyError(f"run {str(self.path)!r} has no finished task {task}; finished tasks: {done or 'none'}")
+        raise TaskNotFoundError(f"run {str(self.path)!r} has no finished task {task}; finished tasks: {done or 'none'}")
+
+    def task_path(self, manifest: dict, task: int) -> Path:
+        """The pack file of finished task ``task``, inside the run directory (see :meth:`resolve`)."""
+        entry = self.task_entry(manifest, task)
+        return self.resolve(entry["file"], f"task {task}'s pack")
 
     # --------------------------------------------------------------- log
     def log(self, record: dict) -> None:
         """Append one JSON line to ``metrics.jsonl`` (flushed and synced: survives a kill)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise disk_error(e, self.log_path) from None
 
     def read_log(self) -> list[dict]:
         """Every complete line of ``metrics.jsonl`` (a line cut by a kill is ignored)."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,40 +16,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-__all__ = ["FormatError", "atomic_write_bytes", "write_tensors", "read_tensors", "tensor_digest"]
+from .atomic import atomic_write_bytes, disk_error
+from .errors import FormatError
+from .stfile import header_digest, parse_header, raw_digest
+
+__all__ = ["FormatError", "atomic_write_bytes", "write_tensors", "read_tensors", "tensor_digest", "disk_error"]
 
 META_KEY = "nwsconvert"
-_UMASK = os.umask(0)  # read once: files get the permissions open() would give (mkstemp makes them 0600)
-os.umask(_UMASK)
-
-
-class FormatError(ValueError):
-    """A file is missing, truncated, corrupted, or not the kind of file expected."""
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and a rename.
-
-    A reader (or a run killed mid-write) sees either the old file or the new
-    one, never a partial file.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        if hasattr(os, "fchmod"):  # POSIX
-            os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 over names, dtypes, shapes and bytes of ``tensors``, in name order.
 
@@ -69,46 +40,69 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], kin
     """Save ``tensors`` with a JSON header as one safetensors file, atomically.
 
     The header holds ``format`` (= ``kind``), ``version``, the content
-    ``sha256`` and ``fields``. Returns the SHA-256.
+    ``sha256`` (:func:`tensor_digest`), ``fields``, and ``header_sha256``
+    over all of these, so a reader detects any change to the header or the
+    tensors. Returns the content SHA-256.
     """
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     digest = tensor_digest(tensors)
     header = {"format": kind, "version": version, "sha256": digest, **fields}
+    header["header_sha256"] = header_digest(header)
     atomic_write_bytes(path, st_save(tensors, metadata={META_KEY: json.dumps(header, sort_keys=True)}))
     return digest
 
 
-def read_tensors(path: str | os.PathLike, kind: str, version: int) -> tuple[dict[str, torch.Tensor], dict]:
+def read_tensors(
+    path: str | os.PathLike, kind: str, version: int, *, hashed_since: int | None = None, check=None
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Load a file written by :func:`write_tensors`: a ``kind`` file of at most ``version``.
+
+    Order of checks, all before any tensor is allocated: the safetensors layout
+    against the file's length (:func:`nwsconvert.stfile.parse_header`), the
+    header's kind and version, ``header_sha256`` (required from version
+    ``hashed_since`` on; default ``version``), the kind's own field checks
+    (``check(header, layout, path)``, which raises :class:`FormatError`), and the
+    content ``sha256``, which every version must carry.
 
     Raises:
         FileNotFoundError: no such file.
-        FormatError: truncated, corrupted, not safetensors, or another kind of file;
-            the message names the file.
+        FormatError: truncated, corrupted, not safetensors, another kind of file,
+            or a header field out of type or range; the message names the file (and field).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     data = path.read_bytes()
-    if len(data) < 8:
-        raise FormatError(f"{path}: file is {len(data)} bytes, too short to be a {kind} file (truncated?)")
-    (hlen,) = struct.unpack("<Q", data[:8])
-    if hlen > len(data) - 8:
-        raise FormatError(f"{path}: header claims {hlen} bytes but the file holds {len(data) - 8}: truncated or not a {kind} file")
+    layout = parse_header(data, len(data), path, kind)
+    if META_KEY not in layout.metadata:
+        raise FormatError(f"{path}: not a {kind} file (no nwsconvert header)")
     try:
-        meta = json.loads(data[8 : 8 + hlen]).get("__metadata__") or {}
-        header = json.loads(meta[META_KEY])
-    except (ValueError, KeyError, AttributeError) as e:
-        raise FormatError(f"{path}: not a {kind} file (no nwsconvert header: {e})") from None
+        header = json.loads(layout.metadata[META_KEY])
+    except ValueError as e:
+        raise FormatError(f"{path}: not a {kind} file (nwsconvert header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: not a {kind} file (nwsconvert header is not a JSON object)")
     if header.get("format") != kind:
-        raise FormatError(f"{path}: is a {header.get('format')!r} file, expected {kind!r}")
-    if header.get("version", 0) > version:
-        raise FormatError(f"{path}: {kind} version {header['version']} is newer than this nwsconvert reads ({version})")
+        raise FormatError(f"{path}: is a {str(header.get('format'))[:40]!r} file, expected {kind!r}")
+    file_version = header.get("version")
+    if type(file_version) is not int or file_version < 1:
+        raise FormatError(f"{path}: field version: expected an integer >= 1, got {str(file_version)[:40]!r}")
+    if file_version > version:
+        raise FormatError(f"{path}: {kind} version {file_version} is newer than this nwsconvert reads ({version})")
+    hashed = header.get("header_sha256")
+    if hashed is not None or file_version >= (hashed_since or version):
+        if hashed != header_digest(header):
+            what = "has no header_sha256" if hashed is None else "does not match its header_sha256"
+            raise FormatError(f"{path}: header {what}: the file is corrupted or was edited")
+    want = header.get("sha256")
+    if not isinstance(want, str) or len(want) != 64:
+        raise FormatError(f"{path}: field sha256 is missing or not a SHA-256: the content cannot be checked")
+    if check is not None:
+        check(header, layout, path)
+    if raw_digest(data, layout) != want:
+        raise FormatError(f"{path}: content does not match its SHA-256 {want[:12]}...: the file is corrupted")
     try:
         tensors = st_load(data)
     except (SafetensorError, RuntimeError, ValueError) as e:
         raise FormatError(f"{path}: corrupted {kind} file ({e})") from None
-    want = header.get("sha256")
-    if want is not None and tensor_digest(tensors) != want:
-        raise FormatError(f"{path}: content does not match its SHA-256 {want[:12]}...: the file is corrupted")
     return tensors, header

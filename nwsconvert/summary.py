@@ -66,12 +66,15 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
         (bytes; ``indices`` and ``state`` without the head's share, ``head`` = head
         indices + head bias).
     """
+    from .loading import load_run_pools, load_task_files
+
     run = RunDir(run_dir)
     manifest = run.read()
     rows = []
     packs = []
+    pool_set = load_run_pools(run, manifest) if manifest.get("tasks") else None
     for entry in sorted(manifest.get("tasks", []), key=lambda e: e["id"]):
-        pack = TaskPack.load(run.path / entry["file"])
+        _, pack = load_task_files(run, manifest, entry["id"], pool_set)
         packs.append(pack)
         rows.append(
             {
@@ -93,6 +96,8 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
         "suite": manifest.get("data", {}).get("suite"),
         "pools_bytes": pools,
         "base_bytes": base_bytes,
+        "pools_file_bytes": _file_size(run.pool_path),
+        "base_file_bytes": _file_size(run.base_path) if base_bytes else 0,
         "tasks": rows,
         "total": {
             "nws_bytes": nws_total,
@@ -102,6 +107,10 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
             "tasks": len(rows),
         },
     }
+
+
+def _file_size(path) -> int:
+    return path.stat().st_size if path.is_file() else 0
 
 
 def format_summary(s: dict) -> str:
@@ -124,12 +133,20 @@ def format_summary(s: dict) -> str:
     t = s["total"]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    out = [f"run {s['run']}  model {s['model']}  suite {s['suite']}", line(head), "  ".join("-" * w for w in widths)]
+    out = [
+        f"run {s['run']}  model {s['model']}  suite {s['suite']}",
+        "sizes: tensor bytes, the paper's accounting (files add their JSON headers: nws-info --json has both)",
+        line(head),
+        "  ".join("-" * w for w in widths),
+    ]
     out += [line(r) for r in rows]
     out.append("")
-    out.append(f"pool set (shared)        {format_bytes(s['pools_bytes'])}")
+    out.append(f"pool set (shared)        {format_bytes(s['pools_bytes'])}   (file {format_bytes(s.get('pools_file_bytes', 0))} with its header)")
     if s.get("base_bytes"):
-        out.append(f"base pack (shared)       {format_bytes(s['base_bytes'])}   (indices after pool learning; task indices are stored as changes against it)")
+        out.append(
+            f"base pack (shared)       {format_bytes(s['base_bytes'])}   (file {format_bytes(s.get('base_file_bytes', 0))}; "
+            "indices after pool learning; task indices are stored as changes against it)"
+        )
     if t["tasks"]:
         shared = "pool set + base pack" if s.get("base_bytes") else "pool set"
         out.append(f"NWS total ({t['tasks']} tasks)     {format_bytes(t['nws_bytes'])}   ({shared} + every task's indices, BN/state, head)")

@@ -45,14 +45,18 @@ from .nwsmodel import (
     set_commitment,
     set_mode,
 )
+from .errors import FormatError, RunExistsError, UntrustedCodeError
 from .packs import TaskPack, apply_task, extract_task, model_spec_of
 from .pools import PoolSet
-from .rundir import RunDir, library_versions
+from .rundir import RunDir, library_versions, new_run_id
+from .runlock import RunLock, remove_stale_temporaries
 from .storage import read_tensors, write_tensors
 
 __all__ = ["Trainer", "evaluate", "pool_usage"]
 
 Data = Dataset | DataLoader
+BASE_WEIGHTS_FORMAT = "nwsconvert.baseweights"
+BASE_WEIGHTS_VERSION = 2  # 2: header_sha256
 
 
 def pool_usage(model: nn.Module) -> float:
@@ -112,8 +116,13 @@ class Trainer:
         resume: continue the run already in ``run_dir``.
         progress: show tqdm progress bars (main process only).
 
+    The trainer holds the run's lock (``RUN/.lock``, :mod:`nwsconvert.runlock`)
+    from construction until :meth:`close` or the end of the process: a second
+    process that tries to write the same run is refused.
+
     Raises:
-        FileExistsError: ``run_dir`` holds a run and ``resume`` is false.
+        RunExistsError: (a ``FileExistsError``) ``run_dir`` holds a run and ``resume`` is false.
+        RunLockedError: another process is writing ``run_dir``.
     """
 
     def __init__(
@@ -138,15 +147,26 @@ class Trainer:
             torch.cuda.set_device(device)
         self.device = device
         self.progress = progress
+        self.lock = None
+        if self.dist.is_main:
+            self.lock = RunLock.acquire(self.run.path)
+            remove_stale_temporaries(self.run.path)  # a killed writer's; none is in flight under the lock
+        # A spec this process derived from the caller's own model or arguments may be imported to
+        # rebuild the model; one read from a manifest only if it is the same (see nwsconvert.specs).
+        self._own_spec = model_spec or model_spec_of(model)
         existed = self.run.exists()
         self.dist.barrier()  # every rank looks before rank 0 may create the run below
         if existed:
             if not resume:
-                raise FileExistsError(
+                self.close()
+                raise RunExistsError(
                     f"{str(self.run.path)!r} already holds a run: resume it (resume=True, --resume) or choose another directory"
                 )
             self.manifest = self.run.read()
-            self.config = config or TrainConfig.from_dict(self.manifest["config"])
+            try:
+                self.config = config or TrainConfig.from_dict(self.manifest.get("config") or {})
+            except ValueError as e:
+                raise FormatError(f"{self.run.manifest_path}: field config: {e}") from None
             recorded = self.manifest["model"]
             if model_spec is not None and model_spec != recorded["spec"]:
                 raise ValueError(f"run {str(self.run.path)!r} trains {recorded['spec']!r}, not {model_spec!r}")
@@ -154,6 +174,7 @@ class Trainer:
             self.config = config or TrainConfig()
             report = getattr(model, "nws_report", None)
             self.manifest = {
+                "run_id": new_run_id(),
                 "model": {
                     "spec": model_spec or model_spec_of(model),
                     "kwargs": dict(model_kwargs or {}),
@@ -177,15 +198,26 @@ class Trainer:
         torch.manual_seed(self.config.seed)
         self.model = model.to(self.device)
 
+    def close(self) -> None:
+        """Release the run's lock (also released when the process ends)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ---------------------------------------------------------------- helpers
     def _log(self, record: dict) -> None:
         if self.dist.is_main:
             self.run.log(record)
 
-    def _save_manifest(self) -> None:
-        if self.dist.is_main:
-            self.run.write(self.manifest)
-        self.dist.barrier()
+    @property
+    def run_id(self) -> str | None:
+        return self.manifest.get("run_id")
 
     def _loader(self, data: Data, cfg: TrainConfig, train: bool, seed: int) -> DataLoader:
         if isinstance(data, DataLoader):
@@ -362,15 +394,15 @@ class Trainer:
 
     def _write_pools(self, metrics: dict, learned: bool) -> None:
         pools = pool_set(self.model)
-        base = extract_task(self.model, model_spec=self.manifest["model"]["spec"], meta={"stage": "pools"})
+        base = extract_task(self.model, model_spec=self.manifest["model"]["spec"], meta={"stage": "pools"}, run_id=self.run_id)
         if self.dist.is_main:
             sha = pools.save(self.run.pool_path)
             base_sha = base.save(self.run.base_path)
             write_tensors(
                 self.run.base_weights_path,
                 {layer.name: layer.weight for layer in nws_layers(self.model)},
-                "nwsconvert.baseweights",
-                1,
+                BASE_WEIGHTS_FORMAT,
+                BASE_WEIGHTS_VERSION,
             )
             self.manifest["pools"] = {
                 "file": self.run.pool_path.name,
@@ -394,13 +426,28 @@ class Trainer:
             return
         want = self.manifest["pools"]["sha256"]
         if pool_set(self.model).sha256 != want:
-            load_pools(self.model, PoolSet.load(self.run.pool_path))
+            load_pools(self.model, self._run_pools())
+
+    def _run_pools(self) -> PoolSet:
+        """The run's pool file, checked against the manifest's hash."""
+        pools = PoolSet.load(self.run.pool_path)
+        want = self.manifest["pools"]["sha256"]
+        if pools.sha256 != want:
+            raise FormatError(f"{self.run.pool_path}: pool set {pools.sha256[:12]}..., the manifest records {want[:12]}...")
+        return pools
+
+    def _load_pack(self, task: int | None) -> TaskPack:
+        """A finished task's pack (``None``: the base pack), checked against the manifest: hash, run, task."""
+        want = {"pool_sha256": self.manifest["pools"]["sha256"], "run_id": self.run_id}
+        if task is None:
+            return TaskPack.load(self.run.base_path, sha256=self.manifest["base"]["sha256"], **want)
+        entry = self.run.task_entry(self.manifest, task)
+        return TaskPack.load(self.run.task_path(self.manifest, task), sha256=entry["sha256"], task=task, **want)
 
     def _enter_task_state(self, task: int | None) -> None:
         """Load the state a task ends in (``None``: the end of pool learning) into the model."""
         self._ensure_pools()
-        path = self.run.base_path if task is None else self.run.path / self.run.task_entry(self.manifest, task)["file"]
-        pack = TaskPack.load(path)
+        pack = self._load_pack(task)
         if pack.num_classes is not None:
             resize_head(self.model, pack.num_classes)
         apply_task(self.model, pack)
@@ -409,7 +456,7 @@ class Trainer:
     def _init_weights(self, how: str) -> None:
         layers = nws_layers(self.model)
         if how == "original":
-            tensors, _ = read_tensors(self.run.base_weights_path, "nwsconvert.baseweights", 1)
+            tensors, _ = read_tensors(self.run.base_weights_path, BASE_WEIGHTS_FORMAT, BASE_WEIGHTS_VERSION, hashed_since=2)
             with torch.no_grad():
                 for layer in layers:
                     saved = tensors[layer.name]
@@ -478,7 +525,7 @@ class Trainer:
         model = self.model
         ev = evaluate(model, self._loader(val, self.config, False, 0), device=self.device, amp=self.config.amp)
         meta = {"task": task, "name": name or f"task_{task}", "class_names": class_names}
-        pack = extract_task(model, model_spec=self.manifest["model"]["spec"], meta=meta)
+        pack = extract_task(model, model_spec=self.manifest["model"]["spec"], meta=meta, run_id=self.run_id, task=task)
         digests = gather_strings(pack.content_sha256(), self.dist)
         if len(set(digests)) != 1:
             raise RuntimeError(f"task {task}: ranks ended with different indices or state (pack digests {digests})")
@@ -487,7 +534,7 @@ class Trainer:
             pack.base = self._pack_base(task)  # store what changed against it (see nwsconvert.packs)
             sha = pack.save(path)
         self.dist.barrier()
-        rebuilt = self._rebuild(path)
+        rebuilt = self._rebuild(path, task, sha if self.dist.is_main else None)
         ev2 = evaluate(rebuilt, self._loader(val, self.config, False, 0), device=self.device, amp=self.config.amp)
         if ev2["correct"] != ev["correct"]:
             raise RuntimeError(
@@ -529,19 +576,19 @@ class Trainer:
         """The pack task ``task``'s indices are delta-coded against (``config.pack_base``)."""
         how = self.config.pack_base
         if how == "pools":
-            return TaskPack.load(self.run.base_path)
-        first = next((e for e in self.manifest["tasks"] if e["id"] == 0), None)
-        if how == "task0" and task != 0 and first is not None:
-            return TaskPack.load(self.run.path / first["file"])
+            return self._load_pack(None)
+        if how == "task0" and task != 0 and any(e["id"] == 0 for e in self.manifest["tasks"]):
+            return self._load_pack(0)
         return None
 
-    def _rebuild(self, pack_path) -> nn.Module:
+    def _rebuild(self, pack_path, task: int, sha256: str | None) -> nn.Module:
         """The task's model rebuilt from the files alone (by spec; from a copy of the architecture if it has none)."""
-        pools = PoolSet.load(self.run.pool_path)
-        pack = TaskPack.load(pack_path)
+        pools = self._run_pools()
+        pack = TaskPack.load(pack_path, sha256=sha256, pool_sha256=pools.sha256, run_id=self.run_id, task=task)
+        trusted = self.manifest["model"]["spec"] == self._own_spec
         try:
-            net = build_task_model(self.manifest["model"], pools, pack)
-        except ValueError:  # spec not buildable by name: reuse the architecture, never the weights
+            net = build_task_model(self.manifest["model"], pools, pack, trust_code=trusted)
+        except (ValueError, UntrustedCodeError):  # spec not buildable by name: reuse the architecture, never the weights
             net = copy.deepcopy(self.model)
             apply_task(net, pack)
         return net.to(self.device).eval()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 import nwsconvert
 from nwsconvert import RunDir, TaskPack
 from nwsconvert.cli import info_main, resolve_job, train_main
+from nwsconvert.errors import UsageError
 
 FAST = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "progress=false"]
 
@@ -41,21 +43,21 @@ def test_yaml_config_and_overrides(tmp_path):
     job = resolve_job([str(cfg), "epochs=9", "suite.train_per_class=5", "model.drop_rate=0.1"])
     assert job["model"] == "torchvision:resnet18" and job["epochs"] == 9 and job["milestones"] == [3, 5]
     assert job["suite_options"] == {"path": "/data/c100", "train_per_class": 5} and job["model_kwargs"] == {"drop_rate": 0.1}
-    with pytest.raises(SystemExit, match="unknown key 'epoch'"):
+    with pytest.raises(UsageError, match="unknown key 'epoch'"):
         resolve_job(["epoch=3"])
-    with pytest.raises(SystemExit, match="neither key=value nor an existing YAML"):
+    with pytest.raises(UsageError, match="neither key=value nor an existing YAML"):
         resolve_job(["missing.yaml"])
 
 
 def test_clear_errors(tmp_path, capsys):
-    with pytest.raises(SystemExit, match="torchvision classifiers take 3"):
-        train_main(["model=torchvision:resnet18", f"out={tmp_path / 'x'}"])
-    with pytest.raises(SystemExit, match="timm has no model 'resnet_nope'"):
-        train_main(["model=timm:resnet_nope", f"out={tmp_path / 'y'}"])
-    with pytest.raises(SystemExit, match="known suites"):
-        train_main(["suite=nope", f"out={tmp_path / 'z'}"])
-    with pytest.raises(SystemExit, match="cannot resume"):
-        train_main(["--resume", f"out={tmp_path / 'none'}"])
+    for args, message in (
+        (["model=torchvision:resnet18"], "torchvision classifiers take 3"),
+        (["model=timm:resnet_nope"], "timm has no model 'resnet_nope'"),
+        (["suite=nope"], "known suites"),
+    ):
+        assert train_main([*args, f"out={tmp_path / 'x'}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("nws-train: ") and message in err and err.count("\n") == 1, err
     assert info_main([str(tmp_path / "none")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -132,5 +134,5 @@ def test_preset_key_converts_with_the_family_preset_and_the_run_reloads(tmp_path
     model = nwsconvert.load(out, task=0)
     sizes = {l.name: l.nws.pool_size for l in nwsconvert.nws_layers(model)}
     assert all(sizes[name] == n for name, n in options["layer_pool_size"].items())
-    with pytest.raises(SystemExit, match="unknown preset 'nope'.*preset=auto"):
-        train_main([*FAST, "preset=nope", f"out={tmp_path / 'q'}"])
+    assert train_main([*FAST, "preset=nope", f"out={tmp_path / 'q'}"]) == 2
+    assert re.search("unknown preset 'nope'.*preset=auto", capsys.readouterr().err)

@@ -143,7 +143,7 @@ def _hand_pack(seed, n=512, sizes=(4000, 900, 30), base=None, change_every=None)
             idx[::change_every] = torch.from_numpy(_skewed(n, idx[::change_every].numel(), 2.0, seed=seed + 10 + i))
         indices[name] = idx
     state = {"bn.running_mean": torch.arange(4, dtype=torch.float32)}
-    return nc.TaskPack(layers=layers, indices=indices, state=state, pool_sha256="p" * 64, num_classes=None, model_spec="hand", meta={"seed": seed}, base=base)
+    return nc.TaskPack(layers=layers, indices=indices, state=state, pool_sha256="a" * 64, num_classes=None, model_spec="hand", meta={"seed": seed}, base=base)
 
 
 def test_delta_pack_finds_its_base(tmp_path):

@@ -61,8 +61,8 @@ def hand_run(tmp_path_factory):
             num_classes=classes,
             model_spec="hand:made",
         )
-        pack.save(run.pack_path(t))
-        tasks.append({"id": t, "name": f"hand{t}", "num_classes": classes, "file": f"tasks/task_{t}.nwspack", "metrics": {"val_acc": acc}})
+        sha = pack.save(run.pack_path(t))
+        tasks.append({"id": t, "name": f"hand{t}", "num_classes": classes, "file": f"tasks/task_{t}.nwspack", "sha256": sha, "metrics": {"val_acc": acc}})
     run.write({
         "model": {"spec": "hand:made"},
         "data": {"suite": "hand"},
@@ -171,7 +171,7 @@ def test_cli(hand_run, tmp_path, capsys):
     assert report_main([str(tmp_path / "empty")]) == 2
     assert "no manifest.json" in capsys.readouterr().err
     assert report_main([str(hand_run), "--tasks", "0", "7"]) == 2
-    assert capsys.readouterr().err.strip() == f"nws-report: run {str(hand_run)!r} has no finished task 7; finished tasks: [0, 1]"
+    assert capsys.readouterr().err.strip() == f"nws-report: --tasks 7: run {hand_run} has no finished task 7; finished tasks: [0, 1]"
 
 
 def test_real_model_pack(tmp_path):
@@ -180,10 +180,10 @@ def test_real_model_pack(tmp_path):
     with torch.no_grad():
         model(torch.randn(2, 1, 16, 16))
     run = RunDir(tmp_path / "run")
-    pool_set(model).save(run.pool_path)
-    extract_task(model).save(run.pack_path(0))
-    run.write({"model": {"spec": "timm:test_resnet"}, "pools": {"bytes": pool_set(model).nbytes},
-               "tasks": [{"id": 0, "name": "t0", "num_classes": 3, "file": "tasks/task_0.nwspack", "metrics": {"val_acc": 0.5}}]})
+    pool_sha = pool_set(model).save(run.pool_path)
+    sha = extract_task(model).save(run.pack_path(0))
+    run.write({"model": {"spec": "timm:test_resnet"}, "pools": {"sha256": pool_sha, "bytes": pool_set(model).nbytes},
+               "tasks": [{"id": 0, "name": "t0", "num_classes": 3, "file": "tasks/task_0.nwspack", "sha256": sha, "metrics": {"val_acc": 0.5}}]})
     a = analyse_run(run.path)
     pack = TaskPack.load(run.pack_path(0))
     assert [r["name"] for r in a["layers"]] == [r["name"] for r in pack.layers]

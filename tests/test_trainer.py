@@ -231,11 +231,13 @@ def test_recorded_spec_of_a_plain_class_rebuilds_it_or_says_what_to_do():
 
     spec = model_spec_of(DefaultNet())
     assert spec == f"{__name__}:DefaultNet"
-    assert isinstance(build_model(spec, num_classes=5), DefaultNet)
+    with pytest.raises(nwsconvert.UntrustedCodeError, match="trust_code=True"):
+        build_model(spec, num_classes=5)  # a spec from a file imports code only when the caller says so
+    assert isinstance(build_model(spec, trust_code=True, num_classes=5), DefaultNet)
     import torchvision
 
     spec = model_spec_of(torchvision.models.resnet18())  # ResNet(block, layers, ...) needs arguments
     assert spec == "torchvision.models.resnet:ResNet"
     with pytest.raises(ValueError, match="model=") as e:
-        build_model(spec, num_classes=5)
+        build_model(spec, trust_code=True, num_classes=5)
     assert "torchvision.models.resnet:ResNet" in str(e.value)

@@ -58,7 +58,7 @@ from typing import Callable
 
 from torch import nn
 
-from nwsconvert.convert import convert
+from nwsconvert.converter import convert
 from nwsconvert.graph import analyse, is_weight_layer, roles_by_name
 
 from .registry import Registry

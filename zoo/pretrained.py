@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nwsconvert.convert import convert
+from nwsconvert.converter import convert
 from nwsconvert.report import ConversionReport
 
 from .presets import get_preset

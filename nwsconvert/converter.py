@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .errors import NWSError, UsageError
 from .graph import analyse, is_weight_layer, roles_by_name
 from .layers import NWSWeight, index_bits
 from .pools import PoolSet, init_pool
@@ -30,8 +31,8 @@ from .report import ConversionReport, LayerRecord, SkippedRecord
 __all__ = ["NWSConverter", "convert", "ConversionError"]
 
 
-class ConversionError(ValueError):
-    """A layer cannot be converted as asked; the message names it."""
+class ConversionError(NWSError, ValueError):
+    """A model or layer cannot be converted as asked; the message names it."""
 
 
 def _match(name: str, patterns: Iterable[str]) -> bool:
@@ -102,10 +103,11 @@ class NWSConverter:
         seed: int = 0,
         kmeans_iters: int = 3,
     ):
-        if pool_size < 2:
-            raise ValueError(f"pool_size must be at least 2, got {pool_size}")
-        if group_size < 1:
-            raise ValueError(f"group_size must be at least 1, got {group_size}")
+        for key, value, low in (("pool_size", pool_size, 2), ("group_size", group_size, 1), ("kmeans_iters", kmeans_iters, 0)):
+            if type(value) is not int or value < low:
+                raise UsageError(f"{key} must be an integer of at least {low}, got {value!r}")
+        if type(seed) is not int:
+            raise UsageError(f"seed must be an integer, got {seed!r}")
         self.pool_size = pool_size
         self.init = init
         self.group_size = group_size
@@ -136,10 +138,30 @@ class NWSConverter:
         return None
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Convert ``model`` in place and return it (its report is ``model.nws_report``)."""
+        """Convert ``model`` in place and return it (its report is ``model.nws_report``).
+
+        Raises:
+            ConversionError: ``model`` is a TorchScript module (scripted or traced) or holds
+                one, has parameters on the meta device, is already converted, or has no
+                layer to convert (every Conv2d / Linear skipped, or none at all).
+        """
+        if not isinstance(model, nn.Module):
+            raise ConversionError(f"convert() takes an nn.Module, got {type(model).__name__}")
         for name, m in model.named_modules():
+            if isinstance(m, torch.jit.ScriptModule):
+                where = f" (submodule {name!r})" if name else ""
+                raise ConversionError(
+                    f"{type(m).__name__}{where} is a TorchScript module (torch.jit.script / torch.jit.trace): its layers are "
+                    "compiled and cannot be replaced; convert the eager nn.Module, then script or export it"
+                )
             if isinstance(m, NWSWeight):
                 raise ConversionError(f"model is already converted (NWS layer at {name!r})")
+        meta = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+        if meta is not None:
+            raise ConversionError(
+                f"{meta!r} is on the meta device: k-means pools need the real weights; materialise the model "
+                "(model.to_empty(device='cpu') and load its weights) before converting"
+            )
         info = analyse(model)
         modules = [(n, m) for n, m in model.named_modules() if is_weight_layer(m)]
         names = [n for n, _ in modules]
@@ -210,6 +232,13 @@ class NWSConverter:
             extra = sorted(set(given.pools) - {r.name for r in report.layers})
             if extra:
                 raise ConversionError(f"pool set has pools for layers the model does not convert: {extra[:5]}")
+        if not report.layers:
+            why = (
+                f"all {len(report.skipped)} weight layers were skipped ({report.skipped[0].name}: {report.skipped[0].reason}...)"
+                if report.skipped
+                else "it has no nn.Conv2d, nn.Linear or CondConv2d"
+            )
+            raise ConversionError(f"{type(model).__name__} has no layer to convert: {why}; NWS needs at least one")
         self.report = report
         model.nws_report = report
         return model

@@ -1,0 +1,97 @@
+"""Reading a deployment bundle's ``bundle.json``: every field checked, every file name kept inside the bundle.
+
+Imports neither torch nor timm (the robot's runtime reads bundles with this).
+A bundle from someone else is data: its files are named by plain file names
+in the bundle folder, and the pool file, task graphs and packs carry SHA-256s
+that the readers verify before use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from nwsconvert.errors import FormatError
+from nwsconvert.schema import Fields
+
+__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "read_bundle", "check_bundle", "file_sha256"]
+
+BUNDLE_FORMAT = "nwsconvert.bundle"
+BUNDLE_VERSION = 2  # 2: pack_sha256, onnx_sha256 and base_sha256 per task; version 1 still reads
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_bundle(desc: dict, path) -> None:
+    """Types and ranges of every ``bundle.json`` field a reader uses.
+
+    Raises:
+        FormatError: naming the file and the field.
+    """
+    f = Fields(desc, path)
+    if f.str("format") != BUNDLE_FORMAT:
+        raise FormatError(f"{path}: not an nwsconvert bundle description (format {str(desc.get('format'))[:40]!r})")
+    version = f.int("version", lo=1)
+    if version > BUNDLE_VERSION:
+        raise FormatError(f"{path}: bundle version {version} is newer than this nwsconvert reads ({BUNDLE_VERSION}): upgrade nwsconvert")
+    f.sha("pool_sha256")
+    f.dict("model", optional=True)
+    data = f.obj_fields("data", optional=True)
+    if data is not None:
+        data.int("channels", lo=1, hi=4096, optional=True)
+        data.ints("input_size", lo=1, hi=1 << 16, optional=True, max_len=3)
+        data.list("mean", optional=True)
+        data.list("std", optional=True)
+    f.int("pool_bytes", lo=0, optional=True)
+    tasks = f.dict("tasks")
+    hashed = version >= 2
+    for key, row in tasks.items():
+        if not key.isdigit():
+            raise FormatError(f"{path}: field tasks: key {key[:20]!r} is not a task id")
+        r = f.sub(row, f"tasks.{key}")
+        r.str("name")
+        classes = r.int("num_classes", lo=1)
+        names = r.strs("class_names", optional=True)
+        if names is not None and len(names) != classes:
+            raise r.fail("class_names", f"{classes} names (num_classes)", names)
+        r.filename("pack")
+        r.int("pack_bytes", lo=0, optional=True)
+        if hashed:
+            r.sha("pack_sha256")
+        if r.filename("base", optional=True) is not None and hashed:
+            r.sha("base_sha256")
+        if r.filename("onnx", optional=True) is not None:
+            r.int("onnx_bytes", lo=0, optional=True)
+            if hashed:
+                r.sha("onnx_sha256")
+
+
+def read_bundle(bundle: str | os.PathLike) -> dict:
+    """The checked ``bundle.json`` of a bundle folder.
+
+    Raises:
+        FileNotFoundError: no such folder, or no ``bundle.json`` in it.
+        FormatError: not valid JSON, or a field out of type or range (named).
+    """
+    bundle = Path(bundle)
+    if not bundle.is_dir():
+        what = "is a file, not a bundle folder" if bundle.exists() else "does not exist"
+        raise FileNotFoundError(f"{bundle} {what} (write a bundle with nws-export RUN --task all --onnx)")
+    path = bundle / "bundle.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{bundle} is not a bundle: no bundle.json (write one with nws-export --onnx)")
+    try:
+        desc = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path}: not valid JSON ({e})") from None
+    check_bundle(desc, path)
+    return desc

@@ -406,8 +406,6 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _info(argv: list[str] | None) -> int:
-    from .summary import format_summary, run_summary
-
     parser = argparse.ArgumentParser(
         prog="nws-info",
         description="Per-task accuracy and memory of a run in the paper's accounting: pool set + per-task "
@@ -421,6 +419,8 @@ def _info(argv: list[str] | None) -> int:
         RunDir(args.run).read()
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
+    from .summary import format_summary, run_summary
+
     summary = run_summary(args.run)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0

@@ -8,21 +8,11 @@ Names are imported on first use: ``Runtime`` and the bundle reader need
 neither torch nor timm, so a robot that only runs bundles never loads them.
 """
 
-import importlib
+from nwsconvert.lazy import lazy_exports
 
 __all__ = ["export_bundle", "export_onnx", "Runtime", "StaleBundleError", "read_bundle"]
 
 _EXPORTS = {"export_bundle": "bundle", "StaleBundleError": "bundle", "export_onnx": "onnx_graph", "Runtime": "runtime", "read_bundle": "bundlefile"}
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nwsconvert.export' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -8,7 +8,7 @@
     nwsconvert.pool_set(model).save("pools.safetensors")
 """
 
-import importlib
+from .lazy import lazy_exports
 
 # Public names -> the module that defines them. Imported on first use (PEP 562), so the
 # command lines can check their arguments and refuse bad input before torch is loaded.
@@ -60,17 +60,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nwsconvert' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 __version__ = "0.1.0"

@@ -475,10 +475,11 @@ def apply_task(model: nn.Module, pack: TaskPack) -> nn.Module:
             shapes or pool sizes, missing/unexpected/misshaped state entries.
     """
     layers = _require(model)
+    where = f"{pack.source}: " if pack.source is not None else ""
     have = pool_set(model).sha256
     if pack.pool_sha256 != have:
         raise PackMismatchError(
-            f"task pack was built on pool set {pack.pool_sha256[:12]}..., the model holds pool set {have[:12]}...: "
+            f"{where}task pack was built on pool set {pack.pool_sha256[:12]}..., the model holds pool set {have[:12]}...: "
             "load the pool file the pack was trained with"
         )
     by_name = {layer.name: layer for layer in layers}
@@ -486,15 +487,15 @@ def apply_task(model: nn.Module, pack: TaskPack) -> nn.Module:
     missing = [n for n in by_name if n not in rows]
     extra = [n for n in rows if n not in by_name]
     if missing or extra:
-        raise PackMismatchError(f"pack and model disagree on NWS layers: model-only {missing[:5]}, pack-only {extra[:5]}")
+        raise PackMismatchError(f"{where}pack and model disagree on NWS layers: model-only {missing[:5]}, pack-only {extra[:5]}")
     for name, layer in by_name.items():
         r = rows[name]
         if tuple(r["shape"]) != layer.nws.weight_shape:
             hint = " (head: the pack has another class count)" if layer.nws.role == "head" else ""
-            raise PackMismatchError(f"layer {name!r}: pack weight shape {tuple(r['shape'])}, model {layer.nws.weight_shape}{hint}")
+            raise PackMismatchError(f"{where}layer {name!r}: pack weight shape {tuple(r['shape'])}, model {layer.nws.weight_shape}{hint}")
         if r["pool_size"] != layer.nws.pool_size or r["vector_size"] != layer.nws.vector_size:
             raise PackMismatchError(
-                f"layer {name!r}: pack pool {r['pool_size']}x{r['vector_size']}, model pool "
+                f"{where}layer {name!r}: pack pool {r['pool_size']}x{r['vector_size']}, model pool "
                 f"{layer.nws.pool_size}x{layer.nws.vector_size}"
             )
     skip = _nws_keys(model)
@@ -502,10 +503,10 @@ def apply_task(model: nn.Module, pack: TaskPack) -> nn.Module:
     missing = [k for k in own if k not in pack.state]
     extra = [k for k in pack.state if k not in own]
     if missing or extra:
-        raise PackMismatchError(f"pack and model disagree on state entries: model-only {missing[:5]}, pack-only {extra[:5]}")
+        raise PackMismatchError(f"{where}pack and model disagree on state entries: model-only {missing[:5]}, pack-only {extra[:5]}")
     for k, v in own.items():
         if tuple(pack.state[k].shape) != tuple(v.shape):
-            raise PackMismatchError(f"state entry {k!r}: pack shape {tuple(pack.state[k].shape)}, model {tuple(v.shape)}")
+            raise PackMismatchError(f"{where}state entry {k!r}: pack shape {tuple(pack.state[k].shape)}, model {tuple(v.shape)}")
     for name, layer in by_name.items():
         nws = layer.nws
         nws.indices.copy_(pack.indices[name].to(nws.indices.device))

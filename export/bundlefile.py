@@ -67,9 +67,9 @@ def check_bundle(desc: dict, path) -> None:
         r.int("pack_bytes", lo=0, optional=True)
         if hashed:
             r.sha("pack_sha256")
-        if r.filename("base", optional=True) is not None and hashed:
+        if "base" in row and r.filename("base") and hashed:
             r.sha("base_sha256")
-        if r.filename("onnx", optional=True) is not None:
+        if "onnx" in row and r.filename("onnx"):
             r.int("onnx_bytes", lo=0, optional=True)
             if hashed:
                 r.sha("onnx_sha256")

@@ -18,6 +18,7 @@ NaN. Imports neither torch nor timm.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
@@ -28,7 +29,7 @@ import numpy as np
 
 from nwsconvert.devices import cuda_device_count
 from nwsconvert.errors import FormatError, TaskNotFoundError
-from nwsconvert.stfile import raw_digest, read_header
+from nwsconvert.stfile import header_digest, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle
 
@@ -81,6 +82,14 @@ class Runtime:
     def _map_pools(self, pool_file: Path) -> dict:
         """The pool file, mapped once, checked against the bundle's pool-set hash, shared by every session."""
         header = read_header(pool_file, "pool")
+        try:
+            fields = json.loads(header.metadata.get("nwsconvert", "{}"))
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict) or fields.get("format") != "nwsconvert.poolset":
+            raise FormatError(f"{pool_file}: not an nwsconvert pool file (no pool-set header)")
+        if fields.get("header_sha256", header_digest(fields)) != header_digest(fields) or (fields.get("version", 1) >= 2 and "header_sha256" not in fields):
+            raise FormatError(f"{pool_file}: header does not match its header_sha256: the file is corrupted or was edited")
         data = np.memmap(pool_file, dtype=np.uint8, mode="r")
         if raw_digest(data, header) != self.desc["pool_sha256"]:
             raise FormatError(
@@ -132,6 +141,9 @@ class Runtime:
             sess = self.ort.InferenceSession(str(graph), sess_options=opts, providers=self.providers)
         except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
             raise FormatError(f"{graph}: onnxruntime cannot load task {task}'s graph ({type(e).__name__}: {str(e)[:200]})") from None
+        meta = sess.get_modelmeta().custom_metadata_map
+        if meta.get("nwsconvert.task") not in (None, str(task)) or meta.get("nwsconvert.pool_sha256", self.desc["pool_sha256"]) != self.desc["pool_sha256"]:
+            raise FormatError(f"{graph}: the graph is task {meta.get('nwsconvert.task')} of pool set {str(meta.get('nwsconvert.pool_sha256'))[:12]}..., bundle.json lists it as task {task}")
         self.last_switch_seconds = time.perf_counter() - tic
         if self.requested_cuda and "CUDAExecutionProvider" not in sess.get_providers():
             warnings.warn(f"task {task}: the CUDA provider was requested but the session runs on {sess.get_providers()}", stacklevel=2)

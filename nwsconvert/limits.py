@@ -6,3 +6,5 @@ MAX_POOL_SIZE = 1 << 24
 MAX_VECTOR_SIZE = 1 << 16
 #: Kernels one layer may hold (a 16384 x 16384 linear layer).
 MAX_KERNELS = 1 << 28
+#: Integer model-factory arguments a manifest may record (in_chans, num_classes, image_size...).
+MAX_FACTORY_INT = 1 << 15

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .converter import convert
-from .errors import FormatError
+from .errors import FormatError, NWSError, PackMismatchError
 from .heads import resize_head
 from .nwsmodel import materialize
 from .packs import TaskPack, apply_task
@@ -42,9 +42,12 @@ def load_task_files(run: RunDir, manifest: dict, task: int, pools: PoolSet | Non
     """The pool set and task ``task``'s pack of a run, each checked against the manifest."""
     pools = pools if pools is not None else load_run_pools(run, manifest)
     entry = run.task_entry(manifest, task)
-    pack = TaskPack.load(
-        run.task_path(manifest, task), sha256=entry["sha256"], pool_sha256=pools.sha256, run_id=manifest.get("run_id"), task=task
-    )
+    try:
+        pack = TaskPack.load(
+            run.task_path(manifest, task), sha256=entry["sha256"], pool_sha256=pools.sha256, run_id=manifest.get("run_id"), task=task
+        )
+    except PackMismatchError as e:
+        raise PackMismatchError(f"{e} [as task {task} of {run.manifest_path}]") from None
     return pools, pack
 
 
@@ -107,7 +110,15 @@ def load(
     run = RunDir(run_dir)
     manifest = run.read()
     pools, pack = load_task_files(run, manifest, task)
-    net = build_task_model(manifest["model"], pools, pack, model=model, trust_code=trust_code)
+    try:
+        net = build_task_model(manifest["model"], pools, pack, model=model, trust_code=trust_code)
+    except NWSError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise FormatError(
+            f"{run.manifest_path}: field model: {manifest['model'].get('spec')!r} cannot be rebuilt with its recorded "
+            f"kwargs and conversion options ({type(e).__name__}: {e})"
+        ) from None
     if dense:
         net = materialize(net)
     return net.to(device).eval()

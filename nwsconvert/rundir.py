@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 
 from .errors import FormatError, TaskNotFoundError
+from .limits import MAX_FACTORY_INT, MAX_POOL_SIZE, MAX_VECTOR_SIZE
 from .schema import Fields, is_relative_inside
 from .atomic import atomic_write_bytes, disk_error
 
@@ -58,8 +59,22 @@ def check_manifest(manifest: dict, path) -> None:
     spec = model.str("spec")
     if ":" not in spec:
         raise model.fail("spec", "'timm:<name>', 'torchvision:<name>' or '<module>:<callable>'", spec)
-    model.dict("kwargs", optional=True)
-    model.dict("convert", optional=True)
+    kwargs = model.dict("kwargs", optional=True) or {}
+    for key, value in kwargs.items():  # ints size layers: bounded so a factory cannot be made to allocate gigabytes
+        if type(value) is int and abs(value) > MAX_FACTORY_INT:
+            raise model.fail(f"kwargs.{key}", f"an integer of at most {MAX_FACTORY_INT} in size", value)
+    conv = model.obj_fields("convert", optional=True)
+    if conv is not None:
+        unknown = sorted(set(conv.obj) - {"pool_size", "group_size", "skip", "layer_pool_size", "layer_group_size"})
+        if unknown:
+            raise conv.fail(unknown[0], "no such converter option (pool_size, group_size, skip, layer_pool_size, layer_group_size)", conv.obj[unknown[0]])
+        conv.int("pool_size", lo=2, hi=MAX_POOL_SIZE, optional=True)
+        conv.int("group_size", lo=1, hi=MAX_VECTOR_SIZE, optional=True)
+        conv.strs("skip", optional=True)
+        for key, hi in (("layer_pool_size", MAX_POOL_SIZE), ("layer_group_size", MAX_VECTOR_SIZE)):
+            table = conv.obj_fields(key, optional=True)
+            for pattern in (table.obj if table is not None else ()):
+                table.int(pattern, lo=1, hi=hi)
     model.int("layers", lo=0, optional=True)
     f.dict("data", optional=True)
     f.dict("config", optional=True)

@@ -74,7 +74,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PY = REPO / ".venv" / "bin" / "python"  # the project's virtualenv runs nws-train
-DEFAULT_JOB = "model=timm:test_resnet pool_size=32 pool_epochs=4 epochs=4 tasks=5 seed=5 progress=false"
+SRC = REPO  # where nwsconvert is imported from (main() may point it at a snapshot of a commit)
+DEFAULT_JOB = "model=timm:test_resnet pool_size=32 pool_epochs=3 epochs=3 tasks=4 seed=5 progress=false"
 STRATEGIES = ("startup", "pools", "tasks", "write")
 WRITE_TRIGGERS = ("tmp", "checkpoint", "pack", "manifest", "poolfiles", "metrics")
 CONVERSION_MARK = b" kernels\n"  # the line nws-train prints after converting the model, before the Trainer
@@ -181,7 +182,7 @@ class Checker:
     """Manifest and file checks, with nwsconvert imported once in this process."""
 
     def __init__(self):
-        sys.path.insert(0, str(REPO))
+        sys.path.insert(0, str(SRC))
         import nwsconvert
         from nwsconvert.packs import TaskPack
         from nwsconvert.pools import PoolSet
@@ -310,9 +311,32 @@ class Life:
         self.manifest_at_start = (d / "manifest.json").is_file()
         self.t0 = now()
         with open(self.out_path, "wb") as o, open(self.err_path, "wb") as e:
-            self.p = subprocess.Popen(self.cmd, cwd=REPO, stdout=o, stderr=e, env=env)
+            self.p = subprocess.Popen(self.cmd, cwd=SRC, stdout=o, stderr=e, env=env)
         self._out_size = 0
         self.printed_conversion = False
+        self._log_offset = stat_key(d / "metrics.jsonl")[2] if (d / "metrics.jsonl").is_file() else 0
+        self._log_size = self._log_offset
+        self._records: list[dict] = []
+
+    def new_records(self) -> list[dict]:
+        """The metrics.jsonl records this process appended (complete lines)."""
+        p = self.d / "metrics.jsonl"
+        s = stat_key(p)
+        if s is not None and s[2] != self._log_size:
+            self._log_size = s[2]
+            with open(p, "rb") as f:
+                f.seek(self._log_offset)
+                data = f.read()
+            recs = []
+            for line in data.split(b"\n")[:-1]:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(r, dict):
+                    recs.append(r)
+            self._records = recs
+        return self._records
 
     def conversion_printed(self) -> bool:
         if not self.printed_conversion:
@@ -433,18 +457,20 @@ def make_plan(strategy: str, state: dict, tl: dict, rng: random.Random, cfg: dic
         if state["manifest"]:
             return None
         early = rng.random() < 0.25
-        hi = (tl["job"] or 0.3) * 1.6 if early else tl["manifest"] * 0.97
+        hi = (tl["job"] or 0.3) * 1.6 if early else tl["manifest"] * 0.9
         return Plan("startup", delay=rng.uniform(0.02, hi), early=early)
     if strategy == "pools":
         if state["pools_done"]:
             return None
-        span = pool_span * max(state["pool_epochs_left"], 1) / P
-        return Plan("pools", marker="conversion line, no pool file", delay=rng.uniform(0, span))
+        # anchored on an event, not on the clock (the machine's speed varies): the j-th pool epoch
+        # record this process logs (j = 0: its conversion line), then a uniform part of one epoch
+        j = rng.randint(0, max(state["pool_epochs_left"], 1) - 1)
+        return Plan("pools", anchor=j, marker=f"pool epoch record #{j}" if j else "conversion line", delay=rng.uniform(0, 0.95 * pool_span / P))
     if strategy == "tasks":
         if state["tasks_left"] == 0:
             return None
-        span = task_span * max(state["task_epochs_left"], 1) / (N * E)
-        return Plan("tasks", marker="conversion line and pool file", delay=rng.uniform(0, span))
+        j = rng.randint(0, max(state["task_epochs_left"], 1) - 1)
+        return Plan("tasks", anchor=j, marker=f"task epoch record #{j}" if j else "pool file + conversion line", delay=rng.uniform(0, 0.95 * task_span / (N * E)))
     if strategy == "write":
         counts = {
             "checkpoint": state["pool_epochs_left"] + state["task_epochs_left"],
@@ -504,11 +530,14 @@ def drive(life: Life, plan: Plan | None, poll: float, timeout: float) -> dict:
                     return {"killed": True, "rc": None, "t": life.kill()}
             elif plan.strategy in ("pools", "tasks"):
                 if armed_at is None and life.conversion_printed():
-                    pools_file = (d / "pools.safetensors").is_file()
-                    if plan.strategy == "pools" and not pools_file:
-                        armed_at = now()
-                    elif plan.strategy == "tasks" and pools_file:
-                        armed_at = now()
+                    if plan.anchor == 0:
+                        if plan.strategy == "pools" or (d / "pools.safetensors").is_file():
+                            armed_at = now()
+                    else:
+                        recs = [r for r in life.new_records() if "event" not in r and "epoch" in r]
+                        mine = [r for r in recs if (r.get("stage") == "pools") == (plan.strategy == "pools")]
+                        if len(mine) >= plan.anchor:
+                            armed_at = now()
                 if armed_at is not None and now() - armed_at >= plan.delay:
                     return {"killed": True, "rc": None, "t": life.kill()}
             else:  # write triggers
@@ -614,7 +643,7 @@ def versions() -> dict:
     out = {"python": platform.python_version()}
     code = "import json,torch,timm,numpy,nwsconvert;print(json.dumps({'torch':torch.__version__,'timm':timm.__version__,'numpy':numpy.__version__,'nwsconvert':nwsconvert.__version__}))"
     try:
-        out.update(json.loads(subprocess.run([str(PY), "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout))
+        out.update(json.loads(subprocess.run([str(PY), "-c", code], cwd=SRC, capture_output=True, text=True, check=True).stdout))
     except Exception as e:  # noqa: BLE001
         out["error"] = str(e)
     return out
@@ -646,6 +675,24 @@ def git_rev() -> str:
         return "unknown"
 
 
+def snapshot(rev: str, work: Path) -> Path:
+    """``git archive`` of ``rev``'s nwsconvert/, zoo/ and export/ laid out as the installed package
+    (nwsconvert.zoo, nwsconvert.export), under ``work``; returns the folder to import from."""
+    full = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True, text=True, check=True).stdout.strip()
+    dest = work / f"src_{full}"
+    if (dest / "nwsconvert" / "__init__.py").is_file():
+        return dest
+    tmp = work / f".src_{full}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", full, "nwsconvert", "zoo", "export"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    (tmp / "zoo").rename(tmp / "nwsconvert" / "zoo")
+    (tmp / "export").rename(tmp / "nwsconvert" / "export")
+    tmp.rename(dest)
+    return dest
+
+
 def job_numbers(job_args: list[str]) -> dict:
     kv = dict(a.split("=", 1) for a in job_args if "=" in a)
     epochs = int(kv.get("epochs", 3))
@@ -665,6 +712,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-kills-per-trial", type=int, default=4, help="kills per trial are drawn from 1..this (default 4)")
     ap.add_argument("--pair-finished-every", type=int, default=3, help="concurrent --resume pair on every N-th finished run (0: never; default 3)")
     ap.add_argument("--poll-ms", type=float, default=1.0, help="how often the run directory is polled, ms (default 1)")
+    ap.add_argument(
+        "--source",
+        default="HEAD",
+        help="code under test: a git revision of the repository, unpacked (nwsconvert, zoo, export) under --work and imported "
+        "from there, so that edits made to the working tree while the benchmark runs do not mix versions (default HEAD); "
+        "'worktree': the working tree as it is",
+    )
     ap.add_argument("--life-timeout", type=float, default=600.0, help="a process running longer is killed and counted as hung (s)")
     args = ap.parse_args(argv)
 
@@ -684,9 +738,22 @@ def main(argv=None) -> int:
     out_path = Path(args.out)
     if not out_path.is_absolute():
         out_path = REPO / out_path
+    global SRC
+    head = git_rev()
+    if args.source != "worktree":
+        SRC = snapshot(args.source, work)
+    source = {"requested": args.source, "path": str(SRC), "rev": None if args.source == "worktree" else SRC.name.split("_", 1)[1], "head_at_start": head}
+    probe = subprocess.run(
+        [str(PY), "-c", "import nwsconvert, nwsconvert.zoo, nwsconvert.cli; print(nwsconvert.__file__, nwsconvert.zoo.__file__)"],
+        cwd=SRC, capture_output=True, text=True,
+    )
+    source["imports"] = probe.stdout.strip()
+    if args.source != "worktree" and str(REPO / "nwsconvert") in probe.stdout or probe.returncode != 0 or str(SRC) not in probe.stdout:
+        log(f"the code under test is not imported from {SRC}: {probe.stdout.strip()} {probe.stderr.strip()[-300:]}")
+        return 1
     checker = Checker()
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["kill_resume.py", *argv])
-    log(f"kill/resume benchmark at {git_rev()}: job {args.job!r}; {args.kills} kills, seed {args.seed}, work {work}")
+    log(f"kill/resume benchmark: code {source['rev'] or 'worktree'} from {SRC} (repository HEAD {head}); job {args.job!r}; {args.kills} kills, seed {args.seed}, work {work}")
 
     # ---- reference runs
     refs, timelines = [], []
@@ -813,7 +880,9 @@ def main(argv=None) -> int:
                 chk = checker.check(d, ref)
                 tmps = tmp_files(d)
                 label = f"write:{plan.trigger}" if plan and plan.strategy == "write" else (plan.strategy if plan else "timeout")
-                entry.update(strategy=label, phase=phase, state_after=after, check=chk, tmp_after_kill=tmps, trigger=res.get("trigger"))
+                recs = life.new_records()
+                last_rec = {k: recs[-1].get(k) for k in ("stage", "epoch", "event")} if recs else None
+                entry.update(strategy=label, phase=phase, state_after=after, check=chk, tmp_after_kill=tmps, trigger=res.get("trigger"), last_record=last_rec)
                 for kind, items in (("invalid after kill", chk["errors"]), ("reference mismatch after kill", chk["ref_mismatch"])):
                     if items:
                         f = {"kind": kind, "trial": trial_no, "life": life_no, "dir": str(d), "detail": items, "plan": entry["plan"], "phase": phase}
@@ -822,7 +891,7 @@ def main(argv=None) -> int:
                 log(
                     f"  life {life_no} [{entry['start']}] killed {plan.describe() if plan else 'timeout'} at {res['t']:.2f}s"
                     + (f" (saw {res['trigger']['file']})" if res.get("trigger") else "")
-                    + f"; phase: {phase}; manifest {'ok' if chk['manifest'] and not chk['errors'] else ('-' if not chk['manifest'] else 'BAD')}, "
+                    + f"; phase: {phase}" + (f" (last record {last_rec['stage']} {last_rec['event'] or 'epoch ' + str(last_rec['epoch'])})" if last_rec else "") + f"; manifest {'ok' if chk['manifest'] and not chk['errors'] else ('-' if not chk['manifest'] else 'BAD')}, "
                     f"{chk['tasks']} task(s) ok{', ' + str(len(tmps)) + ' tmp left' if tmps else ''}"
                     + (f"; ERRORS {chk['errors'] + chk['ref_mismatch']}" if chk["errors"] or chk["ref_mismatch"] else "")
                 )
@@ -966,7 +1035,9 @@ def main(argv=None) -> int:
         "command": command,
         "started": started,
         "wall_s": round(wall, 1),
-        "git": git_rev(),
+        "git": head,
+        "git_at_end": git_rev(),
+        "source": source,
         "versions": versions(),
         "machine": machine(),
         "job": args.job,
@@ -1010,7 +1081,7 @@ def main(argv=None) -> int:
     ]
     width = max(len(r[0]) for r in rows)
     print()
-    print(f"kill/resume at {result['git']}  job: {args.job}")
+    print(f"kill/resume at {source['rev'] or 'worktree ' + head}  job: {args.job}")
     print(f"{'':-<{width}}  ------")
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

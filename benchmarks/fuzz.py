@@ -1,6 +1,7 @@
 """Reliability fuzzing of nwsconvert's readers: damaged, edited and swapped run files and bundles.
 
     python benchmarks/fuzz.py --cases 20000 --seed 0 --work /tmp/nws-fuzz --out benchmarks/results/fuzz.json
+    python benchmarks/fuzz.py --cases 20000 --lib-rev e4104e2 --work /tmp/nws-fuzz-e4104e2   # a pinned library version
     python benchmarks/fuzz.py --work /tmp/nws-fuzz --seed 0 --replay 1234     # one case again, verbosely
 
 What it measures
@@ -77,6 +78,8 @@ How to read the outcomes
     watchdog killed a case stuck in native code. A finding.
 ``crash``
     the worker process died during the case (signal, abort). A finding.
+``harness_error``
+    the mutation itself failed (a bug of this benchmark, not of nwsconvert).
 
 Safety checks, reported apart: the sentinel file a ``subprocess:``/``os:`` model
 spec would create never appears; an audit hook (``sys.addaudithook``) records
@@ -114,8 +117,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LIB_DIRS = tuple(str(REPO / d) + os.sep for d in ("nwsconvert", "export", "zoo"))
-OUTCOMES = ("clear_error", "error_unnamed", "identical", "silently_different", "raw_exception", "resource", "crash")
+# (folder, label) of nwsconvert's own code, for naming raise sites; set from the imported package (see lib_roots)
+LIB_ROOTS: list[tuple[str, str]] = [(str(REPO / d) + os.sep, f"{d}/") for d in ("export", "zoo", "nwsconvert")]
+OUTCOMES = ("clear_error", "error_unnamed", "identical", "silently_different", "raw_exception", "resource", "crash", "harness_error")
 RUN_SEEDS = {"a": 1, "b": 2}
 TASKS = (0, 1)
 EXPORT_SNIPPET = "from nwsconvert.export.cli import export_main; import sys; sys.exit(export_main(sys.argv[1:]))"
@@ -125,9 +129,44 @@ SENTINEL_NAME = "SENTINEL_code_was_executed"
 # ----------------------------------------------------------------------------- setup
 
 
-def train_runs(work: Path, python: str) -> dict[str, Path]:
-    """The two cached runs (trained and exported on first use, ~15 s each on 2 cores)."""
+def pin_library(rev: str, work: Path) -> tuple[str, Path]:
+    """Make ``git archive REV`` of the library importable (an overlay on PYTHONPATH, for this process and its children).
+
+    The repository maps ``export/`` and ``zoo/`` to ``nwsconvert.export`` and ``nwsconvert.zoo``; the overlay
+    lays them out as subpackages, so the working tree can change while the benchmark runs.
+    """
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", rev], capture_output=True, text=True, check=True).stdout.strip()
+    root = work / "lib" / commit[:12]
+    pkg = root / "pkg"
+    if not (pkg / "nwsconvert" / "export" / "runtime.py").is_file():
+        shutil.rmtree(root, ignore_errors=True)
+        (root / "src").mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "nwsconvert", "export", "zoo"], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(root / "src")], input=archive, check=True)
+        shutil.copytree(root / "src" / "nwsconvert", pkg / "nwsconvert")
+        shutil.copytree(root / "src" / "export", pkg / "nwsconvert" / "export")
+        shutil.copytree(root / "src" / "zoo", pkg / "nwsconvert" / "zoo")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(pkg), *filter(None, [os.environ.get("PYTHONPATH")])])
+    sys.path.insert(0, str(pkg))
+    return commit, pkg
+
+
+def library_digest(python: str) -> tuple[str, str]:
+    """(folder of the nwsconvert a child process imports, SHA-256 of its .py files): a run whose library changes is flagged."""
+    code = ("import nwsconvert, nwsconvert.export, nwsconvert.zoo, os, hashlib, json; h = hashlib.sha256(); "
+            "dirs = sorted({os.path.dirname(m.__file__) for m in (nwsconvert, nwsconvert.export, nwsconvert.zoo)}); "
+            "[h.update(open(os.path.join(r, f), 'rb').read()) for d in dirs for r, _, fs in sorted(os.walk(d)) for f in sorted(fs) if f.endswith('.py')]; "
+            "print(json.dumps([dirs[0], h.hexdigest()]))")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout
+    return tuple(json.loads(out))
+
+
+def train_runs(work: Path, python: str, lib: str) -> dict[str, Path]:
+    """The two cached runs (trained and exported on first use, ~15 s each on 2 cores), made by library ``lib``."""
     runs = {}
+    marker = work / "runs" / "LIBRARY"
+    if marker.is_file() and marker.read_text() != lib:
+        shutil.rmtree(work / "runs")  # runs of another library version
     for name, seed in RUN_SEEDS.items():
         d = work / "runs" / name
         if not ((d / "manifest.json").is_file() and (d / "export" / "bundle.json").is_file() and (d / "export" / "task_1.onnx").is_file()):
@@ -139,6 +178,7 @@ def train_runs(work: Path, python: str) -> dict[str, Path]:
             subprocess.run(cmd, check=True, cwd=work, stdout=subprocess.DEVNULL)
             subprocess.run([python, "-c", EXPORT_SNIPPET, str(d), "--task", "all", "--onnx"], check=True, cwd=work, stdout=subprocess.DEVNULL)
         runs[name] = d
+    marker.write_text(lib)
     return runs
 
 
@@ -461,7 +501,7 @@ def targeted_pack(rng: random.Random, meta: dict, case: Case, subj: Subject, oth
                 ops.append(("set", ("layers", i, "bits"), max(1, (v - 1).bit_length())))
             if field == "count" and type(v) is int and v > 0 and type(row.get("vector_size")) is int:
                 ops.append(("set", ("layers", i, "shape"), [v * row["vector_size"]]))
-        if rng.random() < 0.1:
+        if rng.random() < 0.1 and field in row:
             ops = [("del", ("layers", i, field))]
         return ops
     sha = meta.get("sha256") if isinstance(meta.get("sha256"), str) else "0" * 64
@@ -577,7 +617,7 @@ def targeted_manifest(rng: random.Random, m: dict, case: Case, subj: Subject, ot
             ("sha256", [tasks[o].get("sha256"), other.manifest["tasks"][t]["sha256"], "0" * 64, "", None]),
             ("num_classes", [10**9, 0, 3, None, "2"]), ("name", [5, None, "x" * 10000]), ("class_names", [[], ["a"], 5, [1, 2]]),
             ("metrics", [None, [], {}, {"val_acc": "x"}, {"val_acc": None}]), ("bytes", [None, [], {"file": -1}])])
-        if rng.random() < 0.1:
+        if rng.random() < 0.1 and field in tasks[t]:
             return [("del", ("tasks", t, field))]
         return [("set", ("tasks", t, field), rng.choice(values))]
     if group == "pools":
@@ -1060,15 +1100,25 @@ def _on_alarm(signum, frame):
 # ----------------------------------------------------------------------- worker
 
 
+def lib_roots() -> list[tuple[str, str]]:
+    """Where the imported nwsconvert, nwsconvert.export and nwsconvert.zoo live (export and zoo first: they may sit inside)."""
+    import nwsconvert
+    import nwsconvert.export
+    import nwsconvert.zoo
+
+    return [(os.path.dirname(m.__file__) + os.sep, label) for m, label in ((nwsconvert.export, "export/"), (nwsconvert.zoo, "zoo/"), (nwsconvert, "nwsconvert/"))]
+
+
 def lib_frames(tb) -> tuple[str | None, str | None]:
-    """(innermost frame in nwsconvert's code, innermost frame overall) as ``path:line``."""
+    """(innermost frame in nwsconvert's code, innermost frame overall) as ``file:line (function)``;
+    library files are named as in the repository (``nwsconvert/specs.py``, ``export/runtime.py``)."""
     site = raised = None
     for fs in traceback.extract_tb(tb):
-        where = f"{fs.filename}:{fs.lineno}"
-        rel = os.path.relpath(fs.filename, REPO) if fs.filename.startswith(str(REPO)) else fs.filename
-        if fs.filename.startswith(LIB_DIRS):
-            site = f"{rel}:{fs.lineno} ({fs.name})"
-        raised = f"{rel}:{fs.lineno} ({fs.name})" if rel != fs.filename else where
+        name = next((label + fs.filename[len(root):] for root, label in LIB_ROOTS if fs.filename.startswith(root)), None)
+        if name is not None:
+            site = f"{name}:{fs.lineno} ({fs.name})"
+        shown = name or (os.path.relpath(fs.filename, REPO) if fs.filename.startswith(str(REPO)) else fs.filename)
+        raised = f"{shown}:{fs.lineno} ({fs.name})"
     return site, raised
 
 
@@ -1105,6 +1155,8 @@ class Worker:
         onnxruntime.set_default_logger_severity(4)  # graphs refused on purpose would log C++ errors on every case
         import nwsconvert.packs
 
+        global LIB_ROOTS
+        LIB_ROOTS = lib_roots()
         self.args = args
         self.work = Path(args.work).resolve()
         self.scratch = self.work / "scratch"
@@ -1186,7 +1238,12 @@ class Worker:
         subj = self.subjects[case.subject]
         other = self.subjects[next(n for n in self.subjects if n != case.subject)]
         root = self.readers.root = self.roots[subj.name]
-        case.mutation = mutate(case, rng, root, subj, other, self.sentinel)
+        try:
+            case.mutation = mutate(case, rng, root, subj, other, self.sentinel)
+        except Exception as e:  # noqa: BLE001 - a bug of this benchmark, not of nwsconvert: recorded apart
+            self.restore(subj, case.target)
+            return {"i": i, "subject": case.subject, "target": case.target, "kind": case.kind, "reader": case.reader, "task": case.task,
+                    "mutation": {}, "outcome": "harness_error", "message": f"{type(e).__name__}: {e}", "seconds": 0.0, "rss_growth_gib": 0.0}
         self.clear_cache()  # bases are cached per (path, mtime, size): each case decodes its own
         rec = {"i": i, "subject": case.subject, "target": case.target, "kind": case.kind, "reader": case.reader, "task": case.task,
                "mutation": case.mutation}
@@ -1278,8 +1335,11 @@ def worker_main(args) -> None:
     state = work / "state.json"
     out = open(work / "cases.jsonl", "a", buffering=1)
     stop = args.start + args.count
-    bar = tqdm(total=args.cases, initial=args.start, mininterval=15, desc="fuzz", file=sys.stdout, dynamic_ncols=False, ncols=100)
+    done = set(read_cases(work / "cases.jsonl"))  # after a restart, only the cases not yet recorded
+    bar = tqdm(total=args.cases, initial=sum(1 for i in done if i < args.cases), mininterval=15, desc="fuzz", file=sys.stdout, dynamic_ncols=False, ncols=100)
     for i in range(args.start, stop):
+        if i in done:
+            continue
         state.write_text(json.dumps({"i": i, "start": time.time()}))
         rec = w.run_case(i)
         out.write(json.dumps(rec, default=repr) + "\n")
@@ -1401,7 +1461,7 @@ def count_table(recs, by: str) -> tuple[str, dict]:
     return table(rows, [by, "cases", *cols]), {k: dict(c) for k, c in counts.items()}
 
 
-def environment() -> dict:
+def environment(lib_commit: str | None, lib_before, lib_after) -> dict:
     def version(mod):
         try:
             return __import__(mod).__version__
@@ -1411,19 +1471,28 @@ def environment() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor()) \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
     mem = next((int(line.split()[1]) // 2**20 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None) if os.path.exists("/proc/meminfo") else None
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "nwsconvert", "export", "zoo"], capture_output=True, text=True).stdout.strip()
+    if lib_commit:
+        library = {"git_commit": lib_commit[:7], "library": f"git archive {lib_commit[:12]} (--lib-rev), imported from {lib_before[0]}"}
+    else:
+        library = {"git_commit": head, "library": f"installed (editable) working tree at {lib_before[0]}",
+                   "library_modified_since_commit": bool(dirty)}
     return {
-        "git_commit": commit, "library_modified_since_commit": bool(dirty), "python": platform.python_version(),
+        **library, "repository_head": head, "library_sha256_before": lib_before[1], "library_sha256_after": lib_after[1],
+        "library_changed_during_run": lib_before != lib_after, "python": platform.python_version(),
         **{m: version(m) for m in ("torch", "onnxruntime", "numpy", "safetensors", "timm", "onnx")},
         "machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs, {mem} GiB RAM, {platform.platform()}",
     }
 
 
-def report(args, work: Path, wall: float, digests_ok: bool, extra: dict) -> dict:
+def report(args, work: Path, wall: float, digests_ok: bool, extra: dict, env: dict) -> dict:
     recs = sorted((r for i, r in read_cases(work / "cases.jsonl").items() if i < args.cases), key=lambda r: r["i"])
     totals = Counter(r["outcome"] for r in recs)
-    print(f"\nnwsconvert reader fuzzing: {len(recs)} cases, seed {args.seed}, wall {wall / 60:.1f} min\n")
+    print(f"\nnwsconvert reader fuzzing: {len(recs)} cases, seed {args.seed}, library {env['git_commit']} ({env['library']}), "
+          f"wall {wall / 60:.1f} min\n")
+    if env["library_changed_during_run"]:
+        print("WARNING: the library's code changed during the run: the counts mix versions\n")
     print(table([[o, totals[o], f"{100 * totals[o] / max(1, len(recs)):.2f}%"] for o in OUTCOMES], ["outcome", "cases", "share"]))
     tables = {}
     for by in ("kind", "reader", "target"):
@@ -1475,7 +1544,7 @@ def report(args, work: Path, wall: float, digests_ok: bool, extra: dict) -> dict
     return {
         "command": " ".join([os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else sys.executable,
                              os.path.relpath(__file__, REPO), *sys.argv[1:]]),
-        **environment(), "cases": len(recs), "seed": args.seed, "heavy": args.heavy, "wall_seconds": round(wall, 1),
+        **env, "cases": len(recs), "seed": args.seed, "heavy": args.heavy, "wall_seconds": round(wall, 1),
         "counts": {o: totals[o] for o in OUTCOMES}, "by_kind": tables["kind"], "by_reader": tables["reader"], "by_target": tables["target"],
         "safety": {"sentinel_created": sentinel, "audit_events": audit[:50], "source_runs_unchanged": digests_ok, "cwd_files": cwd_files,
                    "reads_outside_scratch": dict(reads.most_common(50))},
@@ -1500,6 +1569,9 @@ def parse_args(argv=None):
     p.add_argument("--hard-timeout", type=float, default=180, help="the supervisor kills a worker stuck this long in one case (default 180 s)")
     p.add_argument("--kill-gib", type=float, default=8.0, help="the supervisor kills a worker whose RSS passes this (default 8 GiB)")
     p.add_argument("--mem-limit-gib", type=float, default=4.0, help="RLIMIT_AS headroom of the worker over its start size (0: none)")
+    p.add_argument("--lib-rev", default=None, metavar="REV",
+                   help="fuzz the library as of git revision REV (git archive into WORK/lib, put first on PYTHONPATH) instead of "
+                        "the installed working tree, which may change while the benchmark runs")
     p.add_argument("--resume", action="store_true", help="keep the cases already in WORK/cases.jsonl (same seed and heavy)")
     p.add_argument("--replay", type=int, default=None, metavar="I", help="run case I alone, verbosely, and keep its scratch copy")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -1519,7 +1591,9 @@ def main(argv=None) -> None:
         return
     work.mkdir(parents=True, exist_ok=True)
     (work / "cwd").mkdir(exist_ok=True)
-    runs = train_runs(work, sys.executable)
+    lib_commit = pin_library(args.lib_rev, work)[0] if args.lib_rev else None
+    lib_before = library_digest(sys.executable)
+    runs = train_runs(work, sys.executable, lib_commit or f"installed {lib_before[1]}")
     if args.replay is not None:
         os.chdir(work / "cwd")
         w = Worker(args, runs)
@@ -1531,12 +1605,20 @@ def main(argv=None) -> None:
     if sentinel.exists():
         sentinel.unlink()
     if not args.resume:
-        for f in ("cases.jsonl", "state.json"):
+        for f in ("cases.jsonl", "state.json", "wall.json"):
             (work / f).unlink(missing_ok=True)
-    print(f"fuzzing {args.cases} cases (seed {args.seed}) in {work}; one worker process", flush=True)
+    print(f"fuzzing {args.cases} cases (seed {args.seed}) in {work}; library {lib_commit or 'installed'} at {lib_before[0]}; one worker process", flush=True)
     wall = supervise(args, work)
+    walls = json.loads((work / "wall.json").read_text()) if args.resume and (work / "wall.json").is_file() else []
+    walls.append(round(wall, 1))
+    (work / "wall.json").write_text(json.dumps(walls))
+    wall = sum(walls)  # a resumed run reports the time of every invocation
     digests_ok = {name: tree_digest(d) for name, d in runs.items()} == before
-    result = report(args, work, wall, digests_ok, {"work": str(work)})
+    lib_after = library_digest(sys.executable)
+    if lib_after != lib_before:
+        print("WARNING: the library's code changed while the benchmark ran: results mix versions (pin one with --lib-rev)", flush=True)
+    result = report(args, work, wall, digests_ok, {"work": str(work), "wall_seconds_per_invocation": walls},
+                    environment(lib_commit, lib_before, lib_after))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ NaN. Imports neither torch nor timm.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import warnings
@@ -29,7 +28,7 @@ import numpy as np
 
 from nwsconvert.devices import cuda_device_count
 from nwsconvert.errors import FormatError, TaskNotFoundError
-from nwsconvert.stfile import header_digest, raw_digest, read_header
+from nwsconvert.stfile import nws_header, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle
 
@@ -82,14 +81,7 @@ class Runtime:
     def _map_pools(self, pool_file: Path) -> dict:
         """The pool file, mapped once, checked against the bundle's pool-set hash, shared by every session."""
         header = read_header(pool_file, "pool")
-        try:
-            fields = json.loads(header.metadata.get("nwsconvert", "{}"))
-        except ValueError:
-            fields = None
-        if not isinstance(fields, dict) or fields.get("format") != "nwsconvert.poolset":
-            raise FormatError(f"{pool_file}: not an nwsconvert pool file (no pool-set header)")
-        if fields.get("header_sha256", header_digest(fields)) != header_digest(fields) or (fields.get("version", 1) >= 2 and "header_sha256" not in fields):
-            raise FormatError(f"{pool_file}: header does not match its header_sha256: the file is corrupted or was edited")
+        nws_header(header, pool_file, "nwsconvert.poolset", 2, hashed_since=2)  # kind, version, header hash
         data = np.memmap(pool_file, dtype=np.uint8, mode="r")
         if raw_digest(data, header) != self.desc["pool_sha256"]:
             raise FormatError(

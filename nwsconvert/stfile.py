@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import FormatError
 
-__all__ = ["TensorInfo", "Header", "read_header", "parse_header", "raw_digest", "header_digest", "file_kind", "TORCH_DTYPE", "ITEMSIZE"]
+__all__ = ["TensorInfo", "Header", "read_header", "parse_header", "raw_digest", "header_digest", "file_kind", "nws_header", "TORCH_DTYPE", "ITEMSIZE"]
 
 #: safetensors dtype -> ``str(torch dtype)``, as :func:`nwsconvert.storage.tensor_digest` hashes it.
 TORCH_DTYPE = {
@@ -138,6 +138,41 @@ def read_header(path: str | os.PathLike, kind: str = "safetensors") -> Header:
             if hlen <= min(size - 8, MAX_HEADER):
                 head += f.read(hlen)
     return parse_header(head, size, path, kind)
+
+
+def nws_header(layout: Header, path, kind: str, version: int, hashed_since: int | None = None) -> dict:
+    """The nwsconvert JSON header of a checked layout: its kind, version and ``header_sha256``
+    (required from version ``hashed_since`` on; default ``version``) verified, and a content
+    ``sha256`` present. Shared by the torch reader (:func:`nwsconvert.storage.read_tensors`) and
+    the onnxruntime ``Runtime``.
+
+    Raises:
+        FormatError: naming ``path`` and what is wrong.
+    """
+    if "nwsconvert" not in layout.metadata:
+        raise FormatError(f"{path}: not a {kind} file (no nwsconvert header)")
+    try:
+        header = json.loads(layout.metadata["nwsconvert"])
+    except ValueError as e:
+        raise FormatError(f"{path}: not a {kind} file (nwsconvert header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: not a {kind} file (nwsconvert header is not a JSON object)")
+    if header.get("format") != kind:
+        raise FormatError(f"{path}: is a {str(header.get('format'))[:40]!r} file, expected {kind!r}")
+    file_version = header.get("version")
+    if type(file_version) is not int or file_version < 1:
+        raise FormatError(f"{path}: field version: expected an integer >= 1, got {str(file_version)[:40]!r}")
+    if file_version > version:
+        raise FormatError(f"{path}: {kind} version {file_version} is newer than this nwsconvert reads ({version})")
+    hashed = header.get("header_sha256")
+    if hashed is not None or file_version >= (hashed_since or version):
+        if hashed != header_digest(header):
+            what = "has no header_sha256" if hashed is None else "does not match its header_sha256"
+            raise FormatError(f"{path}: header {what}: the file is corrupted or was edited")
+    want = header.get("sha256")
+    if not isinstance(want, str) or len(want) != 64:
+        raise FormatError(f"{path}: field sha256 is missing or not a SHA-256: the content cannot be checked")
+    return header
 
 
 def file_kind(path: str | os.PathLike) -> str | None:

@@ -18,7 +18,7 @@ from safetensors.torch import save as st_save
 
 from .atomic import atomic_write_bytes, disk_error
 from .errors import FormatError
-from .stfile import header_digest, parse_header, raw_digest
+from .stfile import header_digest, nws_header, parse_header, raw_digest
 
 __all__ = ["FormatError", "atomic_write_bytes", "write_tensors", "read_tensors", "tensor_digest", "disk_error"]
 
@@ -74,29 +74,8 @@ def read_tensors(
         raise FileNotFoundError(f"{path}: no such file")
     data = path.read_bytes()
     layout = parse_header(data, len(data), path, kind)
-    if META_KEY not in layout.metadata:
-        raise FormatError(f"{path}: not a {kind} file (no nwsconvert header)")
-    try:
-        header = json.loads(layout.metadata[META_KEY])
-    except ValueError as e:
-        raise FormatError(f"{path}: not a {kind} file (nwsconvert header is not JSON: {e})") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: not a {kind} file (nwsconvert header is not a JSON object)")
-    if header.get("format") != kind:
-        raise FormatError(f"{path}: is a {str(header.get('format'))[:40]!r} file, expected {kind!r}")
-    file_version = header.get("version")
-    if type(file_version) is not int or file_version < 1:
-        raise FormatError(f"{path}: field version: expected an integer >= 1, got {str(file_version)[:40]!r}")
-    if file_version > version:
-        raise FormatError(f"{path}: {kind} version {file_version} is newer than this nwsconvert reads ({version})")
-    hashed = header.get("header_sha256")
-    if hashed is not None or file_version >= (hashed_since or version):
-        if hashed != header_digest(header):
-            what = "has no header_sha256" if hashed is None else "does not match its header_sha256"
-            raise FormatError(f"{path}: header {what}: the file is corrupted or was edited")
-    want = header.get("sha256")
-    if not isinstance(want, str) or len(want) != 64:
-        raise FormatError(f"{path}: field sha256 is missing or not a SHA-256: the content cannot be checked")
+    header = nws_header(layout, path, kind, version, hashed_since)
+    want = header["sha256"]
     if check is not None:
         check(header, layout, path)
     if raw_digest(data, layout) != want:

@@ -31,7 +31,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, lr_factor
 from .distributed import average_buffers, gather_strings, setup
 from .heads import head_classes, resize_head
-from .loading import build_task_model
+from .loading import build_task_model, load_run_pools
 from .nwsmodel import (
     _require,
     commitment_loss,
@@ -430,11 +430,7 @@ class Trainer:
 
     def _run_pools(self) -> PoolSet:
         """The run's pool file, checked against the manifest's hash."""
-        pools = PoolSet.load(self.run.pool_path)
-        want = self.manifest["pools"]["sha256"]
-        if pools.sha256 != want:
-            raise FormatError(f"{self.run.pool_path}: pool set {pools.sha256[:12]}..., the manifest records {want[:12]}...")
-        return pools
+        return load_run_pools(self.run, self.manifest)
 
     def _load_pack(self, task: int | None) -> TaskPack:
         """A finished task's pack (``None``: the base pack), checked against the manifest: hash, run, task."""

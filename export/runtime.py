@@ -5,9 +5,14 @@
     rt.predict(task=2, images, k=3)                          # [[(class name, probability), ...], ...]
 
 The pool file is memory-mapped once; its tensors are handed to every task's
-session as shared initializers (``SessionOptions.add_initializer``), so a task
-switch costs one session creation (indices + small tensors), never a re-read
-of the pools. Sessions are cached, least recently used first out.
+session by name (``SessionOptions.add_external_initializers``, which replaces
+the graph's external-data references before any optimisation), so a task
+switch costs one session creation (indices + small tensors) and never reads
+``pools.safetensors`` again, and the tensors used are the ones at the offsets
+the checked header gives, whatever offsets the graph was exported with.
+(``add_initializer`` is not used: onnxruntime ignores it for initializers
+stored as external data and reads the file at the graph's offsets.)
+Sessions are cached, least recently used first out.
 
 Everything it opens is checked first: ``bundle.json``'s fields, the pool file
 against the bundle's pool-set hash (once, on the mapped file), and each task
@@ -119,8 +124,7 @@ class Runtime:
         opts.log_severity_level = 3
         if self.threads:
             opts.intra_op_num_threads = self.threads
-        for name, value in self._pools.items():
-            opts.add_initializer(name, value)
+        opts.add_external_initializers(list(self._pools), list(self._pools.values()))
         graph = self.path / row["onnx"]
         if not graph.is_file():
             raise FileNotFoundError(f"{graph}: task {task}'s graph is missing from the bundle")

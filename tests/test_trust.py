@@ -31,6 +31,7 @@ from nwsconvert.export import Runtime, export_bundle
 from nwsconvert.export.cli import infer_main
 from nwsconvert.packs import PACK_FORMAT, PACK_VERSION
 from nwsconvert.runlock import RunLock
+from nwsconvert.stfile import read_header
 from nwsconvert.storage import atomic_write_bytes, read_tensors, write_tensors
 
 from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
@@ -250,6 +251,39 @@ def test_runtime_refuses_another_runs_pool_file_and_corrupted_floats(runs, run_a
     with pytest.raises(FormatError, match="pools.safetensors"):
         Runtime(bundle, device="cpu")
     assert infer_main(["--bundle", str(bundle), "--task", "0", "--bench"]) == 1
+
+
+def _move_tensors(path: Path) -> None:
+    """Rewrite a safetensors file with the same tensors and metadata, stored in reverse order (other offsets)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    body = raw[8 + n :]
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    parts = {k: body[slice(*header[k]["data_offsets"])] for k in names}
+    new = b""
+    for k in reversed(names):
+        header[k]["data_offsets"] = [len(new), len(new) + len(parts[k])]
+        new += parts[k]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + new)
+
+
+def test_runtime_uses_the_pool_tensors_its_header_names_not_the_graphs_offsets(run_a):
+    """The graphs record external-data offsets into pools.safetensors at export; a pool file holding the
+    same tensors at other offsets has the same content hash, so it is accepted, and the logits must be
+    the same (the Runtime hands every session the tensors it checked, by name)."""
+    bundle = _bundle(run_a)
+    x = np.random.default_rng(0).standard_normal((2, 1, 16, 16)).astype(np.float32)
+    before = [Runtime(bundle, device="cpu").run(t, x) for t in (0, 1)]
+    old = read_header(bundle / "pools.safetensors")
+    _move_tensors(bundle / "pools.safetensors")
+    moved = read_header(bundle / "pools.safetensors")
+    assert {k: t.start for k, t in moved.tensors.items()} != {k: t.start for k, t in old.tensors.items()}
+    rt = Runtime(bundle, device="cpu")
+    for t in (0, 1):
+        assert np.array_equal(rt.run(t, x), before[t])  # same floats, same graph, same provider: bit-identical
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "remove"])

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from nwsconvert import PoolSet, RunDir
 from nwsconvert.errors import FormatError, NWSError
-from nwsconvert.loading import build_task_model, load_run_pools, load_task_files
+from nwsconvert.loading import build_run_model, load_run_pools, load_task_files
 from nwsconvert.storage import atomic_write_bytes
 
 from .bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256, read_bundle
@@ -66,7 +66,7 @@ def export_bundle(
     pools = load_run_pools(run, manifest)
     pool_sha = pools.sha256
     desc_path = out / "bundle.json"
-    desc = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "pool_sha256": pool_sha, "model": manifest["model"], "data": {k: v for k, v in manifest.get("data", {}).items() if k != "job"}, "tasks": {}}
+    desc = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "pool_sha256": pool_sha, "model": manifest["model"], "data": {k: v for k, v in (manifest.get("data") or {}).items() if k != "job"}, "tasks": {}}
     if desc_path.is_file():
         old = read_bundle(out)
         if old.get("pool_sha256") != pool_sha:
@@ -81,7 +81,7 @@ def export_bundle(
         tmp = out / ".pools.safetensors.tmp"
         shutil.copyfile(run.pool_path, tmp)
         os.replace(tmp, pool_dst)
-    data = manifest.get("data", {})
+    data = manifest.get("data") or {}
     for entry in entries:
         t = entry["id"]
         pack_dst = out / f"task_{t}.nwspack"
@@ -103,7 +103,7 @@ def export_bundle(
         if src.base is not None:
             row.update(base=base_dst.name, base_bytes=base_dst.stat().st_size, base_sha256=src.base.sha256)
         if onnx:
-            model = build_task_model(manifest["model"], pools, src, trust_code=trust_code).eval()
+            model = build_run_model(run, manifest, pools, src, trust_code=trust_code).eval()
             shape = (data.get("channels", 3), *(data.get("input_size") or [224, 224]))
             meta = {
                 "nwsconvert.task": t,

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from nwsconvert.errors import FormatError
+from nwsconvert.rundir import check_data_info
 from nwsconvert.schema import Fields
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "read_bundle", "check_bundle", "file_sha256"]
@@ -45,17 +46,12 @@ def check_bundle(desc: dict, path) -> None:
         raise FormatError(f"{path}: bundle version {version} is newer than this nwsconvert reads ({BUNDLE_VERSION}): upgrade nwsconvert")
     f.sha("pool_sha256")
     f.dict("model", optional=True)
-    data = f.obj_fields("data", optional=True)
-    if data is not None:
-        data.int("channels", lo=1, hi=4096, optional=True)
-        data.ints("input_size", lo=1, hi=1 << 16, optional=True, max_len=3)
-        data.list("mean", optional=True)
-        data.list("std", optional=True)
+    check_data_info(f)
     f.int("pool_bytes", lo=0, optional=True)
     tasks = f.dict("tasks")
     hashed = version >= 2
     for key, row in tasks.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):
             raise FormatError(f"{path}: field tasks: key {key[:20]!r} is not a task id")
         r = f.sub(row, f"tasks.{key}")
         r.str("name")

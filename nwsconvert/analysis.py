@@ -226,7 +226,7 @@ def analyse_run(run_dir: str | os.PathLike, tasks: Sequence[int] | None = None) 
         "run": str(run.path),
         "model": (manifest.get("model") or {}).get("spec"),
         "suite": (manifest.get("data") or {}).get("suite"),
-        "pools_bytes": (manifest.get("pools") or {}).get("bytes", sum(r["pool_bytes"] for r in layers)),
+        "pools_bytes": (manifest.get("pools") or {}).get("bytes") or sum(r["pool_bytes"] for r in layers),
         "base_bytes": shared_base_bytes(manifest, packs) or None,
         "tasks": task_rows,
         "avg_acc": sum(accs) / len(accs) if accs else None,

@@ -308,7 +308,7 @@ def _recorded_job(out: Path) -> tuple[dict | None, str]:
     before its manifest was written); ``(None, why)`` when it has neither."""
     run = RunDir(out)
     if run.exists():
-        job = run.read().get("data", {}).get("job")
+        job = (run.read().get("data") or {}).get("job")
         if not isinstance(job, dict):
             raise FormatError(f"{run.manifest_path}: field data.job: the run's job is missing; restate it with key=value items")
         return job, "manifest"
@@ -346,32 +346,40 @@ def _train(argv: list[str] | None) -> int:
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors (also NWS_DEBUG=1)")
     args = parser.parse_args(argv)
     user = resolve_job(args.items)
-    base = None
-    resume = args.resume
-    if resume:
-        if user["out"] is None:
-            raise UsageError("--resume needs out=DIR (the run directory to continue)")
-        out = Path(user["out"]).expanduser()
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"cannot resume: out={str(out)!r} is a file, not a run directory")
-        base, source = _recorded_job(out)
-        if base is None:
-            print(f"nws-train: {out} holds no run yet (stopped before its manifest was written, or new): starting it", file=sys.stderr)
-            resume = False
-        elif source == JOB_FILE:
-            print(f"nws-train: {out} was stopped before its manifest was written: starting it again from {JOB_FILE}", file=sys.stderr)
-            resume = False
-    job = resolve_job(args.items, base)
-    validate_job(job)
-    trusted = True
-    if base is not None and "model" not in _user_keys(args.items) and not is_registry_spec(job["model"]):
-        trusted = args.trust_code  # the spec comes from the run directory, not from this command line
-        if not trusted:
-            raise UntrustedCodeError(
-                f"the run's model spec {job['model']!r} would import and call code named by {out}: "
-                "add --trust-code if you trust who wrote it, or restate model=... yourself"
-            )
-    launch(job, resume=resume, trust_code=trusted)
+    base = held = None
+    try:
+        resume = args.resume
+        if resume:
+            if user["out"] is None:
+                raise UsageError("--resume needs out=DIR (the run directory to continue)")
+            out = Path(user["out"]).expanduser()
+            if out.exists() and not out.is_dir():
+                raise UsageError(f"cannot resume: out={str(out)!r} is a file, not a run directory")
+            if out.is_dir() and os.environ.get("RANK", "0") == "0":
+                from .runlock import RunLock
+
+                held = RunLock.acquire(out)  # refuse a second writer before saying anything; launch() re-enters it
+            base, source = _recorded_job(out)
+            if base is None:
+                print(f"nws-train: {out} holds no run yet (stopped before its manifest was written, or new): starting it", file=sys.stderr)
+                resume = False
+            elif source == JOB_FILE:
+                print(f"nws-train: {out} was stopped before its manifest was written: starting it again from {JOB_FILE}", file=sys.stderr)
+                resume = False
+        job = resolve_job(args.items, base)
+        validate_job(job)
+        trusted = True
+        if base is not None and "model" not in _user_keys(args.items) and not is_registry_spec(job["model"]):
+            trusted = args.trust_code  # the spec comes from the run directory, not from this command line
+            if not trusted:
+                raise UntrustedCodeError(
+                    f"the run's model spec {job['model']!r} would import and call code named by {out}: "
+                    "add --trust-code if you trust who wrote it, or restate model=... yourself"
+                )
+        launch(job, resume=resume, trust_code=trusted)
+    finally:
+        if held is not None:
+            held.release()
     return 0
 
 

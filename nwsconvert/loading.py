@@ -11,8 +11,8 @@ import os
 import torch
 from torch import nn
 
-from .converter import convert
-from .errors import FormatError, NWSError, PackMismatchError
+from .converter import ConversionError, convert
+from .errors import FormatError, NWSError, PackMismatchError, UntrustedCodeError
 from .heads import resize_head
 from .nwsmodel import materialize
 from .packs import TaskPack, apply_task
@@ -20,7 +20,7 @@ from .pools import PoolSet
 from .rundir import RunDir
 from .specs import build_model
 
-__all__ = ["load", "build_task_model", "load_task_files", "load_run_pools"]
+__all__ = ["load", "build_task_model", "build_run_model", "load_task_files", "load_run_pools"]
 
 
 def load_run_pools(run: RunDir, manifest: dict) -> PoolSet:
@@ -64,13 +64,45 @@ def build_task_model(
         trust_code: allow a ``<module>:<callable>`` spec (see :mod:`nwsconvert.specs`).
     """
     if model is None:
-        model = build_model(model_info["spec"], trust_code=trust_code, **model_info.get("kwargs", {}))
-    options = {k: v for k, v in model_info.get("convert", {}).items() if k != "pool_size"}
+        kwargs = model_info.get("kwargs") or {}
+        try:
+            model = build_model(model_info["spec"], trust_code=trust_code, **kwargs)
+        except NWSError:
+            raise
+        except Exception as e:  # a factory given recorded kwargs may raise anything (RuntimeError, AssertionError...)
+            raise ValueError(f"model spec {model_info['spec']!r} cannot be built with kwargs {kwargs} ({type(e).__name__}: {e})") from None
+    options = {k: v for k, v in (model_info.get("convert") or {}).items() if k != "pool_size"}
     convert(model, init=pools, **options)
     if pack.num_classes is not None:
         resize_head(model, pack.num_classes)
     apply_task(model, pack)
     return model
+
+
+def build_run_model(
+    run: RunDir, manifest: dict, pools: PoolSet, pack: TaskPack, model: nn.Module | None = None, *, trust_code: bool = False
+) -> nn.Module:
+    """:func:`build_task_model` for a run's manifest; every failure names the manifest.
+
+    Raises:
+        UntrustedCodeError: a ``<module>:<callable>`` spec without ``trust_code``.
+        FormatError: the recorded model entry cannot be built or converted.
+    """
+    try:
+        return build_task_model(manifest["model"], pools, pack, model=model, trust_code=trust_code)
+    except UntrustedCodeError as e:
+        raise UntrustedCodeError(f"{run.manifest_path}: {e}") from None
+    except ConversionError as e:
+        raise FormatError(f"{run.manifest_path}: field model: the model cannot be converted as recorded ({e})") from None
+    except PackMismatchError as e:
+        raise PackMismatchError(f"{e} [model built as {run.manifest_path} records it]") from None
+    except NWSError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise FormatError(
+            f"{run.manifest_path}: field model: {manifest['model'].get('spec')!r} cannot be rebuilt with its recorded "
+            f"kwargs and conversion options ({type(e).__name__}: {e})"
+        ) from None
 
 
 def load(
@@ -110,15 +142,7 @@ def load(
     run = RunDir(run_dir)
     manifest = run.read()
     pools, pack = load_task_files(run, manifest, task)
-    try:
-        net = build_task_model(manifest["model"], pools, pack, model=model, trust_code=trust_code)
-    except NWSError:
-        raise
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise FormatError(
-            f"{run.manifest_path}: field model: {manifest['model'].get('spec')!r} cannot be rebuilt with its recorded "
-            f"kwargs and conversion options ({type(e).__name__}: {e})"
-        ) from None
+    net = build_run_model(run, manifest, pools, pack, model=model, trust_code=trust_code)
     if dense:
         net = materialize(net)
     return net.to(device).eval()

@@ -381,11 +381,12 @@ def _load_base(path: str, mtime_ns: int, size: int) -> TaskPack:
 
 def _find_base(path: Path, info: dict, given) -> TaskPack:
     want = info["sha256"]
+    name = info.get("file") or BASE_FILE
     if isinstance(given, TaskPack):
         if given.sha256 != want:
             raise FormatError(f"{path}: coded against base pack {want[:12]}..., the base given is {str(given.sha256)[:12]}...")
         return given
-    candidates = [Path(given)] if given is not None else [path.parent / info.get("file", BASE_FILE), path.parent.parent / info.get("file", BASE_FILE)]
+    candidates = [Path(given)] if given is not None else [path.parent / name, path.parent.parent / name]
     seen = []
     for c in candidates:
         if c.is_file():
@@ -394,7 +395,7 @@ def _find_base(path: Path, info: dict, given) -> TaskPack:
             if base.sha256 == want:
                 return base
             seen.append(f"{c} is {str(base.sha256)[:12]}...")
-    where = "; ".join(seen) if seen else f"no {info.get('file', BASE_FILE)} at {' or '.join(str(c) for c in candidates)}"
+    where = "; ".join(seen) if seen else f"no {name} at {' or '.join(str(c) for c in candidates)}"
     raise FormatError(f"{path}: indices are stored as changes against base pack {want[:12]}... ({where}); pass base= or keep the base beside the pack")
 
 

@@ -3,7 +3,8 @@
 Layout::
 
     RUN/
-      manifest.json            format, model spec + kwargs + conversion options, data info,
+      manifest.json            format, model spec + kwargs + conversion options (and their
+                               SHA-256, ``model_sha256``), data info,
                                pool-set hash, tasks (names, classes, metrics, pack hashes),
                                hyperparameters, library versions
       pools.safetensors        the shared pool set
@@ -25,6 +26,7 @@ names must resolve inside the directory (:meth:`RunDir.resolve`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -36,15 +38,42 @@ from .limits import MAX_FACTORY_INT, MAX_POOL_SIZE, MAX_VECTOR_SIZE
 from .schema import Fields, is_relative_inside
 from .atomic import atomic_write_bytes, disk_error
 
-__all__ = ["RunDir", "MANIFEST_FORMAT", "MANIFEST_VERSION", "library_versions", "check_manifest", "TaskNotFoundError", "new_run_id"]
+__all__ = [
+    "RunDir", "MANIFEST_FORMAT", "MANIFEST_VERSION", "library_versions", "check_manifest", "TaskNotFoundError", "new_run_id",
+    "model_sha256", "check_data_info",
+]
 
 MANIFEST_FORMAT = "nwsconvert.run"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: model_sha256 pins the model entry (spec, kwargs, conversion options); version 1 still reads
+
+
+def model_sha256(model: dict) -> str:
+    """SHA-256 of a manifest's ``model`` entry (canonical JSON: sorted keys, no spaces).
+
+    The entry decides the architecture every pack is applied to; an edit to it
+    (an ``act_layer``, a ``drop_rate``, a converter option) would rebuild another
+    model from the same packs, so readers refuse a manifest whose entry does not
+    match the hash written with it.
+    """
+    text = json.dumps(model, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def new_run_id() -> str:
     """A random identity for a new run; its packs carry it, so a pack of another run is refused."""
     return uuid.uuid4().hex
+
+
+def check_data_info(f: Fields, key: str = "data") -> None:
+    """The ``data`` entry of a manifest or bundle: what the exporter and the runtime read from it."""
+    data = f.obj_fields(key, optional=True)
+    if data is not None:
+        data.int("channels", lo=1, hi=4096, optional=True)
+        data.ints("input_size", lo=1, hi=1 << 16, optional=True, max_len=3)
+        for name in ("mean", "std"):
+            values = data.list(name, optional=True)
+            if values is not None and not all(type(v) in (int, float) for v in values):
+                raise data.fail(name, "a list of numbers", values)
 
 
 def check_manifest(manifest: dict, path) -> None:
@@ -76,7 +105,12 @@ def check_manifest(manifest: dict, path) -> None:
             for pattern in (table.obj if table is not None else ()):
                 table.int(pattern, lo=1, hi=hi)
     model.int("layers", lo=0, optional=True)
-    f.dict("data", optional=True)
+    if manifest.get("version", MANIFEST_VERSION) >= 2 and f.sha("model_sha256") != model_sha256(manifest["model"]):
+        raise FormatError(
+            f"{path}: field model: the model entry (spec, kwargs, conversion options) does not match model_sha256: "
+            "it was edited or corrupted; packs would be applied to another architecture"
+        )
+    check_data_info(f)
     f.dict("config", optional=True)
     pools = f.obj_fields("pools", optional=True)
     if pools is not None:
@@ -103,7 +137,9 @@ def check_manifest(manifest: dict, path) -> None:
         e.relpath("file")
         e.sha("sha256")
         e.dict("bytes", optional=True)
-        e.dict("metrics")
+        metrics = e.obj_fields("metrics")
+        for key in ("val_acc", "val_loss", "train_acc", "train_loss"):
+            metrics.number(key, optional=True)
 
 
 def library_versions() -> dict:
@@ -210,7 +246,7 @@ class RunDir:
 
     def write(self, manifest: dict) -> None:
         """Write the manifest atomically."""
-        manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, **manifest}
+        manifest = {"format": MANIFEST_FORMAT, **manifest, "version": MANIFEST_VERSION, "model_sha256": model_sha256(manifest["model"])}
         atomic_write_bytes(self.manifest_path, (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode())
 
     def task_entry(self, manifest: dict, task: int) -> dict:

@@ -72,7 +72,7 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
     manifest = run.read()
     rows = []
     packs = []
-    pool_set = load_run_pools(run, manifest) if manifest.get("tasks") else None
+    pool_set = load_run_pools(run, manifest) if manifest.get("pools") else None
     for entry in sorted(manifest.get("tasks", []), key=lambda e: e["id"]):
         _, pack = load_task_files(run, manifest, entry["id"], pool_set)
         packs.append(pack)
@@ -81,19 +81,19 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
                 "id": entry["id"],
                 "name": entry["name"],
                 "classes": entry["num_classes"],
-                "acc": entry["metrics"]["val_acc"],
+                "acc": entry["metrics"].get("val_acc"),
                 **_task_costs(pack),
             }
         )
-    pools = manifest["pools"]["bytes"] if manifest.get("pools") else 0
+    pools = pool_set.nbytes if pool_set is not None else 0  # counted from the file, like the packs
     base_bytes = shared_base_bytes(manifest, packs)
     nws_total = pools + base_bytes + sum(r["total"] for r in rows)
     dense_total = sum(r["dense"] for r in rows)
-    accs = [r["acc"] for r in rows]
+    accs = [r["acc"] for r in rows if r["acc"] is not None]
     return {
         "run": str(run.path),
         "model": manifest["model"]["spec"],
-        "suite": manifest.get("data", {}).get("suite"),
+        "suite": (manifest.get("data") or {}).get("suite"),
         "pools_bytes": pools,
         "base_bytes": base_bytes,
         "pools_file_bytes": _file_size(run.pool_path),
@@ -103,7 +103,7 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
             "nws_bytes": nws_total,
             "dense_finetune_bytes": dense_total,
             "ratio": dense_total / nws_total if nws_total else None,
-            "avg_acc": sum(accs) / len(accs) if accs else None,
+            "avg_acc": sum(accs) / len(accs) if accs else None,  # over tasks with a recorded val_acc
             "tasks": len(rows),
         },
     }
@@ -121,7 +121,7 @@ def format_summary(s: dict) -> str:
             str(r["id"]),
             r["name"],
             str(r["classes"]),
-            f"{100 * r['acc']:.2f}%",
+            f"{100 * r['acc']:.2f}%" if r["acc"] is not None else "n/a",
             format_bytes(r["indices"]),
             format_bytes(r["state"]),
             format_bytes(r["head"]),
@@ -151,7 +151,8 @@ def format_summary(s: dict) -> str:
         shared = "pool set + base pack" if s.get("base_bytes") else "pool set"
         out.append(f"NWS total ({t['tasks']} tasks)     {format_bytes(t['nws_bytes'])}   ({shared} + every task's indices, BN/state, head)")
         out.append(f"dense finetune total     {format_bytes(t['dense_finetune_bytes'])}   (one float32 model per task)")
-        out.append(f"NWS is {t['ratio']:.1f}x smaller; average accuracy {100 * t['avg_acc']:.2f}%")
+        avg = f"{100 * t['avg_acc']:.2f}%" if t["avg_acc"] is not None else "n/a"
+        out.append(f"NWS is {t['ratio']:.1f}x smaller; average accuracy {avg}")
     else:
         out.append("no finished tasks yet")
     return "\n".join(out)

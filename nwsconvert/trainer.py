@@ -287,6 +287,9 @@ class Trainer:
         ctx, scaler = _autocast(self.device, cfg.amp)
         gradient_pools = pool and cfg.pool_update == "gradient"
         record: dict = {"stage": stage, "epoch": start}
+        if ckpt is not None and isinstance(ckpt[0].get("record"), dict) and ckpt[0]["record"].get("epoch") == start:
+            record = dict(ckpt[0]["record"])  # the checkpointed epoch's metrics: a stage killed after its last
+            # checkpoint returns them on resume, as the uninterrupted stage would
         if start:
             self._log({"stage": stage, "event": "resumed", "epoch": start})
         for epoch in range(start, cfg.epochs):
@@ -353,7 +356,8 @@ class Trainer:
                 record.update(val_acc=ev["acc"], val_loss=ev["loss"])
             if self.dist.is_main and ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs):
                 save_checkpoint(
-                    self.run.checkpoint_path, model, optimizer, stage=stage, epoch=epoch + 1, num_classes=head_classes(model)
+                    self.run.checkpoint_path, model, optimizer, stage=stage, epoch=epoch + 1, num_classes=head_classes(model),
+                    record=record,
                 )
             self._log(record)  # after the checkpoint: a logged epoch can always be resumed from
             self.dist.barrier()

@@ -11,6 +11,7 @@ import nwsconvert
 from nwsconvert import RunDir, TaskPack, Trainer, evaluate, nws_layers
 from nwsconvert.checkpoint import load_checkpoint
 from nwsconvert.heads import head_classes
+from nwsconvert.rundir import model_sha256
 
 from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
@@ -32,7 +33,7 @@ def test_run_directory_layout_and_manifest(finished_run):
     out, trainer, tasks, metrics, pool_metrics = finished_run
     run = RunDir(out)
     m = run.read()
-    assert m["format"] == "nwsconvert.run" and m["version"] == 1
+    assert m["format"] == "nwsconvert.run" and m["version"] == 2 and m["model_sha256"] == model_sha256(m["model"])
     assert m["model"]["spec"] == SPEC and m["model"]["kwargs"] == KWARGS
     assert m["model"]["convert"]["pool_size"] == 32
     assert m["pools"]["sha256"] == nwsconvert.PoolSet.load(run.pool_path).sha256
@@ -140,6 +141,37 @@ def test_resume_skips_finished_tasks_and_continues_from_checkpoint(tmp_path):
     assert resumed and resumed[-1]["stage"] == "task:1" and resumed[-1]["epoch"] == 1
     epochs = [r["epoch"] for r in run.read_log() if r.get("stage") == "task:1" and "train_loss" in r and "event" not in r]
     assert epochs == [1, 2]  # epoch 1 from the first process, epoch 2 after the resume
+
+
+def test_a_stage_killed_after_its_last_checkpoint_keeps_its_metrics(tmp_path, monkeypatch):
+    """A kill between a stage's last checkpoint and its pack: the resumed stage runs no epoch and must
+    still report the trained epoch's metrics, equal to an uninterrupted run's."""
+    cfg = tiny_config(epochs=2)
+    train, val = blobs(32, 2, 1), blobs(16, 2, 2)
+    ref = Trainer(tiny_model(), tmp_path / "ref", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False).fit_task(0, train, val, 2)
+
+    class Killed(BaseException):
+        pass
+
+    def log(self, record):
+        if record.get("stage") == "task:0" and record.get("epoch") == 2 and "train_loss" in record:
+            raise Killed  # the checkpoint of epoch 2 is on disk, nothing after it
+        Trainer._log.__wrapped__(self, record)
+
+    log.__wrapped__ = Trainer._log
+    monkeypatch.setattr(Trainer, "_log", log)
+    t1 = Trainer(tiny_model(), tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    with pytest.raises(Killed):
+        t1.fit_task(0, train, val, 2)
+    t1.close()
+    monkeypatch.setattr(Trainer, "_log", log.__wrapped__)
+    assert load_checkpoint(RunDir(tmp_path / "r").checkpoint_path)[0]["epoch"] == 2
+    t2 = Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False)
+    m = t2.fit_task(0, train, val, 2)
+    assert m["train_acc"] is not None
+    for key in ("val_acc", "train_acc", "train_loss", "pool_usage"):
+        assert m[key] == ref[key], key
+    assert RunDir(tmp_path / "r").read()["tasks"][0]["sha256"] == RunDir(tmp_path / "ref").read()["tasks"][0]["sha256"]
 
 
 @pytest.mark.parametrize("how", ["original", "random"])

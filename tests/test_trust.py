@@ -30,6 +30,7 @@ from nwsconvert.errors import FormatError, NWSError, PackMismatchError, RunLocke
 from nwsconvert.export import Runtime, export_bundle
 from nwsconvert.export.cli import infer_main
 from nwsconvert.packs import PACK_FORMAT, PACK_VERSION
+from nwsconvert.rundir import model_sha256
 from nwsconvert.runlock import RunLock
 from nwsconvert.stfile import read_header
 from nwsconvert.storage import atomic_write_bytes, read_tensors, write_tensors
@@ -62,10 +63,14 @@ def run_a(runs, tmp_path):
     return Path(shutil.copytree(runs[0], tmp_path / "a"))
 
 
-def _edit_manifest(run: Path, edit) -> None:
+def _edit_manifest(run: Path, edit, rehash: bool = True) -> None:
+    """Edit a run's manifest as someone who means it would: the model entry's hash follows the edit
+    (``rehash=False``: as a corruption would, leaving the hash behind)."""
     path = run / "manifest.json"
     manifest = json.loads(path.read_text())
     edit(manifest)
+    if rehash and isinstance(manifest.get("model"), dict):
+        manifest["model_sha256"] = model_sha256(manifest["model"])
     path.write_text(json.dumps(manifest))
 
 
@@ -77,7 +82,7 @@ def _names(error: Exception, path: Path) -> bool:
 def test_a_manifest_spec_never_runs_code(run_a, tmp_path):
     sentinel = tmp_path / "ran"
     _edit_manifest(run_a, lambda m: m["model"].update(spec="subprocess:getoutput", kwargs={"cmd": f"touch {sentinel}"}))
-    with pytest.raises(UntrustedCodeError, match=r"'subprocess:getoutput'.*trust_code=True"):
+    with pytest.raises(UntrustedCodeError, match=r"manifest.json: .*'subprocess:getoutput'.*trust_code=True"):
         nwsconvert.load(run_a, task=0)
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; from nwsconvert.export.cli import export_main; sys.exit(export_main(sys.argv[1:]))", str(run_a), "--task", "0", "--onnx", "--out", str(tmp_path / "b")],
@@ -96,6 +101,54 @@ def test_loading_kwargs_are_refused_whatever_the_trust(run_a):
     _edit_manifest(run_a, lambda m: m["model"]["kwargs"].update(checkpoint_path="/tmp/evil.pth"))
     with pytest.raises(ValueError, match="checkpoint_path"):
         nwsconvert.load(run_a, task=0, trust_code=True)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m["model"]["kwargs"].update(act_layer="gelu"),  # builds, but another model
+        lambda m: m["model"]["kwargs"].update(drop_rate="x"),  # builds, fails only at forward
+        lambda m: m["model"].update(spec="timm:resnet10t"),
+        lambda m: m["model"]["convert"].update(skip=["fc"]),
+    ],
+    ids=["act_layer", "drop_rate", "spec", "convert"],
+)
+def test_an_edited_model_entry_is_refused_by_its_hash(run_a, edit):
+    """The packs say nothing about activations or dropout: only the manifest's model_sha256 pins them."""
+    _edit_manifest(run_a, edit, rehash=False)
+    with pytest.raises(FormatError, match=r"manifest.json: field model: .*model_sha256"):
+        nwsconvert.load(run_a, task=0)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m["model"]["kwargs"].update(in_chans=-1), "in_chans"),  # the factory raises RuntimeError
+        (lambda m: m["model"]["convert"].update(skip=["*"]), "cannot be converted as recorded"),
+        (lambda m: m["model"].update(kwargs=None), "pack weight shape"),  # default in_chans: not the packs' model
+    ],
+    ids=["factory-error", "convert-error", "kwargs-null"],
+)
+def test_a_model_entry_that_cannot_be_built_names_the_manifest(run_a, edit, match):
+    _edit_manifest(run_a, edit)
+    with pytest.raises((FormatError, PackMismatchError), match=match) as e:
+        nwsconvert.load(run_a, task=0)
+    assert "manifest.json" in str(e.value)
+
+
+def test_null_and_mistyped_manifest_fields_are_read_or_named(run_a, tmp_path):
+    from nwsconvert.summary import format_summary, run_summary
+
+    _edit_manifest(run_a, lambda m: (m.update(data=None), m["tasks"][0]["metrics"].pop("val_acc"), m["pools"].update(bytes=None)))
+    text = format_summary(run_summary(run_a))
+    assert "n/a" in text and "pool set (shared)" in text
+    export_bundle(run_a, tmp_path / "b", 0)  # data null: exported with defaults
+    _edit_manifest(run_a, lambda m: m["tasks"][1]["metrics"].update(val_acc="x"))
+    with pytest.raises(FormatError, match=r"field tasks\[1\].metrics.val_acc"):
+        run_summary(run_a)
+    _edit_manifest(run_a, lambda m: (m["tasks"][1]["metrics"].update(val_acc=0.5), m.update(data={"mean": ["x"]})))
+    with pytest.raises(FormatError, match=r"field data.mean"):
+        nwsconvert.load(run_a, task=0)
 
 
 @pytest.mark.parametrize("where", ["/etc/passwd", "../a/tasks/task_0.nwspack", "tasks/../../x.nwspack", "link"])
@@ -315,6 +368,18 @@ def test_truncated_pool_file_and_bad_bundle_json(run_a):
     (_bundle(run_a) / "bundle.json").write_text(json.dumps(desc))
     with pytest.raises(FormatError, match=r"bundle.json: field tasks.0.onnx: expected a plain file name"):
         Runtime(_bundle(run_a), device="cpu")
+    desc["tasks"]["0"]["onnx"] = "task_0.onnx"
+    desc["tasks"]["\u00b2"] = desc["tasks"].pop("1")  # a Unicode digit: str.isdigit() says yes, int() says no
+    (_bundle(run_a) / "bundle.json").write_text(json.dumps(desc))
+    with pytest.raises(FormatError, match=r"bundle.json: field tasks: key '\u00b2' is not a task id"):
+        Runtime(_bundle(run_a), device="cpu")
+
+
+def test_a_delta_pack_whose_base_file_is_null_finds_the_default_base(run_a):
+    path = run_a / "tasks" / "task_1.nwspack"
+    want = nwsconvert.TaskPack.load(path).content_sha256()
+    _rewrite(path, lambda h: h["base"].update(file=None))  # rewritten with fresh hashes
+    assert nwsconvert.TaskPack.load(path).content_sha256() == want
 
 
 # ------------------------------------------------------------------ convert never silently does nothing
@@ -360,6 +425,11 @@ def test_one_writer_per_run_and_a_killed_holder_blocks_nothing(run_a, tmp_path, 
         assert train_main(["--resume", f"out={run_a}", "progress=false"]) == 1
         err = capsys.readouterr().err
         assert err.startswith("nws-train: ") and "another process" in err and err.count("\n") == 1
+        (run_a / "manifest.json").rename(tmp_path / "manifest.json")  # a run stopped before its manifest
+        assert train_main(["--resume", f"out={run_a}", "progress=false"]) == 1
+        err = capsys.readouterr().err  # refused before saying it would start the run
+        assert err.startswith("nws-train: ") and "another process" in err and err.count("\n") == 1
+        (tmp_path / "manifest.json").rename(run_a / "manifest.json")
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()

@@ -29,6 +29,7 @@ from nwsconvert.storage import atomic_write_bytes
 
 from .bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256, read_bundle
 from .onnx_graph import export_onnx
+from .switch import SWITCH_FILE, export_switch, write_task_inputs
 
 __all__ = ["export_bundle", "StaleBundleError", "BUNDLE_FORMAT"]
 
@@ -123,10 +124,40 @@ def export_bundle(
                 index_dtype=info["index_dtype"],
                 gather_nodes=info["gather_nodes"],
             )
+            inputs = out / f"task_{t}.inputs.safetensors"
+            row.update(inputs=inputs.name, inputs_sha256=write_task_inputs(inputs, src, t), inputs_bytes=inputs.stat().st_size)
         desc["tasks"][str(t)] = row
+    if onnx:
+        desc["switch"] = _export_switch(run, manifest, pools, desc, out, pool_dst, data, trust_code)
     desc["pool_bytes"] = pool_dst.stat().st_size
     atomic_write_bytes(desc_path, (json.dumps(desc, indent=2) + "\n").encode())
     return desc
+
+
+def _export_switch(run: RunDir, manifest: dict, pools: PoolSet, desc: dict, out: Path, pool_dst: Path, data: dict, trust_code: bool) -> dict:
+    """(Re)write ``switch.onnx`` for every task the bundle now holds: its head takes the largest class count."""
+    rows = {int(t): row for t, row in desc["tasks"].items() if "inputs" in row}
+    widest = max(rows, key=lambda t: (rows[t]["num_classes"], -t))
+    _, src = load_task_files(run, manifest, widest, pools)
+    model = build_run_model(run, manifest, pools, src, trust_code=trust_code).eval()
+    shape = (data.get("channels", 3), *(data.get("input_size") or [224, 224]))
+    meta = {
+        "nwsconvert.mode": "switch",
+        "nwsconvert.max_classes": rows[widest]["num_classes"],
+        "nwsconvert.mean": data.get("mean"),
+        "nwsconvert.std": data.get("std"),
+        "nwsconvert.input_size": list(shape),
+        "nwsconvert.pool_sha256": pools.sha256,
+        "nwsconvert.model": manifest["model"]["spec"],
+    }
+    info = export_switch(model, out / SWITCH_FILE, pool_dst, input_shape=shape, metadata=meta)
+    return {
+        "onnx": SWITCH_FILE,
+        "onnx_bytes": info["bytes"],
+        "onnx_sha256": file_sha256(out / SWITCH_FILE),
+        "max_classes": rows[widest]["num_classes"],
+        "gather_nodes": info["gather_nodes"],
+    }
 
 
 def _holds_pools(path, sha: str) -> bool:

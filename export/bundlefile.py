@@ -69,6 +69,15 @@ def check_bundle(desc: dict, path) -> None:
             r.int("onnx_bytes", lo=0, optional=True)
             if hashed:
                 r.sha("onnx_sha256")
+        if "inputs" in row and r.filename("inputs"):
+            r.sha("inputs_sha256")
+            r.int("inputs_bytes", lo=0, optional=True)
+    switch = f.obj_fields("switch", optional=True)
+    if switch is not None:
+        switch.filename("onnx")
+        switch.sha("onnx_sha256")
+        switch.int("max_classes", lo=1)
+        switch.int("onnx_bytes", lo=0, optional=True)
 
 
 def read_bundle(bundle: str | os.PathLike) -> dict:

@@ -115,48 +115,33 @@ def _consumers(graph) -> dict[str, list]:
     return out
 
 
-@torch.no_grad()
-def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: str | os.PathLike, *, input_shape, metadata: dict) -> dict:
-    """Write ``model`` (a converted model holding one task) as an ONNX graph sharing ``pool_file``.
+def _trace(module: torch.nn.Module, args: tuple, input_names: list[str], dynamic_axes: dict) -> onnx.ModelProto:
+    """TorchScript-export ``module(*args)`` without constant folding (the Gathers must stay in the graph)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "raw.onnx"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                module,
+                args,
+                str(raw),
+                dynamo=False,
+                do_constant_folding=False,
+                opset_version=OPSET,
+                input_names=input_names,
+                output_names=["logits"],
+                dynamic_axes=dynamic_axes,
+            )
+        return onnx.load(str(raw))
 
-    Args:
-        model: NWS model in the task's state (eval mode).
-        out_path: the ``.onnx`` file; ``pool_file`` must be in the same folder.
-        pool_file: the bundle's ``pools.safetensors`` (tensors named by layer).
-        input_shape: ``(C, H, W)`` of one image.
-        metadata: JSON-able values stored as ``metadata_props``.
+
+def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, set[str]]:
+    """Point every pool Gather at ``pool_file`` (external data ``pool/<layer>``); store constant indices at
+    ``ceil(log2 n)`` bits (:func:`index_nodes`). Indices that are graph inputs are left as they are.
 
     Returns:
-        ``{'gather_nodes', 'index_dtype' (storage of the indices, e.g. ``uint8+1bit``), 'bytes'}``.
+        ``(pool Gathers found, index storages used)``.
     """
-    out_path, pool_file = Path(out_path), Path(pool_file)
-    if out_path.parent.resolve() != pool_file.parent.resolve():
-        raise ValueError(f"{out_path} and {pool_file} must be in the same folder (ONNX external data is relative)")
-    layers = nws_layers(model)
-    model = model.eval()
-    for layer in layers:
-        layer.nws.export_gather = True
-    x = torch.zeros(1, *input_shape)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            raw = Path(tmp) / "raw.onnx"
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                torch.onnx.export(
-                    model,
-                    (x,),
-                    str(raw),
-                    dynamo=False,
-                    do_constant_folding=False,
-                    opset_version=OPSET,
-                    input_names=["input"],
-                    output_names=["logits"],
-                    dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
-                )
-            proto = onnx.load(str(raw))
-    finally:
-        for layer in layers:
-            layer.nws.export_gather = False
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     pools = {layer.name: layer.nws.pool.detach().cpu().float().numpy() for layer in layers}
@@ -215,6 +200,11 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
             graph.node.insert(pos + k, extra)
     if found != len(layers):
         raise RuntimeError(f"ONNX export: found {found} pool Gathers for {len(layers)} NWS layers: the exporter folded some weights")
+    return found, storage
+
+
+def _write(proto: onnx.ModelProto, out_path: Path, metadata: dict) -> int:
+    """Set IR version and metadata, write atomically, check; returns the file's bytes."""
     proto.ir_version = IR_VERSION
     del proto.metadata_props[:]
     for key, value in metadata.items():
@@ -223,4 +213,39 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
     data = proto.SerializeToString()
     atomic_write_bytes(out_path, data)
     onnx.checker.check_model(str(out_path))
-    return {"gather_nodes": found, "index_dtype": ",".join(sorted(storage)), "bytes": len(data)}
+    return len(data)
+
+
+def _same_folder(out_path: Path, pool_file: Path) -> None:
+    if out_path.parent.resolve() != pool_file.parent.resolve():
+        raise ValueError(f"{out_path} and {pool_file} must be in the same folder (ONNX external data is relative)")
+
+
+@torch.no_grad()
+def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: str | os.PathLike, *, input_shape, metadata: dict) -> dict:
+    """Write ``model`` (a converted model holding one task) as an ONNX graph sharing ``pool_file``.
+
+    Args:
+        model: NWS model in the task's state (eval mode).
+        out_path: the ``.onnx`` file; ``pool_file`` must be in the same folder.
+        pool_file: the bundle's ``pools.safetensors`` (tensors named by layer).
+        input_shape: ``(C, H, W)`` of one image.
+        metadata: JSON-able values stored as ``metadata_props``.
+
+    Returns:
+        ``{'gather_nodes', 'index_dtype' (storage of the indices, e.g. ``uint8+1bit``), 'bytes'}``.
+    """
+    out_path, pool_file = Path(out_path), Path(pool_file)
+    _same_folder(out_path, pool_file)
+    layers = nws_layers(model)
+    model = model.eval()
+    for layer in layers:
+        layer.nws.export_gather = True
+    try:
+        proto = _trace(model, (torch.zeros(1, *input_shape),), ["input"], {"input": {0: "batch"}, "logits": {0: "batch"}})
+    finally:
+        for layer in layers:
+            layer.nws.export_gather = False
+    found, storage = _link_pools(proto, layers, pool_file)
+    size = _write(proto, out_path, metadata)
+    return {"gather_nodes": found, "index_dtype": ",".join(sorted(storage)), "bytes": size}

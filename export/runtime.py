@@ -3,6 +3,22 @@
     rt = nwsconvert.export.Runtime("runs/mnist/export")     # CUDA when present, else CPU
     logits = rt.run(task=2, images)                         # (B, C, H, W) float32, normalised
     rt.predict(task=2, images, k=3)                          # [[(class name, probability), ...], ...]
+    rt = Runtime("runs/mnist/export", mode="switch")        # one session for every task: switch by re-binding
+
+Two modes (see ``docs`` in the README's deployment section for measured figures):
+
+``session`` (default)
+    one onnxruntime session per task graph (``task_<t>.onnx``): onnxruntime folds
+    the task's Gathers and BatchNorms into dense weights when the session is
+    built, so inference runs at dense speed; a switch to a task without a cached
+    session costs a session creation, and each cached session holds its own
+    dense weights.
+``switch``
+    one session for the bundle (``switch.onnx``) whose indices and state are graph
+    inputs; each task's inputs (``task_<t>.inputs.safetensors``) are uploaded once
+    as OrtValues on the device and bound with IOBinding, so a switch is a re-bind
+    (microseconds) and a cached task costs its indices and state only. The weights
+    are gathered at every run, which costs latency.
 
 The pool file is memory-mapped once; its tensors are handed to every task's
 session by name (``SessionOptions.add_external_initializers``, which replaces
@@ -36,6 +52,7 @@ from nwsconvert.errors import FormatError, TaskNotFoundError
 from nwsconvert.stfile import nws_header, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle
+from .taskinputs import read_task_inputs
 
 __all__ = ["Runtime"]
 
@@ -52,16 +69,22 @@ class Runtime:
         device: ``auto`` (CUDA when onnxruntime-gpu and a GPU are present), ``cuda`` or ``cpu``.
         max_sessions: sessions kept (LRU).
         threads: intra-op threads of the CPU provider (``None``: onnxruntime's default).
+        mode: ``session`` or ``switch`` (see the module docstring).
 
     Attributes:
         providers: the providers requested; ``session(task).get_providers()`` says what runs.
+        last_switch_seconds: time the last switch to a task not already selected took
+            (session mode: the session creation; switch mode: reading and uploading its
+            inputs the first time, re-binding after).
 
     Raises:
         FileNotFoundError: no bundle there. FormatError: ``bundle.json``, the pool file
             or a graph is damaged or not the one the bundle records (named).
     """
 
-    def __init__(self, bundle: str | os.PathLike, device: str = "auto", max_sessions: int = 4, threads: int | None = None):
+    def __init__(
+        self, bundle: str | os.PathLike, device: str = "auto", max_sessions: int = 4, threads: int | None = None, mode: str = "session"
+    ):
         import onnxruntime as ort
 
         self.ort = ort
@@ -69,6 +92,11 @@ class Runtime:
         self.desc = read_bundle(self.path)
         if device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
+        if mode not in ("session", "switch"):
+            raise ValueError(f"mode must be session or switch, got {mode!r}")
+        if mode == "switch" and "switch" not in self.desc:
+            raise FileNotFoundError(f"{self.path} has no switch.onnx (one-session mode): export it again with nws-export --onnx")
+        self.mode = mode
         gpu = device != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers() and _gpu_present()
         if device == "cuda" and not gpu:
             warnings.warn("CUDA requested but onnxruntime-gpu or a GPU is missing: running on CPU", stacklevel=2)
@@ -82,6 +110,9 @@ class Runtime:
         self._pools = self._map_pools(self.path / "pools.safetensors")
         self._verified: set[int] = set()
         self.last_switch_seconds = None
+        self._switch = None  # switch mode: the one session, then per task (binding, classes, OrtValues)
+        self._bound: OrderedDict[int, tuple] = OrderedDict()
+        self._selected = None
 
     def _map_pools(self, pool_file: Path) -> dict:
         """The pool file, mapped once, checked against the bundle's pool-set hash, shared by every session."""
@@ -114,43 +145,120 @@ class Runtime:
             raise TaskNotFoundError(f"bundle {self.path} has no ONNX graph for task {task}; tasks with graphs: {self.tasks}")
         return row
 
-    def session(self, task: int):
-        """The task's session (created on first use, then cached)."""
-        if task in self._sessions:
-            self._sessions.move_to_end(task)
-            return self._sessions[task]
-        row = self._row(task)
+    def _options(self):
         opts = self.ort.SessionOptions()
         opts.log_severity_level = 3
         if self.threads:
             opts.intra_op_num_threads = self.threads
         opts.add_external_initializers(list(self._pools), list(self._pools.values()))
-        graph = self.path / row["onnx"]
+        return opts
+
+    def _open(self, graph: Path, sha256: str | None, what: str):
+        """A checked session over ``graph`` (its SHA-256 against bundle.json, then its pool-set metadata)."""
         if not graph.is_file():
-            raise FileNotFoundError(f"{graph}: task {task}'s graph is missing from the bundle")
-        tic = time.perf_counter()
-        if "onnx_sha256" in row and task not in self._verified:  # checked once per task and Runtime
-            if file_sha256(graph) != row["onnx_sha256"]:
-                raise FormatError(f"{graph}: content does not match the SHA-256 bundle.json records: the graph is corrupted or was replaced")
-            self._verified.add(task)
+            raise FileNotFoundError(f"{graph}: {what} is missing from the bundle")
+        if sha256 is not None and file_sha256(graph) != sha256:
+            raise FormatError(f"{graph}: content does not match the SHA-256 bundle.json records: the graph is corrupted or was replaced")
         try:
-            sess = self.ort.InferenceSession(str(graph), sess_options=opts, providers=self.providers)
+            sess = self.ort.InferenceSession(str(graph), sess_options=self._options(), providers=self.providers)
         except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
-            raise FormatError(f"{graph}: onnxruntime cannot load task {task}'s graph ({type(e).__name__}: {str(e)[:200]})") from None
+            raise FormatError(f"{graph}: onnxruntime cannot load {what} ({type(e).__name__}: {str(e)[:200]})") from None
         meta = sess.get_modelmeta().custom_metadata_map
-        if meta.get("nwsconvert.task") not in (None, str(task)) or meta.get("nwsconvert.pool_sha256", self.desc["pool_sha256"]) != self.desc["pool_sha256"]:
-            raise FormatError(f"{graph}: the graph is task {meta.get('nwsconvert.task')} of pool set {str(meta.get('nwsconvert.pool_sha256'))[:12]}..., bundle.json lists it as task {task}")
-        self.last_switch_seconds = time.perf_counter() - tic
+        if meta.get("nwsconvert.pool_sha256", self.desc["pool_sha256"]) != self.desc["pool_sha256"]:
+            raise FormatError(f"{graph}: the graph is of pool set {str(meta.get('nwsconvert.pool_sha256'))[:12]}..., the bundle's is {self.desc['pool_sha256'][:12]}...")
         if self.requested_cuda and "CUDAExecutionProvider" not in sess.get_providers():
-            warnings.warn(f"task {task}: the CUDA provider was requested but the session runs on {sess.get_providers()}", stacklevel=2)
+            warnings.warn(f"{graph.name}: the CUDA provider was requested but the session runs on {sess.get_providers()}", stacklevel=3)
+        return sess
+
+    def session(self, task: int):
+        """The session that runs ``task``: its own (session mode, created on first use, then cached) or the bundle's one."""
+        if self.mode == "switch":
+            self._row(task)
+            return self._switch_session()
+        if task in self._sessions:
+            self._sessions.move_to_end(task)
+            return self._sessions[task]
+        row = self._row(task)
+        tic = time.perf_counter()
+        verified = task in self._verified  # the file's hash is checked once per task and Runtime
+        sess = self._open(self.path / row["onnx"], None if verified else row.get("onnx_sha256"), f"task {task}'s graph")
+        self._verified.add(task)
+        meta = sess.get_modelmeta().custom_metadata_map
+        if meta.get("nwsconvert.task") not in (None, str(task)):
+            raise FormatError(f"{self.path / row['onnx']}: the graph is task {meta.get('nwsconvert.task')}, bundle.json lists it as task {task}")
+        self.last_switch_seconds = time.perf_counter() - tic
         self._sessions[task] = sess
         while len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)
         return sess
 
+    # ---------------------------------------------------------------- switch mode
+    def _switch_session(self):
+        if self._switch is None:
+            info = self.desc["switch"]
+            self._switch = self._open(self.path / info["onnx"], info["onnx_sha256"], "the one-session graph switch.onnx")
+        return self._switch
+
+    def _binding(self, task: int) -> tuple:
+        """``(IOBinding with the task's inputs bound, num_classes, bytes held)``, built on first use and kept."""
+        if task in self._bound:
+            if self._selected != task:
+                tic = time.perf_counter()
+                self._bound.move_to_end(task)
+                self._selected = task
+                self.last_switch_seconds = time.perf_counter() - tic
+            return self._bound[task]
+        row = self._row(task)
+        sess = self._switch_session()
+        tic = time.perf_counter()
+        if "inputs" not in row:
+            raise FileNotFoundError(f"{self.path}: task {task} has no inputs file for switch.onnx: export the bundle again with nws-export --onnx")
+        path = self.path / row["inputs"]
+        _, arrays = read_task_inputs(path, sha256=row["inputs_sha256"], pool_sha256=self.desc["pool_sha256"], task=task)
+        on_gpu = "CUDAExecutionProvider" in sess.get_providers()
+        binding = sess.io_binding()
+        values, held = [], 0
+        for spec in sess.get_inputs():
+            if spec.name == "input":
+                continue
+            if spec.name not in arrays:
+                raise FormatError(f"{path}: no value for switch.onnx's input {spec.name!r} (a file of another model?)")
+            arr = _fit(arrays[spec.name], spec.shape, path, spec.name)
+            value = self.ort.OrtValue.ortvalue_from_numpy(arr, "cuda" if on_gpu else "cpu", 0)
+            binding.bind_ortvalue_input(spec.name, value)
+            values.append(value)
+            held += arr.nbytes
+        self._bound[task] = (binding, row["num_classes"], held, values)
+        self._selected = task
+        self.last_switch_seconds = time.perf_counter() - tic
+        return self._bound[task]
+
+    def info(self) -> dict:
+        """What this Runtime uses: ``mode``, ``providers`` (of the sessions built so far), ``cached_tasks`` and
+        ``bytes_per_task`` (switch mode: the bound indices and state on the device; session mode: ``None``,
+        each cached session holds its folded dense weights, about the dense model's size)."""
+        sessions = [self._switch] if self.mode == "switch" and self._switch is not None else list(self._sessions.values())
+        providers = sorted({p for s in sessions for p in s.get_providers()})
+        if self.mode == "switch":
+            cached = list(self._bound)
+            per_task = {t: v[2] for t, v in self._bound.items()}
+        else:
+            cached, per_task = list(self._sessions), None
+        return {"mode": self.mode, "providers": providers or self.providers, "cached_tasks": cached, "bytes_per_task": per_task}
+
+    def metadata(self, task: int) -> dict:
+        """The ONNX metadata of the graph that runs ``task`` (input size, normalisation...)."""
+        return self.session(task).get_modelmeta().custom_metadata_map
+
     def run(self, task: int, images) -> np.ndarray:
         """Logits ``(B, num_classes)`` for ``images`` ``(B, C, H, W)`` (normalised as the bundle's metadata says)."""
         x = np.ascontiguousarray(np.asarray(images, dtype=np.float32))
+        if self.mode == "switch":
+            binding, classes, _, _ = self._binding(task)
+            binding.bind_cpu_input("input", x)
+            binding.bind_output("logits")  # fresh each run: the batch size may change
+            self._switch.run_with_iobinding(binding)
+            return binding.copy_outputs_to_cpu()[0][:, :classes]
         return self.session(task).run(None, {"input": x})[0]
 
     def predict(self, task: int, images, k: int = 1) -> list[list[tuple[str, float]]]:
@@ -161,3 +269,16 @@ class Runtime:
         names = self.class_names(task)
         top = np.argsort(-prob, 1)[:, :k]
         return [[(names[j], float(prob[i, j])) for j in row] for i, row in enumerate(top)]
+
+
+def _fit(arr: np.ndarray, shape, path: Path, name: str) -> np.ndarray:
+    """``arr`` shaped for a graph input: equal, or (a head narrower than the graph's) zero-padded along dim 0."""
+    dims = [d if isinstance(d, int) else None for d in shape]
+    if len(dims) != arr.ndim or any(d is not None and d != a for d, a in zip(dims[1:], arr.shape[1:])):
+        raise FormatError(f"{path}: {name} has shape {list(arr.shape)}, switch.onnx takes {shape}")
+    if dims and dims[0] is not None and arr.shape[0] != dims[0]:
+        if arr.shape[0] > dims[0]:
+            raise FormatError(f"{path}: {name} has {arr.shape[0]} rows, switch.onnx takes at most {dims[0]}: export the bundle again")
+        pad = np.zeros((dims[0] - arr.shape[0], *arr.shape[1:]), dtype=arr.dtype)
+        arr = np.concatenate([arr, pad])
+    return np.ascontiguousarray(arr)

@@ -130,3 +130,90 @@ def test_stale_bundle_and_cli_errors(run, tmp_path, capsys):
     assert "latency" in out and "task switch" in out
     with pytest.raises(SystemExit):
         export_main(["--help"])
+
+
+# ------------------------------------------------------------------ one session for every task
+def test_switch_mode_matches_pytorch_and_never_mixes_tasks(run, tmp_path):
+    """switch.onnx takes indices and state as inputs; tasks of 3 and 2 classes share it (head padded)."""
+    desc = export_bundle(run, tmp_path / "b", "all", onnx=True)
+    assert desc["switch"]["max_classes"] == 3 and (tmp_path / "b" / "switch.onnx").is_file()
+    proto = onnx.load(str(tmp_path / "b" / "switch.onnx"), load_external_data=False)
+    names = {i.name for i in proto.graph.input}
+    layers = nws_layers(nwsconvert.load(run, task=0))
+    assert {f"indices/{l.name}" for l in layers} <= names and "input" in names
+    assert not any(t.name.startswith("indices/") for t in proto.graph.initializer)  # no task is baked in
+    x = torch.randn(4, 1, 16, 16)
+    refs = {}
+    for t in (0, 1):
+        with torch.no_grad():
+            refs[t] = nwsconvert.load(run, task=t)(x).numpy()
+    rt = Runtime(tmp_path / "b", device="cpu", mode="switch")
+    seen = {}
+    for t in (0, 1, 0, 1, 1, 0):  # A, B, A ...: every switch must give that task's logits exactly again
+        y = rt.run(t, x.numpy())
+        assert y.shape == refs[t].shape
+        # fp32, different summation order than PyTorch: logits are O(1), 1e-4 is ~1000 ulp.
+        np.testing.assert_allclose(y, refs[t], atol=1e-4, rtol=1e-4)
+        if t in seen:
+            assert np.array_equal(y, seen[t])  # same bound inputs, same session: bit-identical
+        seen[t] = y
+    fresh = Runtime(tmp_path / "b", device="cpu")  # the per-task sessions agree on the classes
+    for t in (0, 1):
+        assert (fresh.run(t, x.numpy()).argmax(1) == seen[t].argmax(1)).all()
+    info = rt.info()
+    assert info["mode"] == "switch" and info["providers"] == ["CPUExecutionProvider"]
+    assert sorted(info["cached_tasks"]) == [0, 1] and all(b > 0 for b in info["bytes_per_task"].values())
+    assert rt.last_switch_seconds is not None and rt.run(1, x[:1].numpy()).shape == (1, 2)
+
+
+def test_switch_inputs_are_checked_by_name(run, tmp_path):
+    export_bundle(run, tmp_path / "b", "all", onnx=True)
+    inputs = tmp_path / "b" / "task_1.inputs.safetensors"
+    data = bytearray(inputs.read_bytes())
+    data[-3] ^= 0x01
+    inputs.write_bytes(bytes(data))
+    rt = Runtime(tmp_path / "b", device="cpu", mode="switch")
+    rt.run(0, np.zeros((1, 1, 16, 16), np.float32))
+    with pytest.raises(nwsconvert.FormatError, match="task_1.inputs.safetensors"):
+        rt.run(1, np.zeros((1, 1, 16, 16), np.float32))
+    (tmp_path / "b" / "task_0.inputs.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="task_0.inputs.safetensors"):
+        Runtime(tmp_path / "b", device="cpu", mode="switch").run(0, np.zeros((1, 1, 16, 16), np.float32))
+    export_bundle(run, tmp_path / "c", 0)
+    with pytest.raises(FileNotFoundError, match="no switch.onnx"):
+        Runtime(tmp_path / "c", device="cpu", mode="switch")
+
+
+_TORCHLESS = """
+import sys, json
+import numpy as np
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'timm', 'torchvision'):
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+from nwsconvert.export import Runtime
+x = np.load(sys.argv[2])
+out = {}
+for mode in ('session', 'switch'):
+    rt = Runtime(sys.argv[1], device='cpu', mode=mode)
+    out[mode] = {t: rt.run(t, x).tolist() for t in rt.tasks}
+assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'timm', 'torchvision')]
+print(json.dumps(out))
+"""
+
+
+def test_the_runtime_needs_neither_torch_nor_timm(run, tmp_path):
+    import subprocess
+    import sys
+
+    export_bundle(run, tmp_path / "b", "all", onnx=True)
+    x = np.random.default_rng(0).standard_normal((3, 1, 16, 16)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    proc = subprocess.run([sys.executable, "-c", _TORCHLESS, str(tmp_path / "b"), str(tmp_path / "x.npy")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout)
+    for mode in ("session", "switch"):
+        rt = Runtime(tmp_path / "b", device="cpu", mode=mode)
+        for t in (0, 1):
+            assert np.array_equal(np.asarray(got[mode][str(t)], dtype=np.float32), rt.run(t, x))  # same code, same floats

@@ -1,0 +1,137 @@
+"""One ONNX graph for every task of a bundle: ``switch.onnx`` (the one-session mode).
+
+The per-task graphs (``task_<t>.onnx``) hold their indices as constants, so
+onnxruntime folds each task into a dense model when its session is built: fast
+inference, but a task switch is a session creation (tens to hundreds of ms).
+``switch.onnx`` instead takes each NWS layer's indices and each state entry
+(BatchNorm statistics and affine parameters, biases) as graph inputs:
+
+    inputs   input (B, C, H, W) float32
+             indices/<layer> (N_layer,) int32        one per NWS layer
+             state/<key> (entry's shape) float32      one per floating state entry
+    output   logits (B, max_classes)
+
+Every run gathers the weights from the shared pools (``pool/<layer>``, external
+data in ``pools.safetensors``, as in the per-task graphs). A runtime keeps one
+session for the bundle and, per task, the input values on the device; a task
+switch re-binds them (:class:`nwsconvert.export.Runtime`, ``mode="switch"``).
+
+Tasks with different class counts share the graph: the head is exported with
+the bundle's largest class count; a task with fewer classes pads its head
+indices and bias with zeros (the first ``C x F`` weights are its own, row-major)
+and the runtime keeps the first ``C`` logits.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from nwsconvert import nws_layers
+from nwsconvert.packs import TaskPack, _nws_keys
+from nwsconvert.storage import write_tensors
+
+from .onnx_graph import _link_pools, _same_folder, _trace, _write
+from .taskinputs import INPUTS_FORMAT, INPUTS_VERSION, pack_index_planes
+
+__all__ = ["SWITCH_FILE", "export_switch", "write_task_inputs", "switch_input_names"]
+
+SWITCH_FILE = "switch.onnx"
+
+
+def switch_input_names(model: nn.Module) -> dict[str, str]:
+    """Graph input name -> the model's buffer or parameter it replaces: ``indices/<layer>`` for each
+    NWS layer, ``state/<key>`` for each floating entry of the state a task pack stores."""
+    names = {f"indices/{layer.name}": f"{layer.name}.parametrizations.weight.0.indices" for layer in nws_layers(model)}
+    nws = _nws_keys(model)
+    for fqn, t in model.state_dict().items():
+        if fqn not in nws and t.is_floating_point():
+            names[f"state/{fqn}"] = fqn
+    return names
+
+
+class _Functional(nn.Module):
+    """``model`` with some buffers and parameters taken from the call's arguments.
+
+    (``torch.func.functional_call`` refuses to run under the ONNX tracer, so the
+    tensors are swapped into the owning modules' dicts for the call.)
+    """
+
+    def __init__(self, model: nn.Module, fqns: list[str]):
+        super().__init__()
+        self.model = model
+        self.slots = []
+        for fqn in fqns:
+            owner, _, attr = fqn.rpartition(".")
+            module = model.get_submodule(owner)
+            table = module._buffers if attr in module._buffers else module._parameters
+            self.slots.append((table, attr))
+
+    def forward(self, x, *values):
+        saved = [table[attr] for table, attr in self.slots]
+        try:
+            for (table, attr), value in zip(self.slots, values):
+                table[attr] = value
+            return self.model(x)
+        finally:
+            for (table, attr), value in zip(self.slots, saved):
+                table[attr] = value
+
+
+@torch.no_grad()
+def export_switch(model: nn.Module, out_path: str | os.PathLike, pool_file: str | os.PathLike, *, input_shape, metadata: dict) -> dict:
+    """Write ``switch.onnx`` for a converted model whose head has the bundle's largest class count.
+
+    Args:
+        model: NWS model in eval mode (its indices and state are only example values).
+        out_path, pool_file: as :func:`nwsconvert.export.onnx_graph.export_onnx`.
+        input_shape: ``(C, H, W)``.
+
+    Returns:
+        ``{'gather_nodes', 'inputs' (task inputs the graph takes), 'bytes'}``.
+    """
+    out_path, pool_file = Path(out_path), Path(pool_file)
+    _same_folder(out_path, pool_file)
+    layers = nws_layers(model)
+    model = model.eval()
+    names = switch_input_names(model)
+    state = model.state_dict()
+    values = tuple(state[fqn] for fqn in names.values())
+    axes = {"input": {0: "batch"}, "logits": {0: "batch"}}
+    for layer in layers:
+        layer.nws.export_gather = True
+    try:
+        wrapper = _Functional(model, list(names.values())).eval()  # the exporter restores the wrapper's mode, recursively
+        proto = _trace(wrapper, (torch.zeros(1, *input_shape), *values), ["input", *names], axes)
+    finally:
+        for layer in layers:
+            layer.nws.export_gather = False
+    found, _ = _link_pools(proto, layers, pool_file)
+    taken = [i.name for i in proto.graph.input if i.name != "input"]
+    size = _write(proto, out_path, metadata)
+    return {"gather_nodes": found, "inputs": len(taken), "bytes": size}
+
+
+def write_task_inputs(path: str | os.PathLike, pack: TaskPack, task: int) -> str:
+    """Write ``pack``'s values of the switch graph's inputs (see :mod:`nwsconvert.export.taskinputs`).
+
+    Returns:
+        The file's content SHA-256.
+    """
+    tensors, rows = {}, []
+    for r in pack.layers:
+        name = r["name"]
+        idx = pack.indices[name].cpu().numpy()
+        for suffix, arr in pack_index_planes(idx, r["pool_size"]).items():
+            tensors[f"indices/{name}/{suffix}"] = torch.from_numpy(np.ascontiguousarray(arr))
+        rows.append({"name": name, "count": int(idx.size), "pool_size": int(r["pool_size"])})
+    keys = sorted(k for k, v in pack.state.items() if v.is_floating_point())
+    for k in keys:
+        tensors[f"state/{k}"] = pack.state[k].float()
+    return write_tensors(
+        path, tensors, INPUTS_FORMAT, INPUTS_VERSION, task=task, pool_sha256=pack.pool_sha256, layers=rows, state_keys=keys
+    )

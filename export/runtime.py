@@ -5,7 +5,7 @@
     rt.predict(task=2, images, k=3)                          # [[(class name, probability), ...], ...]
     rt = Runtime("runs/mnist/export", mode="switch")        # one session for every task: switch by re-binding
 
-Two modes (see ``docs`` in the README's deployment section for measured figures):
+Two modes (measured side by side in ``benchmarks/RESULTS.md``, "Runtime modes"):
 
 ``session`` (default)
     one onnxruntime session per task graph (``task_<t>.onnx``): onnxruntime folds

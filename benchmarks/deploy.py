@@ -19,6 +19,21 @@ import nwsconvert
 from nwsconvert.export.onnx_graph import export_onnx
 
 
+def converted_model(name: str) -> torch.nn.Module:
+    """timm ``name`` (5 classes, seed 0) with non-zero BatchNorm scales, converted to random 512-entry pools, eval mode.
+
+    timm zero-initialises the last BatchNorm scale of each block; the exporter folds it into
+    the conv weight, gets all-zero weights and deduplicates them, understating the dense
+    file. Trained models have non-zero scales: give the BatchNorms such values.
+    """
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            torch.nn.init.uniform_(m.weight, 0.5, 1.5)
+    return nwsconvert.convert(model, pool_size=512, init="random").eval()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["resnet18", "mobilenetv2_100"])
@@ -27,15 +42,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=30)
     args = p.parse_args()
     for name in args.models:
-        torch.manual_seed(0)
-        model = timm.create_model(name, num_classes=5)
-        # timm zero-initialises the last BatchNorm scale of each block; the exporter folds it into
-        # the conv weight, gets all-zero weights and deduplicates them, understating the dense
-        # file. Trained models have non-zero scales: give the BatchNorms such values.
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                torch.nn.init.uniform_(m.weight, 0.5, 1.5)
-        model = nwsconvert.convert(model, pool_size=512, init="random").eval()
+        model = converted_model(name)
         dense = nwsconvert.materialize(model).eval()
         with tempfile.TemporaryDirectory() as tmp:
             d = Path(tmp)

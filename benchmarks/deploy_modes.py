@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import timm
 import torch
 
 import nwsconvert
@@ -37,6 +36,8 @@ from nwsconvert.export.bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha
 from nwsconvert.export.onnx_graph import export_onnx
 from nwsconvert.export.switch import SWITCH_FILE, export_switch, write_task_inputs
 from nwsconvert.heads import resize_head
+
+from deploy import converted_model  # benchmarks/ is on sys.path when this script runs
 
 
 def rss() -> int:
@@ -49,12 +50,7 @@ def rss() -> int:
 
 @torch.no_grad()
 def make_bundle(name: str, tasks: int, size: int, out: Path) -> None:
-    torch.manual_seed(0)
-    model = timm.create_model(name, num_classes=5)
-    for m in model.modules():
-        if isinstance(m, torch.nn.BatchNorm2d):
-            torch.nn.init.uniform_(m.weight, 0.5, 1.5)
-    model = nwsconvert.convert(model, pool_size=512, init="random").eval()
+    model = converted_model(name)
     pools = nwsconvert.pool_set(model)
     pool_sha = pools.save(out / "pools.safetensors")
     shape = (3, size, size)

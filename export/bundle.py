@@ -83,6 +83,14 @@ def export_bundle(
         shutil.copyfile(run.pool_path, tmp)
         os.replace(tmp, pool_dst)
     data = manifest.get("data") or {}
+    shape = (data.get("channels", 3), *(data.get("input_size") or [224, 224]))
+    common = {  # every graph's metadata
+        "nwsconvert.mean": data.get("mean"),
+        "nwsconvert.std": data.get("std"),
+        "nwsconvert.input_size": list(shape),
+        "nwsconvert.pool_sha256": pool_sha,
+        "nwsconvert.model": manifest["model"]["spec"],
+    }
     for entry in entries:
         t = entry["id"]
         pack_dst = out / f"task_{t}.nwspack"
@@ -105,16 +113,11 @@ def export_bundle(
             row.update(base=base_dst.name, base_bytes=base_dst.stat().st_size, base_sha256=src.base.sha256)
         if onnx:
             model = build_run_model(run, manifest, pools, src, trust_code=trust_code).eval()
-            shape = (data.get("channels", 3), *(data.get("input_size") or [224, 224]))
             meta = {
                 "nwsconvert.task": t,
                 "nwsconvert.task_name": entry["name"],
                 "nwsconvert.class_names": entry.get("class_names") or [str(i) for i in range(entry["num_classes"])],
-                "nwsconvert.mean": data.get("mean"),
-                "nwsconvert.std": data.get("std"),
-                "nwsconvert.input_size": list(shape),
-                "nwsconvert.pool_sha256": pool_sha,
-                "nwsconvert.model": manifest["model"]["spec"],
+                **common,
             }
             info = export_onnx(model, out / f"task_{t}.onnx", pool_dst, input_shape=shape, metadata=meta)
             row.update(
@@ -128,33 +131,26 @@ def export_bundle(
             row.update(inputs=inputs.name, inputs_sha256=write_task_inputs(inputs, src, t), inputs_bytes=inputs.stat().st_size)
         desc["tasks"][str(t)] = row
     if onnx:
-        desc["switch"] = _export_switch(run, manifest, pools, desc, out, pool_dst, data, trust_code)
+        desc["switch"] = _export_switch(run, manifest, pools, desc, out / SWITCH_FILE, pool_dst, shape, common, trust_code)
     desc["pool_bytes"] = pool_dst.stat().st_size
     atomic_write_bytes(desc_path, (json.dumps(desc, indent=2) + "\n").encode())
     return desc
 
 
-def _export_switch(run: RunDir, manifest: dict, pools: PoolSet, desc: dict, out: Path, pool_dst: Path, data: dict, trust_code: bool) -> dict:
+def _export_switch(
+    run: RunDir, manifest: dict, pools: PoolSet, desc: dict, path: Path, pool_dst: Path, shape, common: dict, trust_code: bool
+) -> dict:
     """(Re)write ``switch.onnx`` for every task the bundle now holds: its head takes the largest class count."""
     rows = {int(t): row for t, row in desc["tasks"].items() if "inputs" in row}
     widest = max(rows, key=lambda t: (rows[t]["num_classes"], -t))
-    _, src = load_task_files(run, manifest, widest, pools)
+    _, src = load_task_files(run, manifest, widest, pools)  # may be a task an earlier call exported
     model = build_run_model(run, manifest, pools, src, trust_code=trust_code).eval()
-    shape = (data.get("channels", 3), *(data.get("input_size") or [224, 224]))
-    meta = {
-        "nwsconvert.mode": "switch",
-        "nwsconvert.max_classes": rows[widest]["num_classes"],
-        "nwsconvert.mean": data.get("mean"),
-        "nwsconvert.std": data.get("std"),
-        "nwsconvert.input_size": list(shape),
-        "nwsconvert.pool_sha256": pools.sha256,
-        "nwsconvert.model": manifest["model"]["spec"],
-    }
-    info = export_switch(model, out / SWITCH_FILE, pool_dst, input_shape=shape, metadata=meta)
+    meta = {"nwsconvert.mode": "switch", "nwsconvert.max_classes": rows[widest]["num_classes"], **common}
+    info = export_switch(model, path, pool_dst, input_shape=shape, metadata=meta)
     return {
-        "onnx": SWITCH_FILE,
+        "onnx": path.name,
         "onnx_bytes": info["bytes"],
-        "onnx_sha256": file_sha256(out / SWITCH_FILE),
+        "onnx_sha256": file_sha256(path),
         "max_classes": rows[widest]["num_classes"],
         "gather_nodes": info["gather_nodes"],
     }

@@ -39,6 +39,8 @@ from nwsconvert import nws_layers
 from nwsconvert.stfile import read_header
 from nwsconvert.storage import atomic_write_bytes
 
+from .taskinputs import pack_index_planes
+
 __all__ = ["export_onnx", "index_nodes", "safetensors_offsets", "OPSET", "IR_VERSION"]
 
 OPSET = 17
@@ -64,22 +66,18 @@ def index_nodes(name: str, indices: np.ndarray, pool_size: int) -> tuple[list, l
         ``uint8+<k>bit`` (low byte + k packed high-bit planes) or ``int32``.
         Bytes stored: N (<= 256 entries), N + k * ceil(N / 8) (<= 65,536), 4N beyond.
     """
-    idx = np.asarray(indices, dtype=np.int64).ravel()
-    count = idx.size
+    count = np.asarray(indices).size
     out = f"{name}/int64"
-    bits = max(1, int(np.ceil(np.log2(pool_size))))
-    if bits <= 8:
-        init = numpy_helper.from_array(idx.astype(np.uint8), name)
-        return [init], [helper.make_node("Cast", [name], [out], to=TensorProto.INT64, name=f"{name}/cast")], out, "uint8"
-    if bits > 16:
-        init = numpy_helper.from_array(idx.astype(np.int32), name)
-        return [init], [helper.make_node("Cast", [name], [out], to=TensorProto.INT64, name=f"{name}/cast")], out, "int32"
-    high = bits - 8
-    planes = ((idx[None, :] >> (8 + np.arange(high)[:, None])) & 1).astype(np.uint8)  # (high, N)
-    packed = np.packbits(planes, axis=1, bitorder="little")  # (high, ceil(N / 8))
+    parts = pack_index_planes(indices, pool_size)  # the same layout as a task inputs file
+    if "high" not in parts:
+        kind, stored = ("int32", parts["i32"]) if "i32" in parts else ("uint8", parts["low"])
+        init = numpy_helper.from_array(stored, name)
+        return [init], [helper.make_node("Cast", [name], [out], to=TensorProto.INT64, name=f"{name}/cast")], out, kind
+    packed = parts["high"]  # (high, ceil(N / 8))
+    high = packed.shape[0]
     c = lambda suffix, value: numpy_helper.from_array(np.asarray(value), f"{name}/{suffix}")  # noqa: E731
     inits = [
-        numpy_helper.from_array((idx & 0xFF).astype(np.uint8), f"{name}/low"),
+        numpy_helper.from_array(parts["low"], f"{name}/low"),
         numpy_helper.from_array(packed, f"{name}/high"),
         c("axis2", np.array([2], np.int64)),
         c("shifts", np.arange(8, dtype=np.uint8)),

@@ -111,7 +111,7 @@ class Runtime:
         self._verified: set[int] = set()
         self.last_switch_seconds = None
         self._switch = None  # switch mode: the one session, then per task (binding, classes, OrtValues)
-        self._bound: OrderedDict[int, tuple] = OrderedDict()
+        self._bound: dict[int, tuple] = {}  # small (indices + state): kept for every task used, no eviction
         self._selected = None
 
     def _map_pools(self, pool_file: Path) -> dict:
@@ -204,7 +204,6 @@ class Runtime:
         if task in self._bound:
             if self._selected != task:
                 tic = time.perf_counter()
-                self._bound.move_to_end(task)
                 self._selected = task
                 self.last_switch_seconds = time.perf_counter() - tic
             return self._bound[task]

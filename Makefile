@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench runtime-wheel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,5 +22,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/accuracy.py --suite split-mnist
 
+# The torch-free wheel a robot installs to run bundles (Runtime, nws-infer): dist/nwsconvert_runtime-*.whl
+runtime-wheel: $(STAMP)
+	$(PY) export/dist/build_runtime.py --out dist
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

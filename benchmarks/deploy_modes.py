@@ -5,16 +5,18 @@
 For each model a bundle of ``--tasks`` tasks is built without training (random
 512-entry pools, each task its own random indices, BatchNorm statistics and
 head of ``5 + t`` classes), with the exporter the CLI uses: ``task_<t>.onnx``
-per task, ``switch.onnx`` + ``task_<t>.inputs.safetensors``, packs.
+per task, ``switch.onnx``, packs (the one-session mode reads each task's pack).
 
 Measured, with ``Runtime`` defaults (``max_sessions=4``, fewer than the tasks):
 
 * latency at batch 1 and 32 on one task (interleaved modes, median);
 * the task-switch cost: each task called twice in a row, cycling over all tasks;
-  the median call after a switch minus the median repeated call (same loop);
+  the median over pairs of (call right after a switch) minus (the repeat right after it);
+* the first use of a task (session mode: session creation; switch mode: the pack
+  decoded without torch and its values uploaded);
 * memory: resident-set growth per cached task (session mode: folded weights;
   switch mode: the bound inputs, also reported by ``Runtime.info()``);
-* files: per-task ``.onnx``, per-task inputs file, ``.nwspack``.
+* files: per-task ``.onnx`` (session mode), ``.nwspack`` (switch mode's per-task file).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import nwsconvert
 from nwsconvert.export import Runtime
 from nwsconvert.export.bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256
 from nwsconvert.export.onnx_graph import export_onnx
-from nwsconvert.export.switch import SWITCH_FILE, export_switch, write_task_inputs
+from nwsconvert.export.switch import SWITCH_FILE, export_switch
 from nwsconvert.heads import resize_head
 
 from deploy import converted_model  # benchmarks/ is on sys.path when this script runs
@@ -69,11 +71,9 @@ def make_bundle(name: str, tasks: int, size: int, out: Path) -> None:
         pack = nwsconvert.extract_task(model, task=t)
         pack_sha = pack.save(out / f"task_{t}.nwspack")
         info = export_onnx(model, out / f"task_{t}.onnx", out / "pools.safetensors", input_shape=shape, metadata={"nwsconvert.task": t, "nwsconvert.pool_sha256": pool_sha})
-        inputs_sha = write_task_inputs(out / f"task_{t}.inputs.safetensors", pack, t)
         rows[str(t)] = {
             "name": f"t{t}", "num_classes": classes, "pack": f"task_{t}.nwspack", "pack_sha256": pack_sha,
             "onnx": f"task_{t}.onnx", "onnx_sha256": file_sha256(out / f"task_{t}.onnx"), "onnx_bytes": info["bytes"],
-            "inputs": f"task_{t}.inputs.safetensors", "inputs_sha256": inputs_sha,
         }
     # The last task has the widest head: the switch graph is exported from it.
     export_switch(model, out / SWITCH_FILE, out / "pools.safetensors", input_shape=shape, metadata={"nwsconvert.pool_sha256": pool_sha})
@@ -94,9 +94,11 @@ def measure(bundle: Path, device: str, threads: int | None, rounds: int, cycles:
     for mode in ("session", "switch"):
         before = rss()
         rt = Runtime(bundle, device=device, mode=mode, threads=threads, max_sessions=ntasks)  # all cached: memory per task
+        first = []
         for t in rt.tasks:
             rt.run(t, x1)
-        out[mode] = {"rss_per_task": (rss() - before) / ntasks, "info": rt.info()}
+            first.append(rt.last_switch_seconds)
+        out[mode] = {"rss_per_task": (rss() - before) / ntasks, "info": rt.info(), "first_use_ms": 1e3 * float(np.median(first[1:] or first))}
         del rt
         rts[mode] = Runtime(bundle, device=device, mode=mode, threads=threads)  # defaults: max_sessions=4
         rts[mode].run(0, x1)
@@ -126,7 +128,9 @@ def measure(bundle: Path, device: str, threads: int | None, rounds: int, cycles:
                     calls.append(took)
         out[m]["switch_call_ms"] = 1e3 * float(np.median(switch))
         out[m]["same_call_ms"] = 1e3 * float(np.median(same))
-        out[m]["switch_ms"] = out[m]["switch_call_ms"] - out[m]["same_call_ms"]
+        paired = 1e3 * (np.array(switch) - np.array(same))  # each switch call minus the repeat right after it
+        out[m]["switch_ms"] = float(np.median(paired))
+        out[m]["switch_ms_iqr"] = [float(q) for q in np.percentile(paired, [25, 75])]
         out[m]["last_switch_seconds"] = rt.last_switch_seconds
         out[m]["providers"] = rt.info()["providers"]
     return out
@@ -154,7 +158,6 @@ def main() -> None:
             make_bundle(name, args.tasks, args.size, d)
             sizes = {
                 "onnx_per_task": os.path.getsize(d / "task_0.onnx"),
-                "inputs_per_task": os.path.getsize(d / "task_0.inputs.safetensors"),
                 "pack_per_task": os.path.getsize(d / "task_0.nwspack"),
                 "switch_onnx": os.path.getsize(d / SWITCH_FILE),
                 "pools": os.path.getsize(d / "pools.safetensors"),
@@ -168,12 +171,13 @@ def main() -> None:
         print(f"  latency b32: session {s['latency_b32_ms']:.1f} ms, switch {w['latency_b32_ms']:.1f} ms (x{w['latency_b32_ms'] / s['latency_b32_ms']:.2f})")
         print(f"  call after a switch / same task again, {args.tasks} tasks (max_sessions=4): session {s['switch_call_ms']:.2f} / {s['same_call_ms']:.2f} ms, "
               f"switch {w['switch_call_ms']:.2f} / {w['same_call_ms']:.2f} ms")
-        print(f"  switch cost (difference of medians): session {s['switch_ms']:.2f} ms, switch {w['switch_ms']:.3f} ms; "
+        print(f"  switch cost (median paired difference [IQR]): session {s['switch_ms']:.2f} ms, switch {w['switch_ms']:.3f} ms "
+              f"[{w['switch_ms_iqr'][0]:.2f}, {w['switch_ms_iqr'][1]:.2f}]; "
               f"Runtime.last_switch_seconds (switch mode, re-bind): {1e6 * w['last_switch_seconds']:.1f} us")
+        print(f"  first use of a task: session {s['first_use_ms']:.1f} ms (session creation), switch {w['first_use_ms']:.1f} ms (pack decoded, values uploaded)")
         print(f"  memory per cached task (RSS growth): session {s['rss_per_task'] / 1e6:.1f} MB, switch {w['rss_per_task'] / 1e6:.2f} MB "
               f"(bound inputs {np.mean(list(w['info']['bytes_per_task'].values())) / 1e6:.2f} MB)")
-        print(f"  files per task: .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB, inputs {sizes['inputs_per_task'] / 1e6:.2f} MB, "
-              f".nwspack {sizes['pack_per_task'] / 1e6:.2f} MB; shared: switch.onnx {sizes['switch_onnx'] / 1e6:.2f} MB, pools {sizes['pools'] / 1e6:.2f} MB")
+        print(f"  files per task: .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB (session mode), .nwspack {sizes['pack_per_task'] / 1e6:.2f} MB (switch mode); shared: switch.onnx {sizes['switch_onnx'] / 1e6:.2f} MB, pools {sizes['pools'] / 1e6:.2f} MB")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

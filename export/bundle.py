@@ -8,6 +8,8 @@ Layout of a bundle folder::
                          model after pool learning; task_0.nwspack for runs with pack_base=task0):
                          the bundle always carries the base a pack needs
     task_<t>.onnx        the task's graph (with --onnx): Reshape(Gather(pool, Cast(indices)))
+    switch.onnx          (with --onnx) one graph for every task, indices and state as inputs: the
+                         one-session runtime mode feeds it each task's values from its pack
     bundle.json          pool-set hash, data geometry, tasks (name, classes, files and their SHA-256s)
 
 Every file a run names is checked before it is copied (manifest fields, pool
@@ -29,7 +31,7 @@ from nwsconvert.storage import atomic_write_bytes
 
 from .bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256, read_bundle
 from .onnx_graph import export_onnx
-from .switch import SWITCH_FILE, export_switch, write_task_inputs
+from .switch import SWITCH_FILE, export_switch
 
 __all__ = ["export_bundle", "StaleBundleError", "BUNDLE_FORMAT"]
 
@@ -127,8 +129,6 @@ def export_bundle(
                 index_dtype=info["index_dtype"],
                 gather_nodes=info["gather_nodes"],
             )
-            inputs = out / f"task_{t}.inputs.safetensors"
-            row.update(inputs=inputs.name, inputs_sha256=write_task_inputs(inputs, src, t), inputs_bytes=inputs.stat().st_size)
         desc["tasks"][str(t)] = row
     if onnx:
         desc["switch"] = _export_switch(run, manifest, pools, desc, out / SWITCH_FILE, pool_dst, shape, common, trust_code)
@@ -141,7 +141,7 @@ def _export_switch(
     run: RunDir, manifest: dict, pools: PoolSet, desc: dict, path: Path, pool_dst: Path, shape, common: dict, trust_code: bool
 ) -> dict:
     """(Re)write ``switch.onnx`` for every task the bundle now holds: its head takes the largest class count."""
-    rows = {int(t): row for t, row in desc["tasks"].items() if "inputs" in row}
+    rows = {int(t): row for t, row in desc["tasks"].items() if "onnx" in row}
     widest = max(rows, key=lambda t: (rows[t]["num_classes"], -t))
     _, src = load_task_files(run, manifest, widest, pools)  # may be a task an earlier call exported
     model = build_run_model(run, manifest, pools, src, trust_code=trust_code).eval()

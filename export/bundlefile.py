@@ -69,9 +69,6 @@ def check_bundle(desc: dict, path) -> None:
             r.int("onnx_bytes", lo=0, optional=True)
             if hashed:
                 r.sha("onnx_sha256")
-        if "inputs" in row and r.filename("inputs"):
-            r.sha("inputs_sha256")
-            r.int("inputs_bytes", lo=0, optional=True)
     switch = f.obj_fields("switch", optional=True)
     if switch is not None:
         switch.filename("onnx")

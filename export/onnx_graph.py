@@ -39,7 +39,7 @@ from nwsconvert import nws_layers
 from nwsconvert.stfile import read_header
 from nwsconvert.storage import atomic_write_bytes
 
-from .taskinputs import pack_index_planes
+from .indexplanes import pack_index_planes
 
 __all__ = ["export_onnx", "index_nodes", "safetensors_offsets", "OPSET", "IR_VERSION"]
 
@@ -68,7 +68,7 @@ def index_nodes(name: str, indices: np.ndarray, pool_size: int) -> tuple[list, l
     """
     count = np.asarray(indices).size
     out = f"{name}/int64"
-    parts = pack_index_planes(indices, pool_size)  # the same layout as a task inputs file
+    parts = pack_index_planes(indices, pool_size)
     if "high" not in parts:
         kind, stored = ("int32", parts["i32"]) if "i32" in parts else ("uint8", parts["low"])
         init = numpy_helper.from_array(stored, name)

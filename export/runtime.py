@@ -15,10 +15,12 @@ Two modes (measured side by side in ``benchmarks/RESULTS.md``, "Runtime modes"):
     dense weights.
 ``switch``
     one session for the bundle (``switch.onnx``) whose indices and state are graph
-    inputs; each task's inputs (``task_<t>.inputs.safetensors``) are uploaded once
-    as OrtValues on the device and bound with IOBinding, so a switch is a re-bind
-    (microseconds) and a cached task costs its indices and state only. The weights
-    are gathered at every run, which costs latency.
+    inputs. Each task's values come from its pack (``task_<t>.nwspack``, decoded
+    without torch by :func:`nwsconvert.packfile.read_pack_arrays`, so a task costs
+    its pack's bytes on disk) and are uploaded once as OrtValues on the device and
+    bound with IOBinding: a switch is a re-bind (microseconds), and a cached task
+    costs its indices and state only. The weights are gathered at every run,
+    which costs latency.
 
 The pool file is memory-mapped once; its tensors are handed to every task's
 session by name (``SessionOptions.add_external_initializers``, which replaces
@@ -49,10 +51,10 @@ import numpy as np
 
 from nwsconvert.devices import cuda_device_count
 from nwsconvert.errors import FormatError, TaskNotFoundError
+from nwsconvert.packfile import read_pack_arrays
 from nwsconvert.stfile import nws_header, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle
-from .taskinputs import read_task_inputs
 
 __all__ = ["Runtime"]
 
@@ -210,10 +212,8 @@ class Runtime:
         row = self._row(task)
         sess = self._switch_session()
         tic = time.perf_counter()
-        if "inputs" not in row:
-            raise FileNotFoundError(f"{self.path}: task {task} has no inputs file for switch.onnx: export the bundle again with nws-export --onnx")
-        path = self.path / row["inputs"]
-        _, arrays = read_task_inputs(path, sha256=row["inputs_sha256"], pool_sha256=self.desc["pool_sha256"], task=task)
+        path = self.path / row["pack"]
+        arrays = _switch_inputs(path, self.path / row["base"] if row.get("base") else None, row.get("pack_sha256"), self.desc["pool_sha256"], task)
         on_gpu = "CUDAExecutionProvider" in sess.get_providers()
         binding = sess.io_binding()
         values, held = [], 0
@@ -268,6 +268,19 @@ class Runtime:
         names = self.class_names(task)
         top = np.argsort(-prob, 1)[:, :k]
         return [[(names[j], float(prob[i, j])) for j in row] for i, row in enumerate(top)]
+
+
+def _switch_inputs(path: Path, base: Path | None, sha256: str | None, pool_sha256: str, task: int) -> dict[str, np.ndarray]:
+    """A task's values of switch.onnx's inputs, from its pack: ``indices/<layer>`` int32 ``(N,)`` and
+    ``state/<key>`` float32 (floating state entries only, as the graph takes them)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (task {task}'s pack, which the one-session mode reads)")
+    pack = read_pack_arrays(path, base, sha256=sha256, pool_sha256=pool_sha256, task=task)
+    out = {f"indices/{name}": idx.astype(np.int32) for name, idx in pack.indices.items()}
+    for key, value in pack.state.items():
+        if np.issubdtype(value.dtype, np.floating):
+            out[f"state/{key}"] = value.astype(np.float32)
+    return out
 
 
 def _fit(arr: np.ndarray, shape, path: Path, name: str) -> np.ndarray:

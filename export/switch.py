@@ -27,18 +27,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from nwsconvert import nws_layers
-from nwsconvert.packs import TaskPack, _nws_keys
-from nwsconvert.storage import write_tensors
+from nwsconvert.packs import _nws_keys
 
 from .onnx_graph import _link_pools, _same_folder, _trace, _write
-from .taskinputs import INPUTS_FORMAT, INPUTS_VERSION, pack_index_planes
 
-__all__ = ["SWITCH_FILE", "export_switch", "write_task_inputs", "switch_input_names"]
+__all__ = ["SWITCH_FILE", "export_switch", "switch_input_names"]
 
 SWITCH_FILE = "switch.onnx"
 
@@ -114,24 +111,3 @@ def export_switch(model: nn.Module, out_path: str | os.PathLike, pool_file: str 
     taken = [i.name for i in proto.graph.input if i.name != "input"]
     size = _write(proto, out_path, metadata)
     return {"gather_nodes": found, "inputs": len(taken), "bytes": size}
-
-
-def write_task_inputs(path: str | os.PathLike, pack: TaskPack, task: int) -> str:
-    """Write ``pack``'s values of the switch graph's inputs (see :mod:`nwsconvert.export.taskinputs`).
-
-    Returns:
-        The file's content SHA-256.
-    """
-    tensors, rows = {}, []
-    for r in pack.layers:
-        name = r["name"]
-        idx = pack.indices[name].cpu().numpy()
-        for suffix, arr in pack_index_planes(idx, r["pool_size"]).items():
-            tensors[f"indices/{name}/{suffix}"] = torch.from_numpy(np.ascontiguousarray(arr))
-        rows.append({"name": name, "count": int(idx.size), "pool_size": int(r["pool_size"])})
-    keys = sorted(k for k, v in pack.state.items() if v.is_floating_point())
-    for k in keys:
-        tensors[f"state/{k}"] = pack.state[k].float()
-    return write_tensors(
-        path, tensors, INPUTS_FORMAT, INPUTS_VERSION, task=task, pool_sha256=pack.pool_sha256, layers=rows, state_keys=keys
-    )

@@ -1,9 +1,9 @@
-"""Fixed-width bit packing of index streams (little-endian bit order)."""
+"""Fixed-width bit packing of index streams (little-endian bit order). numpy only: the
+torch-free runtime decodes task packs with it."""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 __all__ = ["pack_bits", "unpack_bits", "packed_size"]
 
@@ -13,11 +13,11 @@ def packed_size(count: int, bits: int) -> int:
     return (count * bits + 7) // 8
 
 
-def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_bits(values, bits: int) -> np.ndarray:
     """Pack non-negative integers below ``2**bits`` into bytes.
 
     Args:
-        values: ``(N,)`` integer tensor, every value in ``[0, 2**bits)``.
+        values: ``(N,)`` integers (array-like; a CPU torch tensor works), every value in ``[0, 2**bits)``.
         bits: 1..32.
 
     Returns:
@@ -26,14 +26,14 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if not 1 <= bits <= 32:
         raise ValueError(f"bits must be in 1..32, got {bits}")
-    v = values.detach().cpu().numpy().astype(np.int64).ravel()
+    v = np.asarray(values).astype(np.int64).ravel()
     if v.size and (v.min() < 0 or v.max() >= (1 << bits)):
         raise ValueError(f"values must lie in [0, {1 << bits}) to pack in {bits} bits, got [{v.min()}, {v.max()}]")
     planes = ((v[:, None] >> np.arange(bits, dtype=np.int64)) & 1).astype(np.uint8)
-    return torch.from_numpy(np.packbits(planes.ravel(), bitorder="little"))
+    return np.packbits(planes.ravel(), bitorder="little")
 
 
-def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+def unpack_bits(data, bits: int, count: int) -> np.ndarray:
     """Inverse of :func:`pack_bits`.
 
     Args:
@@ -42,11 +42,11 @@ def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     Returns:
         ``(count,)`` int64.
     """
-    raw = data.detach().cpu().numpy().astype(np.uint8, copy=False).ravel()
+    raw = np.asarray(data).astype(np.uint8, copy=False).ravel()
     if raw.size != packed_size(count, bits):
         raise ValueError(f"{raw.size} bytes cannot hold exactly {count} values of {bits} bits ({packed_size(count, bits)} needed)")
     planes = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits)
     out = np.zeros(count, dtype=np.int64)
     for j in range(bits):  # one vector op per bit plane
         out |= planes[:, j].astype(np.int64) << j
-    return torch.from_numpy(out)
+    return out

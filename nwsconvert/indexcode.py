@@ -15,6 +15,7 @@
 
 The encoder tries every coding that applies and keeps the smallest; decoding
 is exact. Sizes count the tensors' bytes (the JSON layer table is extra).
+numpy only: the torch-free runtime decodes task packs with it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from .bitpack import pack_bits, unpack_bits
 from .entropy import ans_decode, ans_encode, decode_table, encode_table
@@ -38,54 +38,59 @@ class EncodedLayer:
 
     Attributes:
         coding: one of :data:`CODINGS`.
-        tensors: suffix -> uint8 tensor: ``indices`` (bit-packed stream, rANS
+        tensors: suffix -> ``(M,)`` uint8 array: ``indices`` (bit-packed stream, rANS
             payload, or the change map's payload), ``table`` (rANS tables),
             ``values`` (delta codings: the new indices).
         changes: delta codings: how many positions differ from the base.
     """
 
     coding: str
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, np.ndarray]
     changes: int | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() for t in self.tensors.values())
+        return sum(int(t.size) for t in self.tensors.values())
 
 
-def _u8(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+def _u8(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8).copy()
 
 
-def _stream(values: np.ndarray, n: int, bits: int, entropy: bool) -> dict[str, torch.Tensor]:
+def _ints(values) -> np.ndarray:
+    """``(N,)`` int64 from an array-like (a CPU torch tensor works)."""
+    return np.asarray(values).astype(np.int64).ravel()
+
+
+def _stream(values: np.ndarray, n: int, bits: int, entropy: bool) -> dict[str, np.ndarray]:
     """Fixed-width or rANS code of ``values`` in ``[0, n)``; suffixes ``indices``/``table``."""
     if not entropy:
-        return {"indices": pack_bits(torch.from_numpy(values), bits)}
+        return {"indices": pack_bits(values, bits)}
     symbols, ranks, counts = np.unique(values, return_inverse=True, return_counts=True)
     return {"indices": _u8(ans_encode(ranks, counts)), "table": _u8(encode_table(symbols, counts, n))}
 
 
-def _unstream(tensors: dict[str, torch.Tensor], count: int, n: int, bits: int, entropy: bool) -> np.ndarray:
+def _unstream(tensors: dict[str, np.ndarray], count: int, n: int, bits: int, entropy: bool) -> np.ndarray:
     if not entropy:
-        values = unpack_bits(tensors["indices"], bits, count).numpy()
+        values = unpack_bits(tensors["indices"], bits, count)
         if values.size and values.max() >= n:  # rANS tables are checked against n when read
             raise ValueError(f"an index >= the pool size {n}")
         return values
-    symbols, counts = decode_table(tensors["table"].numpy().tobytes(), n)
+    symbols, counts = decode_table(np.asarray(tensors["table"]).tobytes(), n)
     if int(counts.sum()) != count:
         raise ValueError(f"table counts {int(counts.sum())} indices, the layer has {count}")
-    return symbols[ans_decode(tensors["indices"].numpy().tobytes(), counts, count)]
+    return symbols[ans_decode(np.asarray(tensors["indices"]).tobytes(), counts, count)]
 
 
 def _changes(count: int, k: int) -> np.ndarray:
     return np.array([count - k, k], dtype=np.int64)
 
 
-def encode_indices(indices: torch.Tensor, pool_size: int, bits: int, base: torch.Tensor | None = None, codings=CODINGS) -> EncodedLayer:
+def encode_indices(indices, pool_size: int, bits: int, base=None, codings=CODINGS) -> EncodedLayer:
     """The smallest coding of one layer's indices.
 
     Args:
-        indices: ``(N,)`` integer tensor, values in ``[0, pool_size)``.
+        indices: ``(N,)`` integers (array or CPU tensor), values in ``[0, pool_size)``.
         pool_size: ``n``, the layer's pool entries.
         bits: fixed width of the ``bits`` coding (``ceil(log2 n)``).
         base: ``(N,)`` indices of the same layer in the base task, or ``None``
@@ -95,7 +100,7 @@ def encode_indices(indices: torch.Tensor, pool_size: int, bits: int, base: torch
     Returns:
         :class:`EncodedLayer`; ties go to the earlier coding in :data:`CODINGS`.
     """
-    values = indices.detach().cpu().numpy().astype(np.int64).ravel()
+    values = _ints(indices)
     if values.size and (values.min() < 0 or values.max() >= pool_size):
         raise ValueError(f"indices must lie in [0, {pool_size}), got [{values.min()}, {values.max()}]")
     candidates = []
@@ -103,8 +108,8 @@ def encode_indices(indices: torch.Tensor, pool_size: int, bits: int, base: torch
         candidates.append(EncodedLayer("bits", _stream(values, pool_size, bits, False)))
     if "ans" in codings and values.size:
         candidates.append(EncodedLayer("ans", _stream(values, pool_size, bits, True)))
-    if base is not None and base.numel() == values.size and values.size:
-        ref = base.detach().cpu().numpy().astype(np.int64).ravel()
+    ref = _ints(base) if base is not None else None
+    if ref is not None and ref.size == values.size and values.size:
         changed = values != ref
         k = int(changed.sum())
         mask = {"indices": _u8(ans_encode(changed.astype(np.int64), _changes(values.size, k)))} if 0 < k < values.size else {"indices": _u8(b"")}
@@ -117,8 +122,8 @@ def encode_indices(indices: torch.Tensor, pool_size: int, bits: int, base: torch
     return min(candidates, key=lambda e: (e.nbytes, CODINGS.index(e.coding)))
 
 
-def decode_indices(encoded: EncodedLayer, count: int, pool_size: int, bits: int, base: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of :func:`encode_indices`: ``(count,)`` int64.
+def decode_indices(encoded: EncodedLayer, count: int, pool_size: int, bits: int, base=None) -> np.ndarray:
+    """Inverse of :func:`encode_indices`: ``(count,)`` int64 array.
 
     Raises:
         ValueError: unknown coding, inconsistent data, or a delta coding without
@@ -128,14 +133,15 @@ def decode_indices(encoded: EncodedLayer, count: int, pool_size: int, bits: int,
     if coding in ("bits", "ans"):
         values = _unstream(t, count, pool_size, bits, coding == "ans")
     elif coding in ("delta+bits", "delta+ans"):
-        if base is None or base.numel() != count:
+        ref = _ints(base) if base is not None else None
+        if ref is None or ref.size != count:
             raise ValueError(f"{coding} indices need the base task's {count} indices")
         k = encoded.changes
         if k is None or not 0 <= k <= count:
             raise ValueError(f"{coding} indices need a change count in [0, {count}], got {k}")
-        values = base.detach().cpu().numpy().astype(np.int64).ravel().copy()
+        values = ref.copy()
         if 0 < k < count:
-            changed = ans_decode(t["indices"].numpy().tobytes(), _changes(count, k), count).astype(bool)
+            changed = ans_decode(np.asarray(t["indices"]).tobytes(), _changes(count, k), count).astype(bool)
         else:
             changed = np.full(count, k == count)
         if k:
@@ -143,4 +149,4 @@ def decode_indices(encoded: EncodedLayer, count: int, pool_size: int, bits: int,
             values[changed] = _unstream(sub, k, pool_size, bits, coding == "delta+ans")
     else:
         raise ValueError(f"unknown index coding {coding!r} (this nwsconvert reads {', '.join(CODINGS)})")
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+    return np.ascontiguousarray(values, dtype=np.int64)

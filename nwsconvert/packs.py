@@ -31,7 +31,6 @@ no other task); ``TrainConfig.pack_base`` selects task 0 or no base instead.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,21 +38,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .bitpack import packed_size
 from .errors import FormatError, PackMismatchError
-from .indexcode import CODINGS, EncodedLayer, decode_indices, encode_indices
+from .indexcode import CODINGS, EncodedLayer, encode_indices
+from .limits import MAX_KERNELS
 from .nwsmodel import _require, pool_set
-from .limits import MAX_KERNELS, MAX_POOL_SIZE, MAX_VECTOR_SIZE
-from .schema import Fields
+from .packfile import BASE_FILE, HASHED_SINCE, PACK_FORMAT, PACK_VERSION, base_candidates, check_header, decode_layers, expect, missing_base, same_layer
 from .storage import read_tensors, tensor_digest, write_tensors
 
 __all__ = ["TaskPack", "PackMismatchError", "extract_task", "apply_task", "PACK_FORMAT", "PACK_VERSION", "MAX_KERNELS"]
 
-PACK_FORMAT = "nwsconvert.taskpack"
-PACK_VERSION = 3  # 3: header_sha256 and the pack's identity (run, task); versions 1 and 2 still load
-BASE_FILE = "base.nwspack"  # the base's file name when it was never saved under another
-_SUFFIXES = ("indices", "table", "values", "values_table")
-_ROLES = ("stem", "body", "shortcut", "head")
 
 
 @dataclass
@@ -104,9 +97,9 @@ class TaskPack:
         out = {}
         for r in self.layers:
             ref = base.indices.get(r["name"]) if base is not None else None
-            if ref is not None and not _same_layer(r, base):
+            if ref is not None and not same_layer(r, base.layers):
                 ref = None
-            out[r["name"]] = encode_indices(self.indices[r["name"]], r["pool_size"], r["bits"], ref, codings)
+            out[r["name"]] = encode_indices(self.indices[r["name"]].cpu(), r["pool_size"], r["bits"], None if ref is None else ref.cpu(), codings)
         return out
 
     def _checked_base(self) -> "TaskPack | None":
@@ -157,7 +150,7 @@ class TaskPack:
             The file's content SHA-256.
         """
         encoded = self.encode(codings)
-        tensors = {f"{suffix}/{name}": t for name, e in encoded.items() for suffix, t in e.tensors.items()}
+        tensors = {f"{suffix}/{name}": torch.from_numpy(t) for name, e in encoded.items() for suffix, t in e.tensors.items()}
         tensors.update({f"state/{k}": v.detach().cpu() for k, v in self.state.items()})
         rows = []
         for r in self.layers:
@@ -219,34 +212,19 @@ class TaskPack:
             PackMismatchError: the pack is not the one expected (``sha256``, ``pool_sha256``, ``run_id``, ``task``).
         """
         path = Path(path)
-        tensors, header = read_tensors(path, PACK_FORMAT, PACK_VERSION, hashed_since=3, check=_check_header)
-        _expect(path, header, sha256=sha256, pool_sha256=pool_sha256, run_id=run_id, task=task)
+        tensors, header = read_tensors(path, PACK_FORMAT, PACK_VERSION, hashed_since=HASHED_SINCE, check=check_header)
+        expect(path, header, sha256=sha256, pool_sha256=pool_sha256, run_id=run_id, task=task)
         base_info = header.get("base")
         if base_info and base is _STANDALONE:
             raise FormatError(f"{path}: is delta-coded itself, so it cannot serve as a base pack (a task pack in place of {BASE_FILE}?)")
         base_pack = _find_base(path, base_info, base) if base_info else None
         if base_pack is not None and base_pack.pool_sha256 != header["pool_sha256"]:
             raise FormatError(f"{path}: its base {base_pack.source} is on pool set {base_pack.pool_sha256[:12]}..., the pack on {header['pool_sha256'][:12]}...")
-        try:
-            layers, indices, encoded = [], {}, {}
-            for row in header["layers"]:
-                r = {k: v for k, v in row.items() if k not in ("coding", "changes")}
-                name = r["name"]
-                e = EncodedLayer(
-                    row.get("coding", "bits"),
-                    {s: tensors[f"{s}/{name}"] for s in _SUFFIXES if f"{s}/{name}" in tensors},
-                    row.get("changes"),
-                )
-                ref = base_pack.indices.get(name) if base_pack is not None and _same_layer(r, base_pack) else None
-                idx = decode_indices(e, r["count"], r["pool_size"], r["bits"], ref)
-                layers.append(r)
-                indices[name] = idx
-                encoded[name] = e
-            state = {k: tensors[f"state/{k}"] for k in header["state_keys"]}
-        except (KeyError, ValueError, TypeError, IndexError, OverflowError, RuntimeError) as e:
-            if isinstance(e, FormatError):
-                raise
-            raise FormatError(f"{path}: inconsistent task pack ({type(e).__name__}: {e})") from None
+        u8 = {k: v.numpy() for k, v in tensors.items() if not k.startswith("state/")}
+        base_idx = {k: v.numpy() for k, v in base_pack.indices.items()} if base_pack is not None else None
+        layers, decoded, encoded = decode_layers(header, u8, path, base_pack.layers if base_pack is not None else None, base_idx)
+        indices = {k: torch.from_numpy(v) for k, v in decoded.items()}
+        state = {k: tensors[f"state/{k}"] for k in header["state_keys"]}
         pack = cls(
             layers=layers,
             indices=indices,
@@ -266,110 +244,6 @@ class TaskPack:
         return pack
 
 
-def _expect(path: Path, header: dict, **want) -> None:
-    """Refuse a pack that is not the one the caller expects (each expectation given is checked)."""
-    names = {"sha256": "content SHA-256", "pool_sha256": "pool set", "run_id": "run", "task": "task"}
-    for key, value in want.items():
-        if value is None:
-            continue
-        have = header.get(key)
-        if key in ("run_id", "task") and have is None:
-            continue  # a pack that names no run or task (version <= 2, or made outside a run): its hash pins it
-        if have != value:
-            show = (lambda v: f"{v[:12]}..." if isinstance(v, str) and len(v) > 16 else repr(v))
-            raise PackMismatchError(
-                f"{path}: the pack's {names[key]} is {show(have)}, expected {show(value)} "
-                "(a pack swapped for another task's or another run's, or read against the wrong pool set)"
-            )
-
-
-def _check_header(header: dict, layout, path) -> None:
-    """Types, ranges and cross-field sizes of a pack header against the file's tensors, before decoding."""
-    f = Fields(header, path)
-    f.sha("pool_sha256")
-    f.str("model_spec", optional=True)
-    f.dict("meta", optional=True)
-    f.str("run_id", optional=True)
-    f.int("task", lo=0, optional=True)
-    num_classes = f.int("num_classes", lo=1, optional=True)
-    base = f.obj_fields("base", optional=True)
-    if base is not None:
-        base.sha("sha256")
-        base.filename("file", optional=True)
-    state_keys = f.strs("state_keys")
-    if len(set(state_keys)) != len(state_keys):
-        raise f.fail("state_keys", "unique names", state_keys)
-    expected = {f"state/{k}" for k in state_keys}
-    names, heads, delta = set(), [], False
-    for i, row in enumerate(f.list("layers")):
-        r = f.sub(row, f"layers[{i}]")
-        name = r.str("name")
-        if not name or name in names:
-            raise r.fail("name", "a unique, non-empty layer name", name)
-        names.add(name)
-        r.str("pool")
-        r.str("role", choices=_ROLES)
-        shape = r.ints("shape", lo=1, max_len=6)
-        r.int("groups", lo=1)
-        d = r.int("vector_size", lo=1, hi=MAX_VECTOR_SIZE)
-        n = r.int("pool_size", lo=1, hi=MAX_POOL_SIZE)
-        bits = r.int("bits", lo=1, hi=32)
-        count = r.int("count", lo=0, hi=MAX_KERNELS)
-        if bits != max(1, (n - 1).bit_length()):
-            raise r.fail("bits", f"{max(1, (n - 1).bit_length())} (ceil(log2 pool_size))", bits)
-        if math.prod(shape) != count * d:
-            raise r.fail("count", f"{math.prod(shape) // d} (the weight shape {shape} over vectors of {d})", count)
-        if row["role"] == "head":
-            heads.append(shape[0])
-        coding = r.str("coding", choices=CODINGS, optional=True, default="bits") or "bits"
-        want = _coded_tensors(r, coding, count, bits, layout, name)
-        delta = delta or coding.startswith("delta")
-        expected |= {f"{s}/{name}" for s in want}
-    if delta and base is None:
-        raise FormatError(f"{path}: field base is missing, but some layers are stored as changes against a base")
-    if heads and num_classes != heads[-1]:
-        raise f.fail("num_classes", f"{heads[-1]} (the head layer's rows)", num_classes)
-    extra = sorted(set(layout.tensors) - expected)
-    missing = sorted(expected - set(layout.tensors))
-    if missing or extra:
-        raise FormatError(f"{path}: tensors do not match the header: missing {missing[:3]}, not described {extra[:3]}")
-
-
-def _coded_tensors(r: Fields, coding: str, count: int, bits: int, layout, name: str) -> set[str]:
-    """The suffixes a layer's coding stores, with the sizes that follow from the header checked."""
-    def u8(suffix, size=None, words=False):
-        info = layout.tensors.get(f"{suffix}/{name}")
-        if info is None:
-            raise FormatError(f"{r.file}: layer {name!r} ({coding}) has no tensor {suffix}/{name}")
-        if info.dtype != "U8" or len(info.shape) != 1 or (size is not None and info.shape[0] != size) or (words and info.shape[0] % 4):
-            expect = f"{size} bytes" if size is not None else "whole 32-bit words" if words else "bytes"
-            raise FormatError(f"{r.file}: tensor {suffix}/{name} is {info.dtype} {list(info.shape)}, the header's {coding} coding needs uint8 {expect}")
-
-    if coding == "bits":
-        u8("indices", packed_size(count, bits))
-        return {"indices"}
-    if coding == "ans":
-        u8("indices", words=True)
-        u8("table")
-        return {"indices", "table"}
-    changes = r.int("changes", lo=0, hi=count)
-    u8("indices", 0 if changes in (0, count) else None, words=True)
-    if changes == 0:
-        return {"indices"}
-    if coding == "delta+bits":
-        u8("values", packed_size(changes, bits))
-        return {"indices", "values"}
-    u8("values", words=True)
-    u8("values_table")
-    return {"indices", "values", "values_table"}
-
-
-def _same_layer(row: dict, base: TaskPack) -> bool:
-    """Whether ``base`` has the layer of ``row`` with the same index count and pool size."""
-    other = next((r for r in base.layers if r["name"] == row["name"]), None)
-    return other is not None and other["count"] == row["count"] and other["pool_size"] == row["pool_size"]
-
-
 _STANDALONE = object()  # TaskPack.load(base=_STANDALONE): the file must not be delta-coded itself
 
 
@@ -381,12 +255,11 @@ def _load_base(path: str, mtime_ns: int, size: int) -> TaskPack:
 
 def _find_base(path: Path, info: dict, given) -> TaskPack:
     want = info["sha256"]
-    name = info.get("file") or BASE_FILE
     if isinstance(given, TaskPack):
         if given.sha256 != want:
             raise FormatError(f"{path}: coded against base pack {want[:12]}..., the base given is {str(given.sha256)[:12]}...")
         return given
-    candidates = [Path(given)] if given is not None else [path.parent / name, path.parent.parent / name]
+    candidates = [Path(given)] if given is not None else base_candidates(path, info)
     seen = []
     for c in candidates:
         if c.is_file():
@@ -395,8 +268,7 @@ def _find_base(path: Path, info: dict, given) -> TaskPack:
             if base.sha256 == want:
                 return base
             seen.append(f"{c} is {str(base.sha256)[:12]}...")
-    where = "; ".join(seen) if seen else f"no {name} at {' or '.join(str(c) for c in candidates)}"
-    raise FormatError(f"{path}: indices are stored as changes against base pack {want[:12]}... ({where}); pass base= or keep the base beside the pack")
+    raise missing_base(path, info, candidates, seen)
 
 
 def _nws_keys(model: nn.Module) -> set[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import FormatError
 
-__all__ = ["TensorInfo", "Header", "read_header", "parse_header", "raw_digest", "header_digest", "file_kind", "nws_header", "TORCH_DTYPE", "ITEMSIZE"]
+__all__ = ["TensorInfo", "Header", "read_header", "parse_header", "raw_digest", "header_digest", "file_kind", "nws_header", "read_arrays", "TORCH_DTYPE", "ITEMSIZE"]
 
 #: safetensors dtype -> ``str(torch dtype)``, as :func:`nwsconvert.storage.tensor_digest` hashes it.
 TORCH_DTYPE = {
@@ -43,6 +43,8 @@ TORCH_DTYPE = {
     "F8_E5M2": "torch.float8_e5m2",
 }
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+#: safetensors dtype -> numpy dtype name, for :func:`read_arrays` (bfloat16 and float8 have none).
+NUMPY_DTYPE = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
 
@@ -209,3 +211,33 @@ def header_digest(fields: dict) -> str:
     """SHA-256 of a JSON header without its ``header_sha256`` field (canonical form: sorted keys, no spaces)."""
     body = {k: v for k, v in fields.items() if k != "header_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def read_arrays(path: str | os.PathLike, kind: str, version: int, *, hashed_since: int | None = None, check=None) -> tuple[dict, dict]:
+    """Load an nwsconvert file as numpy arrays, checked as :func:`nwsconvert.storage.read_tensors`
+    checks it (layout against the length, kind, version, ``header_sha256``, ``check(header, layout,
+    path)``, content ``sha256``), without torch: ``(header, {name: array})``. The arrays are copies,
+    aligned and writable.
+
+    Raises:
+        FileNotFoundError: no such file. FormatError: damaged, foreign, or a tensor of a dtype
+            numpy has no type for (bfloat16, float8: read such files with torch).
+    """
+    import numpy as np  # the readers of JSON and of headers above need only the standard library
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    data = np.fromfile(path, dtype=np.uint8)
+    layout = parse_header(memoryview(data), len(data), path, kind)
+    header = nws_header(layout, path, kind, version, hashed_since)
+    if check is not None:
+        check(header, layout, path)
+    if raw_digest(data, layout) != header["sha256"]:
+        raise FormatError(f"{path}: content does not match its SHA-256 {header['sha256'][:12]}...: the file is corrupted")
+    arrays = {}
+    for name, t in layout.tensors.items():
+        if t.dtype not in NUMPY_DTYPE:
+            raise FormatError(f"{path}: tensor {name!r} is {t.dtype}, which numpy cannot hold (load this file with torch)")
+        arrays[name] = data[t.start : t.end].view(NUMPY_DTYPE[t.dtype]).reshape(t.shape).copy()
+    return header, arrays

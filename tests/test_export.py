@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -167,52 +169,93 @@ def test_switch_mode_matches_pytorch_and_never_mixes_tasks(run, tmp_path):
 
 
 def test_switch_inputs_are_checked_by_name(run, tmp_path):
+    """The one-session mode reads each task's values from its pack: a damaged pack, a missing
+    pack or a missing base is refused by name, and the other tasks keep running."""
     export_bundle(run, tmp_path / "b", "all", onnx=True)
-    inputs = tmp_path / "b" / "task_1.inputs.safetensors"
-    data = bytearray(inputs.read_bytes())
+    assert not list((tmp_path / "b").glob("*.inputs.safetensors"))  # the pack is the per-task file
+    pack = tmp_path / "b" / "task_1.nwspack"
+    data = bytearray(pack.read_bytes())
     data[-3] ^= 0x01
-    inputs.write_bytes(bytes(data))
+    pack.write_bytes(bytes(data))
     rt = Runtime(tmp_path / "b", device="cpu", mode="switch")
-    rt.run(0, np.zeros((1, 1, 16, 16), np.float32))
-    with pytest.raises(nwsconvert.FormatError, match="task_1.inputs.safetensors"):
+    y0 = rt.run(0, np.zeros((1, 1, 16, 16), np.float32))
+    with pytest.raises(nwsconvert.FormatError, match="task_1.nwspack"):
         rt.run(1, np.zeros((1, 1, 16, 16), np.float32))
-    (tmp_path / "b" / "task_0.inputs.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="task_0.inputs.safetensors"):
+    assert np.array_equal(rt.run(0, np.zeros((1, 1, 16, 16), np.float32)), y0)
+    (tmp_path / "b" / "task_0.nwspack").unlink()
+    with pytest.raises(FileNotFoundError, match="task_0.nwspack"):
         Runtime(tmp_path / "b", device="cpu", mode="switch").run(0, np.zeros((1, 1, 16, 16), np.float32))
     export_bundle(run, tmp_path / "c", 0)
     with pytest.raises(FileNotFoundError, match="no switch.onnx"):
         Runtime(tmp_path / "c", device="cpu", mode="switch")
+    export_bundle(run, tmp_path / "d", "all", onnx=True)
+    desc = json.loads((tmp_path / "d" / "bundle.json").read_text())
+    base = desc["tasks"]["0"]["base"]  # packs are stored as changes against the run's base.nwspack
+    (tmp_path / "d" / base).unlink()  # without it they cannot be decoded, and the error says which file
+    with pytest.raises(nwsconvert.FormatError, match=base):
+        Runtime(tmp_path / "d", device="cpu", mode="switch").run(0, np.zeros((1, 1, 16, 16), np.float32))
 
 
 _TORCHLESS = """
-import sys, json
+import sys, json, contextlib, io
 import numpy as np
-class Block:
+class Block:  # as on a machine without them
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('torch', 'timm', 'torchvision'):
-            raise ImportError('blocked: ' + name)
-sys.meta_path.insert(0, Block())
+        if name.split('.')[0] in ('torch', 'timm', 'torchvision', 'safetensors', 'onnx', 'yaml', 'matplotlib'):
+            raise ModuleNotFoundError('No module named ' + repr(name), name=name)
+# The test's own environment has this checkout installed in editable mode; its finder would
+# supply the modules the wheel leaves out. Without it, the wheel is all there is.
+sys.meta_path[:] = [Block()] + [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '') and 'editable' not in repr(f)]
+import nwsconvert
 from nwsconvert.export import Runtime
+from nwsconvert.export.cli import infer_main
 x = np.load(sys.argv[2])
-out = {}
+out = {'file': nwsconvert.__file__}
 for mode in ('session', 'switch'):
     rt = Runtime(sys.argv[1], device='cpu', mode=mode)
     out[mode] = {t: rt.run(t, x).tolist() for t in rt.tasks}
-assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'timm', 'torchvision')]
+text = io.StringIO()
+with contextlib.redirect_stdout(text):
+    infer_main(['--bundle', sys.argv[1], '--task', '1', '--device', 'cpu', '--mode', 'switch', sys.argv[3]])
+out['infer'] = text.getvalue()
+try:
+    nwsconvert.convert
+except ImportError as e:
+    out['convert'] = str(e)
+assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'timm', 'torchvision', 'safetensors', 'onnx')]
 print(json.dumps(out))
 """
 
 
-def test_the_runtime_needs_neither_torch_nor_timm(run, tmp_path):
+def test_the_runtime_wheel_needs_neither_torch_nor_timm(run, tmp_path):
+    """The nwsconvert-runtime wheel, installed alone and run where importing torch, timm,
+    safetensors or onnx fails, gives the same logits as the full install, in both modes,
+    and nws-infer works from it."""
     import subprocess
     import sys
 
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "export" / "dist"))
+    try:
+        from build_runtime import build
+    finally:
+        sys.path.pop(0)
+    wheel = build(tmp_path / "wheel")
+    site = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target", str(site), str(wheel)], capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stderr[-2000:]
     export_bundle(run, tmp_path / "b", "all", onnx=True)
     x = np.random.default_rng(0).standard_normal((3, 1, 16, 16)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
-    proc = subprocess.run([sys.executable, "-c", _TORCHLESS, str(tmp_path / "b"), str(tmp_path / "x.npy")], capture_output=True, text=True)
+    Image.fromarray((np.random.default_rng(1).random((16, 16)) * 255).astype(np.uint8)).save(tmp_path / "img.png")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    args = [sys.executable, "-c", _TORCHLESS, str(tmp_path / "b"), str(tmp_path / "x.npy"), str(tmp_path / "img.png")]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path)  # not the checkout's folder
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout)
+    assert Path(got["file"]).is_relative_to(site)  # the wheel's modules ran, not this checkout's
+    assert "img.png" in got["infer"] and "needs the full nwsconvert install" in got["convert"]
     for mode in ("session", "switch"):
         rt = Runtime(tmp_path / "b", device="cpu", mode=mode)
         for t in (0, 1):

@@ -10,9 +10,16 @@ neither torch nor timm, so a robot that only runs bundles never loads them.
 
 from nwsconvert.lazy import lazy_exports
 
-__all__ = ["export_bundle", "export_onnx", "Runtime", "StaleBundleError", "read_bundle"]
+__all__ = ["export_bundle", "export_onnx", "ExportError", "Runtime", "StaleBundleError", "read_bundle"]
 
-_EXPORTS = {"export_bundle": "bundle", "StaleBundleError": "bundle", "export_onnx": "onnx_graph", "Runtime": "runtime", "read_bundle": "bundlefile"}
+_EXPORTS = {
+    "export_bundle": "bundle",
+    "StaleBundleError": "bundle",
+    "export_onnx": "onnx_graph",
+    "ExportError": "onnx_graph",
+    "Runtime": "runtime",
+    "read_bundle": "bundlefile",
+}
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

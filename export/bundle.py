@@ -41,7 +41,13 @@ class StaleBundleError(NWSError, ValueError):
 
 
 def export_bundle(
-    run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, tasks="all", *, onnx: bool = False, trust_code: bool = False
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | None = None,
+    tasks="all",
+    *,
+    onnx: bool = False,
+    trust_code: bool = False,
+    exporter: str = "auto",
 ) -> dict:
     """Write (or extend) the deployment bundle of ``tasks`` of a run.
 
@@ -52,6 +58,8 @@ def export_bundle(
         onnx: also write ``task_<t>.onnx``.
         trust_code: let a ``<module>:<callable>`` model spec import its code (see
             :func:`nwsconvert.load`); only the ONNX export builds the model.
+        exporter: torch's ONNX exporter: ``auto`` (TorchScript, else the torch.export-based one),
+            ``torchscript`` or ``dynamo`` (see :func:`nwsconvert.export.export_onnx`).
 
     Returns:
         The bundle description (also written as ``bundle.json``).
@@ -59,6 +67,7 @@ def export_bundle(
     Raises:
         KeyError: a task the run has not finished (the message lists the finished ones).
         StaleBundleError: ``out_dir`` holds a bundle of another pool set.
+        ExportError: torch cannot export the architecture (names the operator).
     """
     run = RunDir(run_dir)
     manifest = run.read()
@@ -121,24 +130,25 @@ def export_bundle(
                 "nwsconvert.class_names": entry.get("class_names") or [str(i) for i in range(entry["num_classes"])],
                 **common,
             }
-            info = export_onnx(model, out / f"task_{t}.onnx", pool_dst, input_shape=shape, metadata=meta)
+            info = export_onnx(model, out / f"task_{t}.onnx", pool_dst, input_shape=shape, metadata=meta, exporter=exporter)
             row.update(
                 onnx=f"task_{t}.onnx",
                 onnx_bytes=info["bytes"],
                 onnx_sha256=file_sha256(out / f"task_{t}.onnx"),
                 index_dtype=info["index_dtype"],
                 gather_nodes=info["gather_nodes"],
+                exporter=info["exporter"],
             )
         desc["tasks"][str(t)] = row
     if onnx:
-        desc["switch"] = _export_switch(run, manifest, pools, desc, out / SWITCH_FILE, pool_dst, shape, common, trust_code)
+        desc["switch"] = _export_switch(run, manifest, pools, desc, out / SWITCH_FILE, pool_dst, shape, common, trust_code, exporter)
     desc["pool_bytes"] = pool_dst.stat().st_size
     atomic_write_bytes(desc_path, (json.dumps(desc, indent=2) + "\n").encode())
     return desc
 
 
 def _export_switch(
-    run: RunDir, manifest: dict, pools: PoolSet, desc: dict, path: Path, pool_dst: Path, shape, common: dict, trust_code: bool
+    run: RunDir, manifest: dict, pools: PoolSet, desc: dict, path: Path, pool_dst: Path, shape, common: dict, trust_code: bool, exporter: str
 ) -> dict:
     """(Re)write ``switch.onnx`` for every task the bundle now holds: its head takes the largest class count."""
     rows = {int(t): row for t, row in desc["tasks"].items() if "onnx" in row}
@@ -146,13 +156,14 @@ def _export_switch(
     _, src = load_task_files(run, manifest, widest, pools)  # may be a task an earlier call exported
     model = build_run_model(run, manifest, pools, src, trust_code=trust_code).eval()
     meta = {"nwsconvert.mode": "switch", "nwsconvert.max_classes": rows[widest]["num_classes"], **common}
-    info = export_switch(model, path, pool_dst, input_shape=shape, metadata=meta)
+    info = export_switch(model, path, pool_dst, input_shape=shape, metadata=meta, exporter=exporter)
     return {
         "onnx": path.name,
         "onnx_bytes": info["bytes"],
         "onnx_sha256": file_sha256(path),
         "max_classes": rows[widest]["num_classes"],
         "gather_nodes": info["gather_nodes"],
+        "exporter": info["exporter"],
     }
 
 

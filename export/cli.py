@@ -37,7 +37,14 @@ def _export(argv: list[str] | None) -> int:
     p.add_argument("--task", type=_task_arg, required=True, help="task id, or 'all'")
     p.add_argument("--run", default=None, help="run directory (default: the current directory)")
     p.add_argument("--out", default=None, help="bundle folder (default: RUN/export)")
-    p.add_argument("--onnx", action="store_true", help="also write the ONNX graph of each task (opset 17)")
+    p.add_argument("--onnx", action="store_true", help="also write the ONNX graph of each task and switch.onnx (one graph for every task)")
+    p.add_argument(
+        "--exporter",
+        choices=["auto", "torchscript", "dynamo"],
+        default="auto",
+        help="torch's ONNX exporter: auto (default) = TorchScript (opset 17), and the torch.export-based one (opset 18, "
+        "needs onnxscript) for architectures TorchScript cannot lower",
+    )
     p.add_argument(
         "--trust-code",
         action="store_true",
@@ -64,12 +71,12 @@ def _export(argv: list[str] | None) -> int:
 
     from .bundle import export_bundle
 
-    desc = export_bundle(args.run, args.out, args.task, onnx=args.onnx, trust_code=args.trust_code)
+    desc = export_bundle(args.run, args.out, args.task, onnx=args.onnx, trust_code=args.trust_code, exporter=args.exporter)
     out = Path(args.out) if args.out else Path(args.run) / "export"
     print(f"bundle {out}: pool file {format_bytes(desc['pool_bytes'])} (shared)")
     bases = {row["base"]: row["base_bytes"] for row in desc["tasks"].values() if "base" in row}
     for name, size in sorted(bases.items()):
-        print(f"  {name} {format_bytes(size)} (shared: the packs store their indices as changes against it; the .onnx graphs do not need it)")
+        print(f"  {name} {format_bytes(size)} (shared: the packs store their indices as changes against it; the switch mode reads it, the task graphs do not)")
     for t, row in sorted(desc["tasks"].items(), key=lambda kv: int(kv[0])):
         extra = f", {row['onnx']} {format_bytes(row['onnx_bytes'])} ({row['gather_nodes']} Gather weights, {row['index_dtype']} indices)" if "onnx" in row else ""
         print(f"  task {t} ({row['name']}): {row['pack']} {format_bytes(row['pack_bytes'])}{extra}")

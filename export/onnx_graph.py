@@ -24,8 +24,14 @@ Opset 17, IR version 10 (onnxruntime >= 1.16 reads it).
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import inspect
+import io
 import json
 import os
+import re
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -34,16 +40,19 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from torch.nn.utils import parametrize
 
 from nwsconvert import nws_layers
+from nwsconvert.errors import NWSError
 from nwsconvert.stfile import read_header
 from nwsconvert.storage import atomic_write_bytes
 
 from .indexplanes import pack_index_planes
 
-__all__ = ["export_onnx", "index_nodes", "safetensors_offsets", "OPSET", "IR_VERSION"]
+__all__ = ["export_onnx", "index_nodes", "safetensors_offsets", "ExportError", "EXPORTERS", "OPSET", "IR_VERSION"]
 
-OPSET = 17
+OPSET = 17  # TorchScript exporter
+DYNAMO_OPSET = 18  # torch.export-based exporter (its lowest)
 IR_VERSION = 10
 
 
@@ -113,24 +122,146 @@ def _consumers(graph) -> dict[str, list]:
     return out
 
 
-def _trace(module: torch.nn.Module, args: tuple, input_names: list[str], dynamic_axes: dict) -> onnx.ModelProto:
-    """TorchScript-export ``module(*args)`` without constant folding (the Gathers must stay in the graph)."""
+class ExportError(NWSError, RuntimeError):
+    """torch cannot export this architecture to ONNX (the message names the operator and the exporters tried)."""
+
+
+EXPORTERS = ("auto", "torchscript", "dynamo")
+
+
+_ATEN = re.compile(r"aten(?:::|\.)(\w+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _first_line(e: BaseException) -> str:
+    """``operator aten::<op> (<ExceptionType>)`` when the exporter's message (or its cause) names one, else its first line."""
+    chain, link = [], e
+    while link is not None and len(chain) < 4:
+        chain.append(str(link))
+        link = link.__cause__ or link.__context__
+    text = _ANSI.sub("", "\n".join(chain))
+    op = _ATEN.search(text)
+    if op:
+        return f"operator aten::{op.group(1)} ({type(e).__name__})"
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence what the exporters print at the file-descriptor level (the TorchScript exporter writes
+    its whole IR graph to stderr on failure; the torch.export-based one reports progress)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as sink, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def _torchscript(module, args, path: Path, input_names, dynamic_axes) -> None:
+    # torch.nn.MultiheadAttention's inference fast path (_native_multi_head_attention, taken under
+    # no_grad) has no ONNX symbolic: trace the plain path, which computes the same function.
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        torch.onnx.export(
+            module, args, str(path), dynamo=False, do_constant_folding=False, opset_version=OPSET,
+            input_names=input_names, output_names=["logits"], dynamic_axes=dynamic_axes,
+        )
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
+def _dynamo(module, args, path: Path, input_names, dynamic_axes) -> None:
+    try:
+        import onnxscript  # noqa: F401  (torch's torch.export-based exporter builds graphs with it)
+    except ImportError:
+        raise ExportError("the torch.export-based ONNX exporter needs onnxscript: pip install onnxscript") from None
+    batch = torch.export.Dim("batch")
+    flat = [{0: batch} if name in dynamic_axes else None for name in input_names]
+    shapes = []  # structured as forward's signature: a *args parameter takes one tuple
+    for param in inspect.signature(module.forward).parameters.values():
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            shapes.append(tuple(flat[len(shapes):]))
+            break
+        shapes.append(flat[len(shapes)])
+    # torch.export specialises a dimension of size 1: trace the image input at batch 2.
+    example = tuple(torch.cat([a, a]) if d else a for a, d in zip(args, flat))
+    program = torch.export.export(module, example, dynamic_shapes=tuple(shapes), strict=False)
+    onnx_program = torch.onnx.export(
+        program, dynamo=True, optimize=False, opset_version=DYNAMO_OPSET, input_names=input_names, output_names=["logits"], verbose=False
+    )
+    onnx_program.save(str(path))
+
+
+def _trace(module: torch.nn.Module, args: tuple, input_names: list[str], dynamic_axes: dict, exporter: str = "auto") -> tuple[onnx.ModelProto, str]:
+    """Export ``module(*args)`` without constant folding (the Gathers must stay in the graph).
+
+    ``exporter``: ``torchscript`` (opset 17), ``dynamo`` (torch.export-based, opset 18, needs
+    onnxscript) or ``auto``: TorchScript, and the torch.export-based exporter for the
+    architectures TorchScript cannot lower (e.g. ``unfold`` in timm's HaloNets, adaptive
+    pooling to a non-factor size).
+
+    Returns:
+        ``(graph, the exporter that wrote it)``.
+
+    Raises:
+        ExportError: no exporter tried can export the module; the message names each one's failure
+            and says whether the dense model (parametrizations removed) exports.
+    """
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
+    order = {"auto": (_torchscript, _dynamo), "torchscript": (_torchscript,), "dynamo": (_dynamo,)}[exporter]
+    failures = []
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "raw.onnx"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(
-                module,
-                args,
-                str(raw),
-                dynamo=False,
-                do_constant_folding=False,
-                opset_version=OPSET,
-                input_names=input_names,
-                output_names=["logits"],
-                dynamic_axes=dynamic_axes,
-            )
-        return onnx.load(str(raw))
+        for export in order:
+            try:
+                with _quiet():
+                    export(module, args, raw, input_names, dynamic_axes)
+                return onnx.load(str(raw)), export.__name__.strip("_")
+            except ExportError:
+                raise
+            except Exception as e:  # each exporter raises its own types (SymbolicValueError, TorchExportError, ...)
+                failures.append(f"{export.__name__.strip('_')}: {_first_line(e)}")
+    dense = _dense_failures(module, args, input_names, dynamic_axes, order)
+    verdict = (
+        "the dense model fails too, so the operator belongs to the architecture"
+        if dense
+        else "the dense model exports, so the NWS layers are at fault: please report this model"
+    )
+    raise ExportError(f"torch cannot export {type(module).__name__} to ONNX ({'; '.join(failures)}); {verdict}")
+
+
+def _dense_failures(module, args, input_names, dynamic_axes, order) -> list[str]:
+    """Export a copy of ``module`` with every parametrized weight made a plain tensor; the failures (empty: it exported)."""
+    dense = copy.deepcopy(module)
+    for m in list(dense.modules()):
+        if parametrize.is_parametrized(m):
+            for name in list(m.parametrizations):
+                parametrize.remove_parametrizations(m, name, leave_parametrized=True)
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for export in order:
+            try:
+                with _quiet():
+                    export(dense, args, Path(tmp) / "dense.onnx", input_names, dynamic_axes)
+                return []
+            except Exception as e:
+                failures.append(_first_line(e))
+    return failures
 
 
 def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, set[str]]:
@@ -197,7 +328,7 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
         for k, extra in enumerate(nodes):
             graph.node.insert(pos + k, extra)
     if found != len(layers):
-        raise RuntimeError(f"ONNX export: found {found} pool Gathers for {len(layers)} NWS layers: the exporter folded some weights")
+        raise RuntimeError(f"ONNX export: found {found} pool Gathers for the {len(layers)} NWS layers the forward uses: the exporter folded some weights")
     return found, storage
 
 
@@ -220,7 +351,9 @@ def _same_folder(out_path: Path, pool_file: Path) -> None:
 
 
 @torch.no_grad()
-def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: str | os.PathLike, *, input_shape, metadata: dict) -> dict:
+def export_onnx(
+    model: torch.nn.Module, out_path: str | os.PathLike, pool_file: str | os.PathLike, *, input_shape, metadata: dict, exporter: str = "auto"
+) -> dict:
     """Write ``model`` (a converted model holding one task) as an ONNX graph sharing ``pool_file``.
 
     Args:
@@ -229,21 +362,38 @@ def export_onnx(model: torch.nn.Module, out_path: str | os.PathLike, pool_file: 
         pool_file: the bundle's ``pools.safetensors`` (tensors named by layer).
         input_shape: ``(C, H, W)`` of one image.
         metadata: JSON-able values stored as ``metadata_props``.
+        exporter: ``auto`` (TorchScript, else torch.export-based), ``torchscript`` or ``dynamo``.
 
     Returns:
-        ``{'gather_nodes', 'index_dtype' (storage of the indices, e.g. ``uint8+1bit``), 'bytes'}``.
+        ``{'gather_nodes', 'index_dtype' (storage of the indices, e.g. ``uint8+1bit``), 'bytes', 'exporter'}``.
+
+    Raises:
+        ExportError: torch cannot export the architecture (names the operator).
     """
     out_path, pool_file = Path(out_path), Path(pool_file)
     _same_folder(out_path, pool_file)
     layers = nws_layers(model)
     model = model.eval()
+    with export_mode(layers) as ran:
+        proto, used = _trace(model, (torch.zeros(1, *input_shape),), ["input"], {"input": {0: "batch"}, "logits": {0: "batch"}}, exporter)
+    found, storage = _link_pools(proto, [layer for layer in layers if layer.name in ran], pool_file)
+    size = _write(proto, out_path, metadata)
+    return {"gather_nodes": found, "index_dtype": ",".join(sorted(storage)), "bytes": size, "exporter": used}
+
+
+@contextlib.contextmanager
+def export_mode(layers):
+    """NWS ``layers`` in export mode for a trace (each weight is ``Reshape(Gather(pool, indices))``);
+    yields the set of layer names the traced forward used (eval-time forwards may skip some, e.g.
+    GoogLeNet's auxiliary heads), filled during the trace."""
+    ran: set[str] = set()
+    hooks = [layer.nws.register_forward_hook(lambda *_, name=layer.name: ran.add(name)) for layer in layers]
     for layer in layers:
         layer.nws.export_gather = True
     try:
-        proto = _trace(model, (torch.zeros(1, *input_shape),), ["input"], {"input": {0: "batch"}, "logits": {0: "batch"}})
+        yield ran
     finally:
+        for hook in hooks:
+            hook.remove()
         for layer in layers:
             layer.nws.export_gather = False
-    found, storage = _link_pools(proto, layers, pool_file)
-    size = _write(proto, out_path, metadata)
-    return {"gather_nodes": found, "index_dtype": ",".join(sorted(storage)), "bytes": size}

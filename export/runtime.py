@@ -56,7 +56,14 @@ from nwsconvert.stfile import nws_header, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle
 
-__all__ = ["Runtime"]
+#: onnxruntime graph rewrites every session runs without. ``Pad_Fusion`` folds a zero-valued
+#: constant Pad into a following MaxPool, whose own padding counts as -inf, so a window that
+#: sees only negatives and padding returns the negative maximum instead of 0 (onnxruntime
+#: 1.17 to at least 1.31). timm's BiT ResNetV2 stem (pad 0, then MaxPool) hits it: 3 % off
+#: the largest logit. Running a bundle's graphs with your own session: pass the same.
+DISABLED_OPTIMIZERS = ["Pad_Fusion"]
+
+__all__ = ["DISABLED_OPTIMIZERS", "Runtime"]
 
 
 def _gpu_present() -> bool:
@@ -162,7 +169,7 @@ class Runtime:
         if sha256 is not None and file_sha256(graph) != sha256:
             raise FormatError(f"{graph}: content does not match the SHA-256 bundle.json records: the graph is corrupted or was replaced")
         try:
-            sess = self.ort.InferenceSession(str(graph), sess_options=self._options(), providers=self.providers)
+            sess = self.ort.InferenceSession(str(graph), sess_options=self._options(), providers=self.providers, disabled_optimizers=DISABLED_OPTIMIZERS)
         except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
             raise FormatError(f"{graph}: onnxruntime cannot load {what} ({type(e).__name__}: {str(e)[:200]})") from None
         meta = sess.get_modelmeta().custom_metadata_map

@@ -33,7 +33,7 @@ from torch import nn
 from nwsconvert import nws_layers
 from nwsconvert.packs import _nws_keys
 
-from .onnx_graph import _link_pools, _same_folder, _trace, _write
+from .onnx_graph import _link_pools, _same_folder, _trace, _write, export_mode
 
 __all__ = ["SWITCH_FILE", "export_switch", "switch_input_names"]
 
@@ -54,13 +54,16 @@ def switch_input_names(model: nn.Module) -> dict[str, str]:
 class _Functional(nn.Module):
     """``model`` with some buffers and parameters taken from the call's arguments.
 
-    (``torch.func.functional_call`` refuses to run under the ONNX tracer, so the
-    tensors are swapped into the owning modules' dicts for the call.)
+    Under the TorchScript tracer (which ``torch.func.functional_call`` refuses to
+    run under) the tensors are swapped into the owning modules' dicts for the
+    call; under ``torch.export`` (which refuses that mutation) ``functional_call``
+    does it.
     """
 
     def __init__(self, model: nn.Module, fqns: list[str]):
         super().__init__()
         self.model = model
+        self.fqns = list(fqns)
         self.slots = []
         for fqn in fqns:
             owner, _, attr = fqn.rpartition(".")
@@ -69,6 +72,8 @@ class _Functional(nn.Module):
             self.slots.append((table, attr))
 
     def forward(self, x, *values):
+        if not torch.jit.is_tracing():
+            return torch.func.functional_call(self.model, dict(zip(self.fqns, values)), (x,), strict=False)
         saved = [table[attr] for table, attr in self.slots]
         try:
             for (table, attr), value in zip(self.slots, values):
@@ -80,16 +85,19 @@ class _Functional(nn.Module):
 
 
 @torch.no_grad()
-def export_switch(model: nn.Module, out_path: str | os.PathLike, pool_file: str | os.PathLike, *, input_shape, metadata: dict) -> dict:
+def export_switch(
+    model: nn.Module, out_path: str | os.PathLike, pool_file: str | os.PathLike, *, input_shape, metadata: dict, exporter: str = "auto"
+) -> dict:
     """Write ``switch.onnx`` for a converted model whose head has the bundle's largest class count.
 
     Args:
         model: NWS model in eval mode (its indices and state are only example values).
         out_path, pool_file: as :func:`nwsconvert.export.onnx_graph.export_onnx`.
         input_shape: ``(C, H, W)``.
+        exporter: as :func:`nwsconvert.export.onnx_graph.export_onnx`.
 
     Returns:
-        ``{'gather_nodes', 'inputs' (task inputs the graph takes), 'bytes'}``.
+        ``{'gather_nodes', 'inputs' (task inputs the graph takes), 'bytes', 'exporter'}``.
     """
     out_path, pool_file = Path(out_path), Path(pool_file)
     _same_folder(out_path, pool_file)
@@ -99,15 +107,10 @@ def export_switch(model: nn.Module, out_path: str | os.PathLike, pool_file: str 
     state = model.state_dict()
     values = tuple(state[fqn] for fqn in names.values())
     axes = {"input": {0: "batch"}, "logits": {0: "batch"}}
-    for layer in layers:
-        layer.nws.export_gather = True
-    try:
-        wrapper = _Functional(model, list(names.values())).eval()  # the exporter restores the wrapper's mode, recursively
-        proto = _trace(wrapper, (torch.zeros(1, *input_shape), *values), ["input", *names], axes)
-    finally:
-        for layer in layers:
-            layer.nws.export_gather = False
-    found, _ = _link_pools(proto, layers, pool_file)
+    wrapper = _Functional(model, list(names.values())).eval()  # the exporter restores the wrapper's mode, recursively
+    with export_mode(layers) as ran:
+        proto, used = _trace(wrapper, (torch.zeros(1, *input_shape), *values), ["input", *names], axes, exporter)
+    found, _ = _link_pools(proto, [layer for layer in layers if layer.name in ran], pool_file)
     taken = [i.name for i in proto.graph.input if i.name != "input"]
     size = _write(proto, out_path, metadata)
-    return {"gather_nodes": found, "inputs": len(taken), "bytes": size}
+    return {"gather_nodes": found, "inputs": len(taken), "bytes": size, "exporter": used}

@@ -168,6 +168,21 @@ def test_switch_mode_matches_pytorch_and_never_mixes_tasks(run, tmp_path):
     assert rt.last_switch_seconds is not None and rt.run(1, x[:1].numpy()).shape == (1, 2)
 
 
+def test_the_torch_export_based_exporter_writes_working_bundles(run, tmp_path):
+    """exporter='dynamo' (the fallback for architectures TorchScript cannot lower) writes task graphs
+    and switch.onnx that match PyTorch in both runtime modes, with a dynamic batch."""
+    desc = export_bundle(run, tmp_path / "b", "all", onnx=True, exporter="dynamo")
+    assert desc["switch"]["exporter"] == "dynamo" and {row["exporter"] for row in desc["tasks"].values()} == {"dynamo"}
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((3, 1, 16, 16)).astype(np.float32))
+    for t in (0, 1):
+        model = nwsconvert.load(run, task=t).eval()
+        with torch.no_grad():
+            ref = model(x).numpy()
+        for mode in ("session", "switch"):
+            y = Runtime(tmp_path / "b", device="cpu", mode=mode).run(t, x.numpy())
+            np.testing.assert_allclose(y, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)  # fp32, other summation order
+
+
 def test_switch_inputs_are_checked_by_name(run, tmp_path):
     """The one-session mode reads each task's values from its pack: a damaged pack, a missing
     pack or a missing base is refused by name, and the other tasks keep running."""

@@ -1,0 +1,115 @@
+"""Export coverage beyond the tests: convert, export_onnx, onnxruntime against PyTorch, per architecture.
+
+    python benchmarks/export_coverage.py --exporter auto --json benchmarks/results/export_coverage_auto.json
+    python benchmarks/export_coverage.py --exporter dynamo --models timm:halonet26t@256 torchvision:vgg11_bn
+
+Each model (timm or torchvision, ``name@size`` for its input size, 96 by
+default) is built with random weights made trained-like (BatchNorm / LayerNorm
+scales in [0.5, 1.5], Linear weights N(0, 0.05), so no head or scale is zero
+and the logits depend on the input), converted with 64-entry random pools and
+exported with the chosen exporter; onnxruntime (CPU, the Runtime's session
+options) runs it on two random images. A model passes when the largest logit
+difference is at most 1e-4 of the largest logit. Each line of output is a JSON
+record; the summary counts passes and the exporter each graph came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import timm
+import torch
+import torchvision
+
+import nwsconvert
+from nwsconvert.export.onnx_graph import export_onnx
+from nwsconvert.export.runtime import DISABLED_OPTIMIZERS
+
+MODELS = (
+    "timm:resnet18 timm:resnet26d timm:resnext26ts timm:seresnext26d_32x4d timm:mixnet_s timm:convnext_atto "
+    "timm:ghostnet_050 timm:mobilevit_xxs@256 timm:mobilevitv2_050@256 timm:efficientnet_b0 timm:tf_efficientnet_b0 "
+    "timm:mobilenetv3_small_050 timm:mobilenetv2_050 timm:regnetx_002 timm:regnety_002 timm:repvgg_a0 timm:mobileone_s0 "
+    "timm:fastvit_t8@256 timm:dla34 timm:hrnet_w18_small timm:rexnet_100 timm:lcnet_050 timm:tinynet_e timm:levit_128s@224 "
+    "timm:halonet26t@256 timm:edgenext_xx_small@256 timm:efficientformer_l1@224 timm:poolformer_s12 timm:repghostnet_050 "
+    "timm:resnest14d timm:skresnet18 timm:res2net50_14w_8s timm:densenet121 timm:nf_resnet26 timm:vgg11 "
+    "timm:resnetv2_50x1_bit timm:cspresnet50 timm:gernet_s timm:selecsls42b timm:ese_vovnet19b_dw timm:hgnetv2_b0 "
+    "timm:coatnet_nano_rw_224@224 timm:maxvit_nano_rw_256@256 timm:inception_v3@299 torchvision:resnet18 "
+    "torchvision:mobilenet_v3_small torchvision:shufflenet_v2_x0_5 torchvision:mnasnet0_5 torchvision:squeezenet1_0 "
+    "torchvision:googlenet torchvision:efficientnet_b0 torchvision:regnet_y_400mf torchvision:convnext_tiny "
+    "torchvision:vgg11_bn torchvision:vit_b_16@224 torchvision:swin_t@224 torchvision:maxvit_t@224 torchvision:resnext50_32x4d"
+).split()
+
+
+def build(name: str) -> torch.nn.Module:
+    src, _, arch = name.partition(":")
+    if src == "timm":
+        return timm.create_model(arch, pretrained=False, num_classes=5)
+    return torchvision.models.get_model(arch, weights=None, num_classes=5)
+
+
+def probe(name: str, size: int, exporter: str) -> dict:
+    torch.manual_seed(0)
+    model = build(name).eval()
+    for m in model.modules():  # trained-like: no zero-initialised head or norm scale
+        if isinstance(m, (torch.nn.BatchNorm2d, torch.nn.LayerNorm, torch.nn.GroupNorm)) and getattr(m, "weight", None) is not None:
+            torch.nn.init.uniform_(m.weight, 0.5, 1.5)
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.normal_(m.weight, 0, 0.05)
+    model = nwsconvert.convert(model, pool_size=64, init="random").eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        nwsconvert.pool_set(model).save(d / "pools.safetensors")
+        info = export_onnx(model, d / "m.onnx", d / "pools.safetensors", input_shape=(3, size, size), metadata={}, exporter=exporter)
+        x = torch.randn(2, 3, size, size)
+        with torch.no_grad():
+            ref = model(x).numpy()
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        sess = ort.InferenceSession(str(d / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS)
+        y = sess.run(None, {"input": x.numpy()})[0]
+    rel = float(np.abs(y - ref).max() / np.abs(ref).max())
+    return {"ok": rel <= 1e-4, "rel": rel, "exporter": info["exporter"], "gather_nodes": info["gather_nodes"], "bytes": info["bytes"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--exporter", default="auto", choices=["auto", "torchscript", "dynamo"])
+    p.add_argument("--models", nargs="+", default=list(MODELS), help="timm:NAME or torchvision:NAME, optionally @SIZE")
+    p.add_argument("--json", default=None, help="write all records and the summary here")
+    args = p.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    records = []
+    for item in args.models:
+        name, _, size = item.partition("@")
+        size = int(size or 96)
+        tic = time.perf_counter()
+        try:
+            rec = {"model": name, "size": size, **probe(name, size, args.exporter)}
+        except Exception as e:  # a failure is a finding: record it and go on
+            rec = {"model": name, "size": size, "ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+        rec["seconds"] = round(time.perf_counter() - tic, 1)
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    ok = [r for r in records if r["ok"]]
+    summary = {
+        "command": "python benchmarks/export_coverage.py --exporter " + args.exporter,
+        "commit": commit, "torch": torch.__version__, "timm": timm.__version__, "onnxruntime": ort.__version__,
+        "passed": len(ok), "models": len(records),
+        "by_exporter": {e: sum(r.get("exporter") == e for r in ok) for e in ("torchscript", "dynamo")},
+        "largest_rel": max((r["rel"] for r in ok), default=None),
+        "failed": {r["model"]: r.get("error", f"rel {r.get('rel')}") for r in records if not r["ok"]},
+    }
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": summary, "records": records}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -54,6 +54,28 @@ def build(name: str) -> torch.nn.Module:
     return torchvision.models.get_model(arch, weights=None, num_classes=5)
 
 
+def onnx_parity(model: torch.nn.Module, size: int, exporter: str = "auto", batch: int = 2) -> dict:
+    """Export a converted model (eval mode), run it in onnxruntime (CPU, the Runtime's session options)
+    and compare with PyTorch: ``{rel, max_abs, max_logit, top1_agree, exporter, gather_nodes, bytes}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        nwsconvert.pool_set(model).save(d / "pools.safetensors")
+        info = export_onnx(model, d / "m.onnx", d / "pools.safetensors", input_shape=(3, size, size), metadata={}, exporter=exporter)
+        x = torch.randn(batch, 3, size, size)
+        with torch.no_grad():
+            out = model(x)
+        ref = (out[0] if isinstance(out, (tuple, list)) else out).numpy()
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        sess = ort.InferenceSession(str(d / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS)
+        y = sess.run(None, {"input": x.numpy()})[0]
+    err, scale = float(np.abs(y - ref).max()), float(np.abs(ref).max())
+    return {
+        "rel": err / scale if scale else 0.0, "max_abs": err, "max_logit": scale, "top1_agree": bool((y.argmax(1) == ref.argmax(1)).all()),
+        "exporter": info["exporter"], "gather_nodes": info["gather_nodes"], "bytes": info["bytes"],
+    }
+
+
 def probe(name: str, size: int, exporter: str) -> dict:
     torch.manual_seed(0)
     model = build(name).eval()
@@ -63,19 +85,8 @@ def probe(name: str, size: int, exporter: str) -> dict:
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, 0, 0.05)
     model = nwsconvert.convert(model, pool_size=64, init="random").eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
-        nwsconvert.pool_set(model).save(d / "pools.safetensors")
-        info = export_onnx(model, d / "m.onnx", d / "pools.safetensors", input_shape=(3, size, size), metadata={}, exporter=exporter)
-        x = torch.randn(2, 3, size, size)
-        with torch.no_grad():
-            ref = model(x).numpy()
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        sess = ort.InferenceSession(str(d / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS)
-        y = sess.run(None, {"input": x.numpy()})[0]
-    rel = float(np.abs(y - ref).max() / np.abs(ref).max())
-    return {"ok": rel <= 1e-4, "rel": rel, "exporter": info["exporter"], "gather_nodes": info["gather_nodes"], "bytes": info["bytes"]}
+    r = onnx_parity(model, size, exporter)
+    return {"ok": r["rel"] <= 1e-4, **r}
 
 
 def main() -> None:

@@ -31,16 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import nwsconvert as nc  # noqa: E402
-from nwsconvert.export import Runtime, export_bundle, export_onnx  # noqa: E402
-
-
-def _logits(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
+from nwsconvert.export import Runtime, export_bundle  # noqa: E402
 
 
 def model_parity(only: list[str] | None = None) -> dict:
-    import onnxruntime as ort
-    from model_zoo import TIMM_MODELS, build, input_size, torchvision_models
+    from export_coverage import onnx_parity  # benchmarks/ is on sys.path when this script runs
+    from model_zoo import TIMM_MODELS, build, export_input_size, torchvision_models
 
     specs = torchvision_models() + [f"timm:{m}" for m in TIMM_MODELS]
     if only:
@@ -53,17 +49,7 @@ def model_parity(only: list[str] | None = None) -> dict:
             model = build(spec)
             nc.convert(model, pool_size=64, init="random")
             model.eval()
-            s = input_size(spec)
-            x = torch.randn(4, 3, s, s)
-            with tempfile.TemporaryDirectory() as d:
-                nc.pool_set(model).save(f"{d}/pools.safetensors")
-                export_onnx(model, f"{d}/m.onnx", f"{d}/pools.safetensors", input_shape=(3, s, s), metadata={})
-                sess = ort.InferenceSession(f"{d}/m.onnx", providers=["CPUExecutionProvider"])
-                y = sess.run(None, {"input": x.numpy()})[0]
-            with torch.no_grad():
-                ref = _logits(model(x)).numpy()
-            err, scale = float(np.abs(y - ref).max()), float(np.abs(ref).max())
-            rows[spec] = {"exports": True, "max_abs": err, "max_logit": scale, "rel": err / scale if scale else 0.0, "top1_agree": bool((y.argmax(1) == ref.argmax(1)).all()), "seconds": time.perf_counter() - tic}
+            rows[spec] = {"exports": True, **onnx_parity(model, export_input_size(spec), batch=4), "seconds": time.perf_counter() - tic}
         except Exception as e:  # report, never stop the sweep
             rows[spec] = {"exports": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(spec, rows[spec], flush=True)

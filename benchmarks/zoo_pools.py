@@ -221,7 +221,9 @@ def train_nws(cfg: dict, suite, recipe: str, seed: int, kmeans_iters: int | None
 def train_dense(suite, recipe: str, seed: int, tasks: int | None = None) -> dict:
     """Dense finetune of the same pretrained model, as ``benchmarks/accuracy.py`` runs it."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from accuracy import dense_run
+    import tempfile
+
+    from accuracy import method_run, pretrained_model
 
     from nwsconvert.cli import resolve_job
 
@@ -229,7 +231,8 @@ def train_dense(suite, recipe: str, seed: int, tasks: int | None = None) -> dict
     items = [f"suite={suite.name}", f"model={entry.spec}", f"recipe={recipe}", "learn_pools=false", f"tasks={tasks or 'null'}"]
     job = resolve_job(items + [f"model.{k}={v}" for k, v in _task_kwargs(suite).items()])
     tic = time.perf_counter()
-    accs = dense_run(job, seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        accs = method_run("dense", pretrained_model(job, seed), job, seed, tmp)["accs"]
     return {"label": "dense finetune", "accs": accs, "avg": sum(accs) / len(accs), "seconds": time.perf_counter() - tic}
 
 

@@ -21,16 +21,18 @@ def test_demo_runs_and_continues(tmp_path, capsys):
 
 
 def test_onnxruntime_top1_agrees_on_the_demo_test_sets(tmp_path):
-    """Deployment answers like PyTorch on the demo's own test images (split-mnist, 160 per task)."""
+    """Deployment answers like PyTorch on the demo's own test images (split-mnist, 160 per task), in
+    both runtime modes (per-task sessions; one session fed from the packs)."""
     out = tmp_path / "d"
     assert demo.main(["model=timm:test_resnet", "pool_size=32", "epochs=1", "pool_epochs=1", "tasks=2", "progress=false", f"out={out}"]) == 0
     export_bundle(out, tmp_path / "b", "all", onnx=True)
-    rt = Runtime(tmp_path / "b", device="cpu")
+    runtimes = {mode: Runtime(tmp_path / "b", device="cpu", mode=mode) for mode in ("session", "switch")}
     suite = get_suite("split-mnist")
-    for t in (0, 1):
+    for t in (0, 1, 0):  # the switch mode goes back to task 0 after task 1
         test = suite.tasks[t].test
         x = torch.stack([test[i][0] for i in range(len(test))])
         with torch.no_grad():
             ref = nwsconvert.load(out, task=t)(x).numpy()
-        y = rt.run(t, x.numpy())
-        assert len(x) == 160 and np.array_equal(y.argmax(1), ref.argmax(1))
+        for mode, rt in runtimes.items():
+            y = rt.run(t, x.numpy())
+            assert len(x) == 160 and np.array_equal(y.argmax(1), ref.argmax(1)), mode

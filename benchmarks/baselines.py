@@ -1,0 +1,309 @@
+"""The continual-learning methods NWS is compared with (issue 16), on any model the trainer accepts.
+
+Every method starts from the same pretrained model, trains with the same
+recipe (:class:`nwsconvert.TrainConfig`: optimiser, learning rate, schedule,
+batch size, epochs, data-order seeds), stores each task in safetensors files
+(:func:`nwsconvert.storage.write_tensors`: atomic, hashed, no pickle) and
+evaluates a task by rebuilding the model from those files only, so the memory
+a method reports is what it stored and the accuracy is what a reload gives.
+
+``DenseFinetune``
+    one full model per task; task t starts from task t-1's weights.
+``BNHead``
+    the pretrained backbone frozen; per task only BatchNorm affine parameters,
+    statistics and the head are trained and stored (the memory floor: NWS stores
+    these too).
+``PackNet`` (Mallya & Lazebnik, CVPR 2018), the NWS paper's setting
+    train the free weights, prune 60 % of them by magnitude, retrain the kept
+    ones; weights owned by earlier tasks never change. One shared map of owner
+    task ids per weight; per-task BatchNorm, biases and head.
+
+Memory, two ways (:meth:`Method.memory`): ``disk_bytes``, the files' sizes; and
+``paper_bits``, the NWS paper's accounting (32 bits per stored float, the
+owner map at ``ceil(log2(T + 1))`` bits per weight).
+
+    method = PackNet(pretrained, folder, cfg, seed=1993)
+    for t, task in enumerate(suite.tasks):
+        acc = method.learn(t, task)          # trained, stored, re-loaded and evaluated
+    method.evaluate(0, suite.tasks[0].test)  # from the files, after every later task
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
+
+from nwsconvert import evaluate, resize_head
+from nwsconvert.config import TrainConfig, lr_factor
+from nwsconvert.heads import find_head
+from nwsconvert.storage import read_tensors, write_tensors
+
+__all__ = ["fit", "Method", "DenseFinetune", "BNHead", "PackNet", "METHODS"]
+
+FORMAT = "nwsconvert.baseline"
+VERSION = 1
+FREE = 255  # PackNet owner map: a weight no task owns yet
+
+
+def fit(model: nn.Module, data, cfg: TrainConfig, epochs: int, lr: float, seed: int, *, params=None, after_step=None) -> None:
+    """Train ``model`` on ``data`` with the recipe of ``cfg`` (optimiser, schedule, batch size).
+
+    Args:
+        params: the parameters to optimise (default: every parameter that requires grad).
+        after_step: called after each optimiser step (PackNet restores the weights it protects).
+        seed: seeds each epoch's data order (``seed * 1000 + epoch``), as the NWS trainer's baselines do.
+    """
+    params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
+    opt = (
+        torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+        if cfg.optimizer == "adam"
+        else torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+    )
+    sched_cfg = cfg.replace(epochs=epochs)
+    for epoch in range(epochs):
+        for g in opt.param_groups:
+            g["lr"] = lr * lr_factor(sched_cfg, epoch)
+        loader = DataLoader(
+            data,
+            batch_size=cfg.batch_size,
+            sampler=RandomSampler(data, generator=torch.Generator().manual_seed(seed * 1000 + epoch)),
+            drop_last=len(data) > cfg.batch_size,
+        )
+        model.train()
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if after_step is not None:
+                with torch.no_grad():
+                    after_step()
+
+
+def _bn_keys(model: nn.Module) -> set[str]:
+    """State-dict keys of every BatchNorm (affine parameters, running statistics, counter)."""
+    out = set()
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            out |= {f"{name}.{k}" if name else k for k in m.state_dict()}
+    return out
+
+
+def _head_keys(model: nn.Module) -> set[str]:
+    name, head = find_head(model)
+    return {f"{name}.{k}" for k in head.state_dict()}
+
+
+class Method:
+    """One continual-learning method: learn tasks in order, store each, evaluate any from its files.
+
+    Args:
+        pretrained: the model after pretraining (not modified; each method works on a copy).
+        folder: where the method writes its files (created).
+        cfg: the recipe, the same as the NWS run's.
+        seed: as the NWS run's; task t's data order uses ``seed + 1 + t``.
+    """
+
+    name = "method"
+
+    def __init__(self, pretrained: nn.Module, folder: str | os.PathLike, cfg: TrainConfig, seed: int):
+        self.skeleton = copy.deepcopy(pretrained).cpu().eval()
+        self.model = copy.deepcopy(pretrained).cpu()
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self.seed = seed
+        self.classes: dict[int, int] = {}
+        self.files: set[str] = set()
+
+    # ------------------------------------------------------------- files
+    def _write(self, name: str, tensors: dict, **fields) -> None:
+        write_tensors(self.folder / name, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, FORMAT, VERSION, method=self.name, **fields)
+        self.files.add(name)
+
+    def _read(self, name: str) -> dict:
+        tensors, header = read_tensors(self.folder / name, FORMAT, VERSION)
+        if header.get("method") != self.name:
+            raise ValueError(f"{self.folder / name}: a {header.get('method')} file, expected {self.name}")
+        return tensors
+
+    def _fresh(self, t: int) -> nn.Module:
+        model = copy.deepcopy(self.skeleton)
+        resize_head(model, self.classes[t])
+        return model
+
+    # ------------------------------------------------------------- API
+    def learn(self, t: int, task) -> float:
+        """Train task ``t`` (a :class:`nwsconvert.zoo.Task`), store it, and return its accuracy re-loaded from the files."""
+        self.classes[t] = task.num_classes
+        resize_head(self.model, task.num_classes, torch.Generator().manual_seed(self.seed + t))
+        self._train(t, task)
+        self._store(t)
+        return self.evaluate(t, task.test)
+
+    def evaluate(self, t: int, test) -> float:
+        """Top-1 accuracy of task ``t`` on ``test``, with the model rebuilt from the stored files alone."""
+        return evaluate(self.load(t), test)["acc"]
+
+    def load(self, t: int) -> nn.Module:
+        raise NotImplementedError
+
+    def _train(self, t: int, task) -> None:
+        raise NotImplementedError
+
+    def _store(self, t: int) -> None:
+        raise NotImplementedError
+
+    def memory(self) -> dict:
+        """``{'disk_bytes': the files' sizes, 'paper_bits': the paper's accounting}`` for the tasks learnt so far."""
+        return {"disk_bytes": sum((self.folder / f).stat().st_size for f in self.files), "paper_bits": self._paper_bits()}
+
+    def _paper_bits(self) -> int:
+        raise NotImplementedError
+
+
+def _numel(tensors: dict) -> int:
+    return sum(int(v.numel()) for k, v in tensors.items() if not k.endswith("num_batches_tracked"))
+
+
+class DenseFinetune(Method):
+    """One full model per task; task t starts from task t-1's weights."""
+
+    name = "dense"
+
+    def _train(self, t, task):
+        fit(self.model, task.train, self.cfg, self.cfg.epochs, self.cfg.lr, self.seed + 1 + t)
+
+    def _store(self, t):
+        self._write(f"task_{t}.safetensors", self.model.state_dict(), task=t)
+
+    def load(self, t):
+        model = self._fresh(t)
+        model.load_state_dict(self._read(f"task_{t}.safetensors"))
+        return model.eval()
+
+    def _paper_bits(self):
+        return sum(32 * _numel(self._read(f"task_{t}.safetensors")) for t in self.classes)
+
+
+class BNHead(Method):
+    """The pretrained backbone frozen; per task, BatchNorm (affine + statistics) and the head trained and stored."""
+
+    name = "bn_head"
+
+    def __init__(self, pretrained, folder, cfg, seed):
+        super().__init__(pretrained, folder, cfg, seed)
+        self.task_keys = _bn_keys(self.skeleton) | _head_keys(self.skeleton)
+        shared = {k: v for k, v in self.skeleton.state_dict().items() if k not in self.task_keys}
+        self._write("backbone.safetensors", shared)
+
+    def _train(self, t, task):
+        self.model = copy.deepcopy(self.skeleton)  # every task starts from the pretrained model
+        resize_head(self.model, task.num_classes, torch.Generator().manual_seed(self.seed + t))
+        trainable = [p for n, p in self.model.named_parameters() if n in self.task_keys]
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        for p in trainable:
+            p.requires_grad_(True)
+        fit(self.model, task.train, self.cfg, self.cfg.epochs, self.cfg.lr, self.seed + 1 + t, params=trainable)
+
+    def _store(self, t):
+        self._write(f"task_{t}.safetensors", {k: v for k, v in self.model.state_dict().items() if k in self.task_keys}, task=t)
+
+    def load(self, t):
+        model = self._fresh(t)
+        model.load_state_dict({**self._read("backbone.safetensors"), **self._read(f"task_{t}.safetensors")})
+        return model.eval()
+
+    def _paper_bits(self):
+        return 32 * _numel(self._read("backbone.safetensors")) + sum(32 * _numel(self._read(f"task_{t}.safetensors")) for t in self.classes)
+
+
+class PackNet(Method):
+    """Iterative pruning: each task keeps ``1 - prune`` of the weights still free, which later tasks never change.
+
+    Args:
+        prune: fraction of the free weights released after each task (the paper's setting: 0.6).
+        retrain_epochs: epochs of retraining the kept weights after pruning (default ``max(1, epochs // 2)``).
+    """
+
+    name = "packnet"
+
+    def __init__(self, pretrained, folder, cfg, seed, *, prune: float = 0.6, retrain_epochs: int | None = None):
+        super().__init__(pretrained, folder, cfg, seed)
+        if not 0 < prune < 1:
+            raise ValueError(f"prune must be in (0, 1), got {prune}")
+        self.prune = prune
+        self.retrain_epochs = retrain_epochs if retrain_epochs is not None else max(1, cfg.epochs // 2)
+        head = _head_keys(self.skeleton)
+        self.prunable = [n for n, p in self.model.named_parameters() if p.dim() >= 2 and n not in head]
+        self.owner = {n: torch.full_like(dict(self.model.named_parameters())[n], FREE, dtype=torch.uint8) for n in self.prunable}
+
+    def _protect(self, trained: int | None = None):
+        """``after_step``: put back every prunable weight the phase may not change: the weights earlier
+        tasks own (``trained=None``: training the free weights), or every weight but task ``trained``'s
+        (retraining after pruning: the released ones stay zero)."""
+        params = dict(self.model.named_parameters())
+        frozen = {}
+        for n in self.prunable:
+            owner = self.owner[n]
+            fixed = (owner != FREE) if trained is None else (owner != trained)
+            frozen[n] = (fixed, params[n].detach().clone())
+
+        def restore():
+            for n, (fixed, saved) in frozen.items():
+                params[n].data[fixed] = saved[fixed]
+
+        return restore
+
+    def _train(self, t, task):
+        if len(self.classes) > FREE:
+            raise ValueError(f"PackNet's owner map holds at most {FREE} tasks")
+        # 1. train the free weights (and this task's BatchNorm, biases and head); earlier tasks' weights stay.
+        fit(self.model, task.train, self.cfg, self.cfg.epochs, self.cfg.lr, self.seed + 1 + t, after_step=self._protect())
+        # 2. keep the largest (1 - prune) of the free weights per layer for task t; release and zero the rest.
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n in self.prunable:
+                free = self.owner[n] == FREE
+                k = int(round((1 - self.prune) * int(free.sum())))
+                if k:  # exactly k: the k largest magnitudes (ties at zero included) by index
+                    where = free.flatten().nonzero().squeeze(1)
+                    top = torch.topk(params[n].detach().abs().flatten()[where], k).indices
+                    self.owner[n].view(-1)[where[top]] = t
+                params[n].data[self.owner[n] == FREE] = 0.0
+        # 3. retrain task t's weights only (earlier tasks' fixed, released ones at zero).
+        fit(self.model, task.train, self.cfg, self.retrain_epochs, self.cfg.lr, self.seed + 1 + t, after_step=self._protect(trained=t))
+
+    def _store(self, t):
+        state = self.model.state_dict()
+        shared = {n: state[n] for n in self.prunable}
+        shared.update({f"owner/{n}": self.owner[n] for n in self.prunable})
+        self._write("shared.safetensors", shared, tasks=sorted(self.classes))  # rewritten: only free weights changed
+        self._write(f"task_{t}.safetensors", {k: v for k, v in state.items() if k not in self.prunable}, task=t)
+
+    def load(self, t):
+        model = self._fresh(t)
+        shared = self._read("shared.safetensors")
+        weights = {}
+        for n in self.prunable:
+            owner = shared[f"owner/{n}"]
+            weights[n] = torch.where((owner <= t) & (owner != FREE), shared[n], torch.zeros((), dtype=shared[n].dtype))
+        model.load_state_dict({**weights, **self._read(f"task_{t}.safetensors")})
+        return model.eval()
+
+    def _paper_bits(self):
+        shared = self._read("shared.safetensors")
+        n = sum(int(shared[name].numel()) for name in self.prunable)
+        mask_bits = math.ceil(math.log2(len(self.classes) + 1))
+        return 32 * n + mask_bits * n + sum(32 * _numel(self._read(f"task_{t}.safetensors")) for t in self.classes)
+
+
+METHODS = {m.name: m for m in (DenseFinetune, BNHead, PackNet)}

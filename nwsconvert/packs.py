@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import FormatError, PackMismatchError
+from .errors import PackMismatchError
 from .indexcode import CODINGS, EncodedLayer, encode_indices
 from .limits import MAX_KERNELS
 from .nwsmodel import _require, pool_set
-from .packfile import BASE_FILE, HASHED_SINCE, PACK_FORMAT, PACK_VERSION, base_candidates, check_header, decode_layers, expect, missing_base, same_layer
+from .packfile import BASE_FILE, HASHED_SINCE, PACK_FORMAT, PACK_VERSION, STANDALONE, check_header, decode_layers, expect, resolve_base, same_layer
 from .storage import read_tensors, tensor_digest, write_tensors
 
 __all__ = ["TaskPack", "PackMismatchError", "extract_task", "apply_task", "PACK_FORMAT", "PACK_VERSION", "MAX_KERNELS"]
@@ -214,11 +214,7 @@ class TaskPack:
         tensors, header = read_tensors(path, PACK_FORMAT, PACK_VERSION, hashed_since=HASHED_SINCE, check=check_header)
         expect(path, header, sha256=sha256, pool_sha256=pool_sha256, run_id=run_id, task=task)
         base_info = header.get("base")
-        if base_info and base is _STANDALONE:
-            raise FormatError(f"{path}: is delta-coded itself, so it cannot serve as a base pack (a task pack in place of {BASE_FILE}?)")
-        base_pack = _find_base(path, base_info, base) if base_info else None
-        if base_pack is not None and base_pack.pool_sha256 != header["pool_sha256"]:
-            raise FormatError(f"{path}: its base {base_pack.source} is on pool set {base_pack.pool_sha256[:12]}..., the pack on {header['pool_sha256'][:12]}...")
+        base_pack = resolve_base(path, header, base, kind=TaskPack, load=_load_base)
         u8 = {k: v.numpy() for k, v in tensors.items() if not k.startswith("state/")}
         base_idx = {k: v.numpy() for k, v in base_pack.indices.items()} if base_pack is not None else None
         layers, decoded, encoded = decode_layers(header, u8, path, base_pack.layers if base_pack is not None else None, base_idx)
@@ -243,31 +239,10 @@ class TaskPack:
         return pack
 
 
-_STANDALONE = object()  # TaskPack.load(base=_STANDALONE): the file must not be delta-coded itself
-
-
 @functools.lru_cache(maxsize=4)
 def _load_base(path: str, mtime_ns: int, size: int) -> TaskPack:
     """Bases are shared by many packs: decode each file version once (read-only use)."""
-    return TaskPack.load(path, base=_STANDALONE)
-
-
-def _find_base(path: Path, info: dict, given) -> TaskPack:
-    want = info["sha256"]
-    if isinstance(given, TaskPack):
-        if given.sha256 != want:
-            raise FormatError(f"{path}: coded against base pack {want[:12]}..., the base given is {str(given.sha256)[:12]}...")
-        return given
-    candidates = [Path(given)] if given is not None else base_candidates(path, info)
-    seen = []
-    for c in candidates:
-        if c.is_file():
-            st = c.stat()
-            base = _load_base(str(c.resolve()), st.st_mtime_ns, st.st_size)
-            if base.sha256 == want:
-                return base
-            seen.append(f"{c} is {str(base.sha256)[:12]}...")
-    raise missing_base(path, info, candidates, seen)
+    return TaskPack.load(path, base=STANDALONE)
 
 
 def _nws_keys(model: nn.Module) -> set[str]:

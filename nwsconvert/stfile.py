@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import FormatError
 
-__all__ = ["TensorInfo", "Header", "read_header", "parse_header", "raw_digest", "header_digest", "file_kind", "nws_header", "read_arrays", "TORCH_DTYPE", "ITEMSIZE"]
+__all__ = ["TensorInfo", "Header", "read_header", "parse_header", "raw_digest", "header_digest", "file_kind", "nws_header", "verify", "read_arrays", "TORCH_DTYPE", "ITEMSIZE"]
 
 #: safetensors dtype -> ``str(torch dtype)``, as :func:`nwsconvert.storage.tensor_digest` hashes it.
 TORCH_DTYPE = {
@@ -213,6 +213,27 @@ def header_digest(fields: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def verify(data, path, kind: str, version: int, *, hashed_since: int | None = None, check=None) -> tuple[Header, dict]:
+    """Check a whole nwsconvert file held in ``data`` (bytes or a buffer), before any tensor is built:
+    the layout against its length, the kind, version and ``header_sha256`` (:func:`nws_header`), the
+    kind's own field checks (``check(header, layout, path)``), then the content ``sha256``.
+    Shared by the torch reader (:func:`nwsconvert.storage.read_tensors`) and :func:`read_arrays`.
+
+    Returns:
+        ``(layout, header)``.
+
+    Raises:
+        FormatError: naming ``path`` and what is wrong.
+    """
+    layout = parse_header(data, len(data), path, kind)
+    header = nws_header(layout, path, kind, version, hashed_since)
+    if check is not None:
+        check(header, layout, path)
+    if raw_digest(data, layout) != header["sha256"]:
+        raise FormatError(f"{path}: content does not match its SHA-256 {header['sha256'][:12]}...: the file is corrupted")
+    return layout, header
+
+
 def read_arrays(path: str | os.PathLike, kind: str, version: int, *, hashed_since: int | None = None, check=None) -> tuple[dict, dict]:
     """Load an nwsconvert file as numpy arrays, checked as :func:`nwsconvert.storage.read_tensors`
     checks it (layout against the length, kind, version, ``header_sha256``, ``check(header, layout,
@@ -229,12 +250,7 @@ def read_arrays(path: str | os.PathLike, kind: str, version: int, *, hashed_sinc
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     data = np.fromfile(path, dtype=np.uint8)
-    layout = parse_header(memoryview(data), len(data), path, kind)
-    header = nws_header(layout, path, kind, version, hashed_since)
-    if check is not None:
-        check(header, layout, path)
-    if raw_digest(data, layout) != header["sha256"]:
-        raise FormatError(f"{path}: content does not match its SHA-256 {header['sha256'][:12]}...: the file is corrupted")
+    layout, header = verify(memoryview(data), path, kind, version, hashed_since=hashed_since, check=check)
     arrays = {}
     for name, t in layout.tensors.items():
         if t.dtype not in NUMPY_DTYPE:

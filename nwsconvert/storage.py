@@ -18,7 +18,7 @@ from safetensors.torch import save as st_save
 
 from .atomic import atomic_write_bytes, disk_error
 from .errors import FormatError
-from .stfile import header_digest, nws_header, parse_header, raw_digest
+from .stfile import header_digest, verify
 
 __all__ = ["FormatError", "atomic_write_bytes", "write_tensors", "read_tensors", "tensor_digest", "disk_error"]
 
@@ -73,13 +73,7 @@ def read_tensors(
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     data = path.read_bytes()
-    layout = parse_header(data, len(data), path, kind)
-    header = nws_header(layout, path, kind, version, hashed_since)
-    want = header["sha256"]
-    if check is not None:
-        check(header, layout, path)
-    if raw_digest(data, layout) != want:
-        raise FormatError(f"{path}: content does not match its SHA-256 {want[:12]}...: the file is corrupted")
+    _, header = verify(data, path, kind, version, hashed_since=hashed_since, check=check)
     try:
         tensors = st_load(data)
     except (SafetensorError, RuntimeError, ValueError) as e:

@@ -121,6 +121,7 @@ class Method:
     """
 
     name = "method"
+    restart = False  # True: every task starts from the pretrained model; False: from the previous task's
 
     def __init__(self, pretrained: nn.Module, folder: str | os.PathLike, cfg: TrainConfig, seed: int):
         self.skeleton = copy.deepcopy(pretrained).cpu().eval()
@@ -152,7 +153,8 @@ class Method:
     def learn(self, t: int, task) -> float:
         """Train task ``t`` (a :class:`nwsconvert.zoo.Task`), store it, and return its accuracy re-loaded from the files."""
         self.classes[t] = task.num_classes
-        resize_head(self.model, task.num_classes, torch.Generator().manual_seed(self.seed + t))
+        start = copy.deepcopy(self.skeleton) if self.restart else self.model
+        self.model = resize_head(start, task.num_classes, torch.Generator().manual_seed(self.seed + t))
         self._train(t, task)
         self._store(t)
         return self.evaluate(t, task.test)
@@ -206,6 +208,7 @@ class BNHead(Method):
     """The pretrained backbone frozen; per task, BatchNorm (affine + statistics) and the head trained and stored."""
 
     name = "bn_head"
+    restart = True
 
     def __init__(self, pretrained, folder, cfg, seed):
         super().__init__(pretrained, folder, cfg, seed)
@@ -214,8 +217,6 @@ class BNHead(Method):
         self._write("backbone.safetensors", shared)
 
     def _train(self, t, task):
-        self.model = copy.deepcopy(self.skeleton)  # every task starts from the pretrained model
-        resize_head(self.model, task.num_classes, torch.Generator().manual_seed(self.seed + t))
         trainable = [p for n, p in self.model.named_parameters() if n in self.task_keys]
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -340,6 +341,7 @@ class Piggyback(Method):
     """
 
     name = "piggyback"
+    restart = True
 
     def __init__(self, pretrained, folder, cfg, seed, *, init: float = 1e-2, threshold: float = 5e-3):
         super().__init__(pretrained, folder, cfg, seed)
@@ -350,8 +352,6 @@ class Piggyback(Method):
         self._write("backbone.safetensors", shared)
 
     def _train(self, t, task):
-        self.model = copy.deepcopy(self.skeleton)
-        resize_head(self.model, task.num_classes, torch.Generator().manual_seed(self.seed + t))
         head = _head_keys(self.model)
         for n, p in self.model.named_parameters():  # per task: BatchNorm, biases, head; the weights only through masks
             p.requires_grad_(p.dim() < 2 or n in head)
@@ -400,6 +400,7 @@ class LoRA(Method):
     adapters, BatchNorm and head are trained and stored, the pretrained backbone is shared."""
 
     name = "lora"
+    restart = True
     rank = 4
 
     def __init__(self, pretrained, folder, cfg, seed):
@@ -413,12 +414,10 @@ class LoRA(Method):
         owner, _, attr = key.rpartition(".")
         return f"base_model.model.{owner}.base_layer.{attr}" if owner in self.targets else f"base_model.model.{key}"
 
-    def _adapted(self, t: int, seed: int | None):
-        """A fresh peft model of task ``t``'s shape: ``(model, keys a task stores)``."""
+    def _adapted(self, model: nn.Module, seed: int | None):
+        """``model`` (the pretrained one, head sized for the task) with adapters: ``(peft model, keys a task stores)``."""
         from peft import LoraConfig, get_peft_model
 
-        model = copy.deepcopy(self.skeleton)
-        resize_head(model, self.classes[t], None if seed is None else torch.Generator().manual_seed(seed))
         if seed is not None:
             torch.manual_seed(seed)  # peft draws lora_A from the global generator
         config = LoraConfig(r=self.rank, lora_alpha=self.rank, lora_dropout=0.0, target_modules=self.targets, bias="none")
@@ -431,14 +430,14 @@ class LoRA(Method):
         return model, keys
 
     def _train(self, t, task):
-        self.model, self.task_keys = self._adapted(t, self.seed + t)
+        self.model, self.task_keys = self._adapted(self.model, self.seed + t)
         fit(self.model, task.train, self.cfg, self.cfg.epochs, self.cfg.lr, self.seed + 1 + t)
 
     def _store(self, t):
         self._write(f"task_{t}.safetensors", {k: v for k, v in self.model.state_dict().items() if k in self.task_keys}, task=t)
 
     def load(self, t):
-        model, keys = self._adapted(t, None)
+        model, keys = self._adapted(self._fresh(t), None)
         stored = self._read(f"task_{t}.safetensors")
         if set(stored) != keys:
             raise ValueError(f"{self.folder / f'task_{t}.safetensors'}: holds {len(stored)} tensors, the adapted model takes {len(keys)}")

@@ -224,44 +224,43 @@ def _trace(module: torch.nn.Module, args: tuple, input_names: list[str], dynamic
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
     order = {"auto": (_torchscript, _dynamo), "torchscript": (_torchscript,), "dynamo": (_dynamo,)}[exporter]
-    failures = []
     with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "raw.onnx"
-        for export in order:
-            try:
-                with _quiet():
-                    export(module, args, raw, input_names, dynamic_axes)
-                return onnx.load(str(raw)), export.__name__.strip("_")
-            except ExportError:
-                raise
-            except Exception as e:  # each exporter raises its own types (SymbolicValueError, TorchExportError, ...)
-                failures.append(f"{export.__name__.strip('_')}: {_first_line(e)}")
-    dense = _dense_failures(module, args, input_names, dynamic_axes, order)
+        used, failures = _attempt(module, args, Path(tmp) / "raw.onnx", input_names, dynamic_axes, order)
+        if used is not None:
+            return onnx.load(str(Path(tmp) / "raw.onnx")), used
+        dense_used, _ = _attempt(_dense_copy(module), args, Path(tmp) / "dense.onnx", input_names, dynamic_axes, order)
     verdict = (
-        "the dense model fails too, so the operator belongs to the architecture"
-        if dense
-        else "the dense model exports, so the NWS layers are at fault: please report this model"
+        "the dense model exports, so the NWS layers are at fault: please report this model"
+        if dense_used is not None
+        else "the dense model fails too, so the operator belongs to the architecture"
     )
     raise ExportError(f"torch cannot export {type(module).__name__} to ONNX ({'; '.join(failures)}); {verdict}")
 
 
-def _dense_failures(module, args, input_names, dynamic_axes, order) -> list[str]:
-    """Export a copy of ``module`` with every parametrized weight made a plain tensor; the failures (empty: it exported)."""
+def _attempt(module, args, path: Path, input_names, dynamic_axes, order) -> tuple[str | None, list[str]]:
+    """Try each exporter of ``order`` in turn: ``(the one that wrote path or None, the failures before it)``."""
+    failures = []
+    for export in order:
+        name = export.__name__.strip("_")
+        try:
+            with _quiet():
+                export(module, args, path, input_names, dynamic_axes)
+            return name, failures
+        except ExportError:
+            raise
+        except Exception as e:  # each exporter raises its own types (SymbolicValueError, TorchExportError, ...)
+            failures.append(f"{name}: {_first_line(e)}")
+    return None, failures
+
+
+def _dense_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` with every parametrized weight made a plain tensor (the model as it was before ``convert``)."""
     dense = copy.deepcopy(module)
     for m in list(dense.modules()):
         if parametrize.is_parametrized(m):
             for name in list(m.parametrizations):
                 parametrize.remove_parametrizations(m, name, leave_parametrized=True)
-    failures = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for export in order:
-            try:
-                with _quiet():
-                    export(dense, args, Path(tmp) / "dense.onnx", input_names, dynamic_axes)
-                return []
-            except Exception as e:
-                failures.append(_first_line(e))
-    return failures
+    return dense
 
 
 def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, set[str]]:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,12 +68,22 @@ def method_run(name: str, pretrained: torch.nn.Module, job: dict, seed: int, fol
     return {"accs": accs, "avg": sum(accs) / len(accs), "seconds": seconds, **method.memory()}
 
 
+def _commit() -> str | None:
+    """The checkout's commit, recorded beside the figures (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("items", nargs="*", help="nws-train keys (suite=..., suite.X=..., model=..., epochs=...)")
     p.add_argument("--suite", default="split-mnist")
     p.add_argument("--seeds", type=int, nargs="+", default=[1993, 1994, 1995])
-    p.add_argument("--methods", nargs="+", default=["dense"], choices=sorted(METHODS), help="baselines beside NWS (default: dense)")
+    p.add_argument("--methods", nargs="*", default=["dense"], choices=sorted(METHODS),
+                   help="baselines beside NWS (default: dense; none after the flag: NWS alone)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     job = resolve_job([f"suite={args.suite}", "progress=false", *args.items])
@@ -95,7 +107,7 @@ def main(argv=None) -> int:
         vals = [100 * r[method]["avg"] for r in rows]
         return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
 
-    result = {"suite": args.suite, "job": job, "methods": ["nws", *args.methods], "rows": rows,
+    result = {"suite": args.suite, "commit": _commit(), "job": job, "methods": ["nws", *args.methods], "rows": rows,
               "mean": {m: ms(m)[0] for m in ["nws", *args.methods]}, "std": {m: ms(m)[1] for m in ["nws", *args.methods]}}
     print(f"\n{args.suite}, {job['model']}, recipe {job['recipe']}, seeds {args.seeds}")
     for m in ["nws", *args.methods]:

@@ -91,6 +91,10 @@ class TrainConfig:
             and independent of the others), ``task0`` (task 0's pack, for tasks 1, 2, ...: the
             smallest total when every task is kept, but every pack then needs task 0) or
             ``none`` (every pack standalone).
+        state_dtype: what a task pack stores its float32 non-pool state in (BatchNorm
+            affine parameters and statistics, the head's bias...): ``float16`` (half the
+            bytes; the model is rounded to it before the evaluation the pack's accuracy
+            is recorded from) or ``float32``.
         amp: ``auto`` (bfloat16/float16 autocast on CUDA, off on CPU), ``off``, ``bf16``, ``fp16``.
         seed: seeds model init, data order and head rows.
         deterministic: ``torch.use_deterministic_algorithms(True)`` (slower on GPU).
@@ -117,6 +121,7 @@ class TrainConfig:
     reseed_every: int = 1
     task_init: str = "previous"
     pack_base: str = "pools"
+    state_dtype: str = "float16"
     amp: str = "auto"
     seed: int = 1993
     deterministic: bool = False
@@ -131,6 +136,7 @@ class TrainConfig:
             "pool_update": ("gradient", "ema"),
             "task_init": ("previous", "original", "random"),
             "pack_base": ("pools", "task0", "none"),
+            "state_dtype": ("float16", "float32"),
             "amp": ("auto", "off", "bf16", "fp16"),
         }
         for key, allowed in choices.items():

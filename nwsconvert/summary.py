@@ -50,9 +50,11 @@ def task_bytes(pack: TaskPack) -> dict:
 
 
 def _task_costs(pack: TaskPack) -> dict:
-    """:func:`task_bytes` plus ``dense``: the same task as one float32 model (every weight + the state)."""
+    """:func:`task_bytes` plus ``dense``: the same task as one float32 model (every weight + the state,
+    whose floating entries a dense checkpoint keeps in float32 whatever dtype the pack stores them in)."""
     dense_weights = sum(4 * math.prod(r["shape"]) for r in pack.layers)
-    return {**task_bytes(pack), "dense": dense_weights + pack.state_bytes}
+    dense_state = sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for t in pack.state.values())
+    return {**task_bytes(pack), "dense": dense_weights + dense_state}
 
 
 def run_summary(run_dir: str | os.PathLike) -> dict:

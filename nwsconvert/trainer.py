@@ -46,7 +46,7 @@ from .nwsmodel import (
     set_mode,
 )
 from .errors import FormatError, RunExistsError, UntrustedCodeError
-from .packs import TaskPack, apply_task, extract_task, model_spec_of
+from .packs import TaskPack, apply_task, extract_task, model_spec_of, round_state_
 from .pools import PoolSet
 from .rundir import RunDir, library_versions, new_run_id
 from .runlock import RunLock, remove_stale_temporaries
@@ -522,10 +522,12 @@ class Trainer:
         return self._finish_task(task, val, num_classes, name, class_names, record, seconds)
 
     def _finish_task(self, task, val, num_classes, name, class_names, record, seconds) -> dict:
-        model = self.model
+        model = round_state_(self.model, self.config.state_dtype)  # what the pack stores, before it is evaluated
         ev = evaluate(model, self._loader(val, self.config, False, 0), device=self.device, amp=self.config.amp)
         meta = {"task": task, "name": name or f"task_{task}", "class_names": class_names}
-        pack = extract_task(model, model_spec=self.manifest["model"]["spec"], meta=meta, run_id=self.run_id, task=task)
+        pack = extract_task(
+            model, model_spec=self.manifest["model"]["spec"], meta=meta, run_id=self.run_id, task=task, state_dtype=self.config.state_dtype
+        )
         digests = gather_strings(pack.content_sha256(), self.dist)
         if len(set(digests)) != 1:
             raise RuntimeError(f"task {task}: ranks ended with different indices or state (pack digests {digests})")

@@ -21,7 +21,7 @@ assert trainer.dist.world_size == 2
 trainer.fit_pools(blobs(64, 4, 1), blobs(16, 4, 2), num_classes=4)
 for t in range(2):
     trainer.fit_task(t, blobs(64, 2, 3 + t), blobs(16, 2, 5 + t), 2)
-pack = extract_task(trainer.model)
+pack = extract_task(trainer.model, state_dtype=trainer.config.state_dtype)
 sha = pack.save(out / f"rank{rank}.nwspack")
 indices = {l.name: l.nws.indices for l in nws_layers(trainer.model)}
 (out / f"rank{rank}.json").write_text(

@@ -156,3 +156,49 @@ def test_state_covers_layernorm_and_layers_left_dense(tmp_path):
     pack = nc.extract_task(model)
     assert {"1.weight", "1.bias", "2.weight", "2.bias", "4.bias", "0.bias"} <= set(pack.state)
     assert not any("parametrizations" in k for k in pack.state)
+
+
+def test_float16_state_halves_the_state_and_round_trips_exactly(saved):
+    """``state_dtype=float16``: float32 entries stored in float16, integer ones unchanged; a model rounded
+    with ``round_state_`` and the model rebuilt from its pack compute the same outputs bit for bit."""
+    model, full, tmp = saved
+    model.layer2[0].bn1.running_var[0] = 1e6  # beyond float16's 65504: this entry keeps float32
+    nc.round_state_(model, "float16")
+    half = nc.extract_task(model, state_dtype="float16")
+    big = "layer2.0.bn1.running_var"
+    assert half.state[big].dtype == torch.float32 and half.state[big][0] == 1e6
+    for k, v in half.state.items():
+        if k != big:
+            assert v.dtype == (torch.float16 if full.state[k].is_floating_point() else full.state[k].dtype), k
+    n_float = sum(v.numel() for k, v in full.state.items() if v.is_floating_point() and k != big)
+    assert full.state_bytes - half.state_bytes == 2 * n_float
+    half.save(tmp / "half.nwspack")
+    loaded = nc.TaskPack.load(tmp / "half.nwspack")
+    assert all(torch.equal(loaded.state[k], half.state[k]) and loaded.state[k].dtype == half.state[k].dtype for k in half.state)
+    fresh = nc.convert(_model(seed=1), pool_size=512, init=tmp / "pools.safetensors")
+    nc.apply_task(fresh, loaded).eval()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+    assert all(v.dtype == model.state_dict()[k].dtype for k, v in fresh.state_dict().items())  # the model keeps float32
+
+
+def test_round_state_changes_values_by_at_most_float16_rounding(saved):
+    model, full, _ = saved
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    nc.round_state_(model, "float16")
+    after = model.state_dict()
+    changed = 0
+    for k, v in full.state.items():
+        if v.is_floating_point():
+            # float16 keeps 11 significant bits: a relative error of at most 2^-11 for normal values
+            # (BatchNorm statistics and affine parameters are far above float16's smallest normal, 6e-5,
+            # or exactly zero/one here)
+            assert torch.allclose(after[k], before[k], rtol=2**-11, atol=6e-8), k
+            assert torch.equal(after[k], before[k].half().float()), k
+            changed += int(not torch.equal(after[k], before[k]))
+        else:
+            assert torch.equal(after[k], before[k]), k
+    assert changed > 0  # the random running_mean of layer1.0.bn1 is not float16-exact
+    nc.round_state_(model, "float32")
+    assert all(torch.equal(model.state_dict()[k], after[k]) for k in after)

@@ -45,6 +45,9 @@ def test_run_directory_layout_and_manifest(finished_run):
         pack = TaskPack.load(out / entry["file"])
         assert pack.pool_sha256 == m["pools"]["sha256"]
         assert pack.num_classes == entry["num_classes"]
+        # state_dtype=float16 (the default): the float32 state is stored in float16, and the bytes recorded say so
+        assert {v.dtype for v in pack.state.values() if v.is_floating_point()} == {torch.float16}
+        assert entry["bytes"]["state"] == pack.state_bytes == sum(v.numel() * v.element_size() for v in pack.state.values())
     # The stage checkpoint is removed once its stage is recorded.
     assert not run.checkpoint_path.exists()
     log = run.read_log()
@@ -237,7 +240,7 @@ def test_pack_base_options(tmp_path, how):
     trained = []
     for t in range(2):
         trainer.fit_task(t, blobs(32, 2, 5 + t), blobs(16, 2, 7 + t), 2)
-        trained.append(nwsconvert.extract_task(trainer.model).content_sha256())
+        trained.append(nwsconvert.extract_task(trainer.model, state_dtype=trainer.config.state_dtype).content_sha256())
     want = {"pools": ["base.nwspack", "base.nwspack"], "task0": [None, "task_0.nwspack"], "none": [None, None]}[how]
     for t in range(2):
         pack = TaskPack.load(tmp_path / "r" / "tasks" / f"task_{t}.nwspack")

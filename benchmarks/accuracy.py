@@ -86,6 +86,7 @@ def main(argv=None) -> int:
                    help="baselines beside NWS (default: dense; none after the flag: NWS alone)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    commit = _commit()  # at the start: the code this run imported
     job = resolve_job([f"suite={args.suite}", "progress=false", *args.items])
     rows = []
     for seed in args.seeds:
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         vals = [100 * r[method]["avg"] for r in rows]
         return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
 
-    result = {"suite": args.suite, "commit": _commit(), "job": job, "methods": ["nws", *args.methods], "rows": rows,
+    result = {"suite": args.suite, "commit": commit, "job": job, "methods": ["nws", *args.methods], "rows": rows,
               "mean": {m: ms(m)[0] for m in ["nws", *args.methods]}, "std": {m: ms(m)[1] for m in ["nws", *args.methods]}}
     print(f"\n{args.suite}, {job['model']}, recipe {job['recipe']}, seeds {args.seeds}")
     for m in ["nws", *args.methods]:

@@ -14,6 +14,8 @@ Prints and writes a JSON with per-seed and mean ± std average accuracy, memory
 (files on disk and the paper's accounting) and training time.
 
     python benchmarks/accuracy.py --suite split-mnist --seeds 1993 1994 1995
+    python benchmarks/accuracy.py suite.path=~/data/cifar-100-python.tar.gz --suite split-cifar100 --methods all
+    (the paper's benchmark: recipe split-cifar100 unless recipe= says otherwise, the paper's table printed beside)
     python benchmarks/accuracy.py suite.train_per_class=200 --suite split-fashion-mnist --methods dense bn_head packnet
     (the nws-train keys come before --methods, which takes every name after it)
 """
@@ -68,6 +70,29 @@ def method_run(name: str, pretrained: torch.nn.Module, job: dict, seed: int, fol
     return {"accs": accs, "avg": sum(accs) / len(accs), "seconds": seconds, **method.memory()}
 
 
+#: Suites the paper reports: the recipe it used, and its table (method -> (average accuracy %, total MB)),
+#: under our method names where we have the method (``nws``, ``dense``, ``packnet``).
+PAPER = {
+    "split-cifar100": {
+        "recipe": "split-cifar100",
+        "source": "Jiang & Celiktutan, WACV, Table 1 (ResNet-18, ImageNet-pretrained, 20 tasks of 5 classes)",
+        "table": {"nws": (73.4, 33.9), "dense": (71.3, 892.0), "KSM": (71.5, 192.5), "packnet": (67.1, 55.2), "AQD": (69.9, 52.7)},
+    },
+}
+
+
+def paper_table(suite: str, mean: dict, megabytes: dict) -> str:
+    """The paper's figures for ``suite`` beside this run's (``mean``: method -> %, ``megabytes``: method -> MB)."""
+    paper = PAPER[suite]
+    lines = [f"paper ({paper['source']}) beside this run:", f"  {'method':<10} {'paper acc':>9} {'paper MB':>9} {'ours acc':>9} {'ours MB':>9}"]
+    for m in dict.fromkeys([*paper["table"], *mean]):
+        acc, mb = paper["table"].get(m, (None, None))
+        cells = [f"{acc:.1f}" if acc is not None else "-", f"{mb:.1f}" if mb is not None else "-",
+                 f"{mean[m]:.2f}" if m in mean else "-", f"{megabytes[m]:.2f}" if m in megabytes else "-"]
+        lines.append(f"  {m:<10} " + " ".join(f"{c:>9}" for c in cells))
+    return "\n".join(lines)
+
+
 def _commit() -> str | None:
     """The checkout's commit, recorded beside the figures (None outside a git checkout)."""
     try:
@@ -82,12 +107,15 @@ def main(argv=None) -> int:
     p.add_argument("items", nargs="*", help="nws-train keys (suite=..., suite.X=..., model=..., epochs=...)")
     p.add_argument("--suite", default="split-mnist")
     p.add_argument("--seeds", type=int, nargs="+", default=[1993, 1994, 1995])
-    p.add_argument("--methods", nargs="*", default=["dense"], choices=sorted(METHODS),
-                   help="baselines beside NWS (default: dense; none after the flag: NWS alone)")
+    p.add_argument("--methods", nargs="*", default=["dense"], choices=["all", *sorted(METHODS)],
+                   help="baselines beside NWS (default: dense; all: every one; none after the flag: NWS alone)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     commit = _commit()  # at the start: the code this run imported
-    job = resolve_job([f"suite={args.suite}", "progress=false", *args.items])
+    if "all" in args.methods:
+        args.methods = list(METHODS)
+    recipe = [f"recipe={PAPER[args.suite]['recipe']}"] if args.suite in PAPER else []  # an item recipe=... overrides it
+    job = resolve_job([f"suite={args.suite}", "progress=false", *recipe, *args.items])
     rows = []
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
@@ -117,6 +145,9 @@ def main(argv=None) -> int:
     if "dense" in args.methods:
         gaps = [100 * (r["dense"]["avg"] - r["nws"]["avg"]) for r in rows]
         print(f"  gap (dense - NWS) per seed: {', '.join(f'{g:+.2f}' for g in gaps)} points; mean {statistics.mean(gaps):+.2f}")
+    if args.suite in PAPER:
+        megabytes = {m: rows[0][m]["disk_bytes"] / 1e6 for m in ["nws", *args.methods]}
+        print(paper_table(args.suite, result["mean"], megabytes))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -122,3 +122,30 @@ def test_packnet_never_changes_an_earlier_task(pretrained, tmp_path):
         assert int((owner == FREE).sum()) == left
     with pytest.raises(ValueError, match="prune"):
         PackNet(pretrained, tmp_path / "x", tiny_config(), seed=1, prune=1.0)
+
+
+def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, capsys):
+    """``accuracy.py --suite split-cifar100 suite.path=... --methods all``: the paper's recipe unless told
+    otherwise, every method, the paper's table printed beside ours (shortened: 2 tasks, 1 epoch)."""
+    import json
+
+    import accuracy
+    from fake_cifar import write_fake_cifar100
+
+    archive = write_fake_cifar100(tmp_path / "cifar-100-python.tar.gz", per_class=2)
+    out = tmp_path / "acc.json"
+    argv = [f"suite.path={archive}", "tasks=2", "epochs=1", "pool_size=16", "batch_size=8", "model=timm:test_resnet",
+            "--suite", "split-cifar100", "--seeds", "1993", "--json", str(out), "--methods", "all"]
+    assert accuracy.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["methods"] == ["nws", "dense", "bn_head", "packnet", "piggyback", "lora4", "lora16"]
+    assert result["job"]["recipe"] == "split-cifar100" and result["job"]["epochs"] == 1
+    for m in result["methods"]:
+        row = result["rows"][0][m]
+        assert len(row["accs"]) == 2 and all(0 <= a <= 1 for a in row["accs"]) and row["disk_bytes"] > 0
+        assert row["avg"] == sum(row["accs"]) / 2
+    printed = capsys.readouterr().out
+    assert "paper (Jiang & Celiktutan" in printed
+    assert [ln.split()[:3] for ln in printed.splitlines() if ln.strip().startswith("KSM")] == [["KSM", "71.5", "192.5"]]
+    nws_line = next(ln.split() for ln in printed.splitlines() if ln.strip().startswith("nws ") and "73.4" in ln)
+    assert nws_line[3] == f"{result['mean']['nws']:.2f}"

@@ -5,12 +5,11 @@ from __future__ import annotations
 import gzip
 import pickle
 import struct
-import tarfile
-import io
 
 import numpy as np
 import pytest
 import torch
+from fake_cifar import write_fake_cifar100
 
 from nwsconvert import TrainConfig
 from nwsconvert.config import lr_factor
@@ -117,21 +116,7 @@ def test_mixed_domain_sequence(tmp_path):
 
 
 def test_cifar100_superclass_tasks_from_archive(tmp_path):
-    rng = np.random.default_rng(0)
-    fine = np.arange(100).repeat(2)
-    coarse = fine // 5  # a stand-in grouping: superclass c holds fine classes 5c..5c+4
-
-    def batch(n):
-        return {"data": rng.integers(0, 255, (n, 3072)).astype(np.uint8), "fine_labels": fine[:n].tolist(), "coarse_labels": coarse[:n].tolist()}
-
-    meta = {"fine_label_names": [f"f{i}" for i in range(100)], "coarse_label_names": [f"c{i}" for i in range(20)]}
-    archive = tmp_path / "cifar-100-python.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for name, obj in (("train", batch(200)), ("test", batch(200)), ("meta", meta)):
-            data = pickle.dumps(obj)  # the archive's own format, written here to fake it
-            info = tarfile.TarInfo(f"cifar-100-python/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    archive = write_fake_cifar100(tmp_path / "cifar-100-python.tar.gz", per_class=2)
     s = get_suite("split-cifar100", path=str(archive))
     assert len(s.tasks) == 20 and s.channels == 3 and s.input_size == (32, 32)
     assert s.tasks[3].name == "task3:c3" and s.tasks[3].class_names == [f"f{i}" for i in range(15, 20)]

@@ -149,3 +149,22 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
     assert [ln.split()[:3] for ln in printed.splitlines() if ln.strip().startswith("KSM")] == [["KSM", "71.5", "192.5"]]
     nws_line = next(ln.split() for ln in printed.splitlines() if ln.strip().startswith("nws ") and "73.4" in ln)
     assert nws_line[3] == f"{result['mean']['nws']:.2f}"
+
+
+def test_accuracy_plot_has_one_point_per_method(tmp_path):
+    """plot_accuracy.py: mean and std over seeds per method, a PNG written; a missing file is a one-line error."""
+    import json
+
+    import plot_accuracy
+
+    rows = [{"seed": s, "nws": {"avg": a, "disk_bytes": 3e6}, "dense": {"avg": b, "disk_bytes": 2e8}}
+            for s, a, b in ((1, 0.80, 0.90), (2, 0.84, 0.90))]
+    result = {"suite": "split-mnist", "job": {"suite_options": {}}, "methods": ["nws", "dense"], "rows": rows}
+    pts = {p["method"]: p for p in plot_accuracy.points(result)}
+    assert pts["nws"]["acc"] == pytest.approx(82.0) and pts["nws"]["std"] == pytest.approx(math.sqrt(8.0))
+    assert pts["dense"]["std"] == 0.0 and pts["dense"]["bytes"] == 2e8
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    assert plot_accuracy.main([str(tmp_path / "r.json"), "--out", str(tmp_path / "a.png")]) == 0
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        plot_accuracy.main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "b.png")])

@@ -1,0 +1,100 @@
+"""Accuracy against memory, one point per method, one panel per task sequence.
+
+Reads the JSON files ``benchmarks/accuracy.py --json`` writes and draws, for each,
+the mean average accuracy over the seeds (error bar: std) against the total bytes
+the method stored for the sequence (files on disk, shared parts included; log
+scale). The figure is an ``nws-report``-style PNG:
+
+    python benchmarks/plot_accuracy.py benchmarks/results/accuracy_hard_pairs.json \\
+        benchmarks/results/accuracy_mixed_domain.json --out benchmarks/results/accuracy_vs_memory.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from nwsconvert.atomic import atomic_write_bytes
+from nwsconvert.report_html import _byte_formatter, _figure, _png
+
+#: method key -> (label, colour); NWS stands out, the rest in muted colours.
+STYLE = {
+    "nws": ("NWS", "#C44E52"),
+    "dense": ("dense finetune", "#8C8C8C"),
+    "bn_head": ("BN + head", "#4C72B0"),
+    "packnet": ("PackNet", "#55A868"),
+    "piggyback": ("Piggyback", "#8172B3"),
+    "lora4": ("LoRA r=4", "#DD8452"),
+    "lora16": ("LoRA r=16", "#937860"),
+}
+
+
+def points(result: dict) -> list[dict]:
+    """One point per method of an ``accuracy.py`` result: ``method``, ``acc`` and ``std`` (%), ``bytes`` (mean over seeds)."""
+    out = []
+    for m in result["methods"]:
+        accs = [100 * row[m]["avg"] for row in result["rows"]]
+        out.append({
+            "method": m,
+            "acc": statistics.mean(accs),
+            "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+            "bytes": statistics.mean(row[m]["disk_bytes"] for row in result["rows"]),
+        })
+    return out
+
+
+def title_of(result: dict, path: Path) -> str:
+    """A panel title: the suite and the options that tell its sequences apart."""
+    opts = result["job"].get("suite_options") or {}
+    extra = ", ".join(f"{k}={v}" for k, v in sorted(opts.items()) if k != "path")
+    return f"{result['suite']}" + (f" ({extra})" if extra else "") + f"\n{len(result['rows'])} seed(s), {path.stem}"
+
+
+def figure(results: list[tuple[Path, dict]]):
+    """The matplotlib figure: one panel per result."""
+    n = len(results)
+    cols = min(n, 2)
+    rows = math.ceil(n / cols)
+    fig = _figure(6.0 * cols, 4.2 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, (path, result) in zip(axes, results):
+        for p in points(result):
+            label, colour = STYLE.get(p["method"], (p["method"], "#333333"))
+            ax.errorbar(p["bytes"], p["acc"], yerr=p["std"], fmt="o", color=colour, capsize=3,
+                        markersize=9 if p["method"] == "nws" else 6, label=label)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(_byte_formatter(compact=True))
+        ax.set_xlabel("memory for every task (files on disk, log scale)")
+        ax.set_ylabel("average accuracy, % (mean ± std over seeds)")
+        ax.set_title(title_of(result, path), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best", framealpha=0.8)
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", type=Path, help="JSON files written by benchmarks/accuracy.py --json")
+    p.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    args = p.parse_args(argv)
+    results = []
+    for path in args.results:
+        try:
+            results.append((path, json.loads(path.read_text())))
+        except FileNotFoundError:
+            p.error(f"{path}: no such file")
+        except json.JSONDecodeError as e:
+            p.error(f"{path}: not an accuracy.py JSON ({e.msg} at line {e.lineno})")
+    atomic_write_bytes(args.out, _png(figure(results)))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

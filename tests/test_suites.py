@@ -168,3 +168,25 @@ def test_recipes_and_schedules():
         TrainConfig.from_dict({"learning_rate": 1})
     with pytest.raises(KeyError, match="known recipes"):
         get_recipe("imagenet")
+
+
+def test_resize_resamples_every_image_of_a_suite(mnist):
+    big = get_suite("split-mnist", resize=64)
+    assert big.input_size == (64, 64) and big.info()["input_size"] == [64, 64] and big.options == {"resize": 64}
+    for a, b in zip(mnist.tasks, big.tasks):
+        for part in ("train", "test"):
+            xa, ya = getattr(a, part).tensors
+            xb, yb = getattr(b, part).tensors
+            assert xb.shape == (xa.shape[0], 1, 64, 64) and torch.equal(ya, yb)
+    assert big.pretrain.tensors[0].shape[-2:] == (64, 64) and big.pretrain_test.tensors[0].shape[-2:] == (64, 64)
+    # Exactly the bilinear resampling of the original images (upsampling: no antialias; shrinking: antialias).
+    x = mnist.tasks[0].test.tensors[0]
+    up = torch.nn.functional.interpolate(x, size=(64, 64), mode="bilinear", align_corners=False)
+    assert torch.equal(big.tasks[0].test.tensors[0], up)
+    small = get_suite("split-mnist", resize=14)
+    down = torch.nn.functional.interpolate(x, size=(14, 14), mode="bilinear", align_corners=False, antialias=True)
+    assert torch.equal(small.tasks[0].test.tensors[0], down)
+    with pytest.raises(ValueError, match="resize=3"):
+        get_suite("split-mnist", resize=3)
+    with pytest.raises(ValueError, match="resize='big'"):
+        get_suite("split-mnist", resize="big")

@@ -24,6 +24,9 @@ Registered suites (``list_suites()``):
 * ``image-folders``: one task per local folder with ``train/`` and ``test/``
   ImageFolder trees (the CUB-to-Sketches layout).
 
+Every suite built from tensors takes ``resize=S``: its images resampled to S x S
+(bilinear, antialiased when shrinking), e.g. 64 for an ImageNet network.
+
 Nothing is ever downloaded: a missing source raises ``FileNotFoundError``
 saying what to install or which path to pass. Every suite knows its input
 size, channels, normalisation and class names (:meth:`TaskSuite.info`, stored
@@ -42,6 +45,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from .registry import Registry
@@ -123,13 +127,37 @@ def list_suites() -> list[str]:
 def get_suite(name: str, **options) -> TaskSuite:
     """Build a registered suite.
 
+    ``resize=S`` (any suite of in-memory tensors) resamples every image to ``S x S``.
+
     Raises:
         KeyError: unknown suite (the message lists the known ones).
         FileNotFoundError: the suite's data is not on this machine (the message says how to get it).
+        ValueError: ``resize`` is not a whole number >= 4, or the suite reads images from files.
     """
+    size = options.pop("resize", None)
+    if size is not None and (type(size) is not int or size < 4):
+        raise ValueError(f"resize={size!r}: expected a whole number of pixels >= 4")
     suite = _SUITES.lookup(name)(**options)
+    if size is not None:
+        _resize(suite, size)
+        options["resize"] = size
     suite.options = dict(options)
     return suite
+
+
+def _resize(suite: "TaskSuite", size: int) -> None:
+    """Resample every image of ``suite`` to ``size x size`` in place (bilinear; antialiased when shrinking)."""
+    sets = [(t, a) for t in suite.tasks for a in ("train", "test")] + [(suite, a) for a in ("pretrain", "pretrain_test")]
+    for owner, attr in sets:
+        data = getattr(owner, attr)
+        if data is None:
+            continue
+        if not isinstance(data, TensorDataset):
+            raise ValueError(f"resize: suite {suite.name!r} reads its images from files; give it its own input size option instead")
+        x, y = data.tensors
+        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=size < x.shape[-1])
+        setattr(owner, attr, TensorDataset(x.contiguous(), y))
+    suite.input_size = (size, size)
 
 
 # ------------------------------------------------------------------ helpers

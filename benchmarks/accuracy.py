@@ -56,6 +56,16 @@ def pretrained_model(job: dict, seed: int) -> torch.nn.Module:
     return model
 
 
+def nws_run(job: dict, seed: int, folder: str) -> dict:
+    """``nws-train`` 's job for one seed in ``folder``; accuracies and bytes as the run directory records them."""
+    tic = time.perf_counter()
+    run_job({**job, "seed": seed, "out": folder})
+    seconds = time.perf_counter() - tic
+    summary = run_summary(folder)
+    accs = [r["acc"] for r in summary["tasks"]]
+    return {"accs": accs, "avg": sum(accs) / len(accs), "seconds": seconds, "disk_bytes": summary["total"]["nws_bytes"], "paper_bits": None}
+
+
 def method_run(name: str, pretrained: torch.nn.Module, job: dict, seed: int, folder: str) -> dict:
     """Every task of the suite with baseline ``name``; accuracies re-loaded from its files, after the last task."""
     cfg = _train_config({**job, "seed": seed})
@@ -109,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[1993, 1994, 1995])
     p.add_argument("--methods", nargs="*", default=["dense"], choices=["all", *sorted(METHODS)],
                    help="baselines beside NWS (default: dense; all: every one; none after the flag: NWS alone)")
+    p.add_argument("--nws-variants", nargs="*", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="more NWS runs beside the first, each with these nws-train keys changed (e.g. task_init=original)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     commit = _commit()  # at the start: the code this run imported
@@ -116,37 +128,37 @@ def main(argv=None) -> int:
         args.methods = list(METHODS)
     recipe = [f"recipe={PAPER[args.suite]['recipe']}"] if args.suite in PAPER else []  # an item recipe=... overrides it
     job = resolve_job([f"suite={args.suite}", "progress=false", *recipe, *args.items])
+    variants = {f"nws[{v}]": resolve_job(v.split(","), job) for v in args.nws_variants}
+    names = ["nws", *variants, *args.methods]
     rows = []
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
-            tic = time.perf_counter()
-            run_job({**job, "seed": seed, "out": f"{tmp}/run"})
-            nws_s = time.perf_counter() - tic
-            summary = run_summary(f"{tmp}/run")
-            nws = [r["acc"] for r in summary["tasks"]]
-            row = {"seed": seed, "nws": {"accs": nws, "avg": sum(nws) / len(nws), "seconds": nws_s,
-                                         "disk_bytes": summary["total"]["nws_bytes"], "paper_bits": None}}
-            pretrained = pretrained_model(job, seed)
+            row = {"seed": seed, "nws": nws_run(job, seed, f"{tmp}/run")}
+            for i, (name, vjob) in enumerate(variants.items()):
+                row[name] = nws_run(vjob, seed, f"{tmp}/variant{i}")
+            if args.methods:
+                pretrained = pretrained_model(job, seed)
             for name in args.methods:
                 row[name] = method_run(name, pretrained, job, seed, f"{tmp}/{name}")
         rows.append(row)
-        print(f"seed {seed}: " + "  ".join(f"{m} {100 * row[m]['avg']:.2f}% ({row[m]['seconds']:.0f}s)" for m in ["nws", *args.methods]), flush=True)
+        print(f"seed {seed}: " + "  ".join(f"{m} {100 * row[m]['avg']:.2f}% ({row[m]['seconds']:.0f}s)" for m in names), flush=True)
 
     def ms(method):
         vals = [100 * r[method]["avg"] for r in rows]
         return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
 
-    result = {"suite": args.suite, "commit": commit, "job": job, "methods": ["nws", *args.methods], "rows": rows,
-              "mean": {m: ms(m)[0] for m in ["nws", *args.methods]}, "std": {m: ms(m)[1] for m in ["nws", *args.methods]}}
+    result = {"suite": args.suite, "commit": commit, "job": job, "methods": names, "rows": rows,
+              "variants": {name: v for name, v in zip(variants, args.nws_variants)},
+              "mean": {m: ms(m)[0] for m in names}, "std": {m: ms(m)[1] for m in names}}
     print(f"\n{args.suite}, {job['model']}, recipe {job['recipe']}, seeds {args.seeds}")
-    for m in ["nws", *args.methods]:
+    for m in names:
         mean, std = ms(m)
         print(f"  {m:<8} {mean:.2f} ± {std:.2f} %   ({rows[0][m]['disk_bytes'] / 1e6:.2f} MB on disk for {len(rows[0][m]['accs'])} tasks)")
     if "dense" in args.methods:
         gaps = [100 * (r["dense"]["avg"] - r["nws"]["avg"]) for r in rows]
         print(f"  gap (dense - NWS) per seed: {', '.join(f'{g:+.2f}' for g in gaps)} points; mean {statistics.mean(gaps):+.2f}")
     if args.suite in PAPER:
-        megabytes = {m: rows[0][m]["disk_bytes"] / 1e6 for m in ["nws", *args.methods]}
+        megabytes = {m: rows[0][m]["disk_bytes"] / 1e6 for m in names}
         print(paper_table(args.suite, result["mean"], megabytes))
     if args.json:
         with open(args.json, "w") as f:

@@ -135,11 +135,13 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
     archive = write_fake_cifar100(tmp_path / "cifar-100-python.tar.gz", per_class=2)
     out = tmp_path / "acc.json"
     argv = [f"suite.path={archive}", "tasks=2", "epochs=1", "pool_size=16", "batch_size=8", "model=timm:test_resnet",
-            "--suite", "split-cifar100", "--seeds", "1993", "--json", str(out), "--methods", "all"]
+            "--suite", "split-cifar100", "--seeds", "1993", "--json", str(out), "--methods", "all", "--nws-variants", "task_init=original,beta=0.1"]
     assert accuracy.main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["methods"] == ["nws", "dense", "bn_head", "packnet", "piggyback", "lora4", "lora16"]
+    variant = "nws[task_init=original,beta=0.1]"
+    assert result["methods"] == ["nws", variant, "dense", "bn_head", "packnet", "piggyback", "lora4", "lora16"]
     assert result["job"]["recipe"] == "split-cifar100" and result["job"]["epochs"] == 1
+    assert result["variants"] == {variant: "task_init=original,beta=0.1"}
     for m in result["methods"]:
         row = result["rows"][0][m]
         assert len(row["accs"]) == 2 and all(0 <= a <= 1 for a in row["accs"]) and row["disk_bytes"] > 0

@@ -115,6 +115,13 @@ def test_mixed_domain_sequence(tmp_path):
         get_suite("mixed-domain", fashion_root=str(tmp_path), train_per_class=300, test_per_class=50)
 
 
+def test_mixed_domain_defaults_fit_every_dataset(tmp_path):
+    """The defaults build: 120 + 50 per class fit the smallest class of the 8x8 digits (174)."""
+    _fake_fashion(tmp_path, train=2000, test=1000)
+    s = get_suite("mixed-domain", fashion_root=str(tmp_path))
+    assert [(len(t.train), len(t.test)) for t in s.tasks] == [(1200, 500)] * 3
+
+
 def test_cifar100_superclass_tasks_from_archive(tmp_path):
     archive = write_fake_cifar100(tmp_path / "cifar-100-python.tar.gz", per_class=2)
     s = get_suite("split-cifar100", path=str(archive))

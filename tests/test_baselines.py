@@ -170,3 +170,16 @@ def test_accuracy_plot_has_one_point_per_method(tmp_path):
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):
         plot_accuracy.main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "b.png")])
+
+
+def test_accuracy_table_rows_and_gap_to_dense():
+    """accuracy_table.py: one Markdown row per method, mean ± std, per-task means, the gap to dense."""
+    import accuracy_table
+
+    rows = [{"seed": s, "nws": {"accs": [a, 1.0], "avg": (a + 1.0) / 2, "seconds": 10, "disk_bytes": 3e6, "paper_bits": None},
+             "dense": {"accs": [0.9, 0.9], "avg": 0.9, "seconds": 2, "disk_bytes": 2e8, "paper_bits": 1.6e9}}
+            for s, a in ((1, 0.6), (2, 0.8))]
+    text = accuracy_table.table({"methods": ["nws", "dense"], "rows": rows})
+    lines = text.splitlines()
+    assert lines[2] == "| **NWS** | 85.00 ± 7.07 % | 70.0 / 100.0 | 3.00 MB (nws-info) | 3.00 MB | 10 s | -5.00 |"
+    assert lines[3] == "| dense finetune | 90.00 ± 0.00 % | 90.0 / 90.0 | 200.00 MB | 200.00 MB | 2 s | +0.00 |"

@@ -1,0 +1,62 @@
+"""The RESULTS.md table of one ``benchmarks/accuracy.py --json`` file, in Markdown.
+
+One row per method: average accuracy (mean ± std over seeds), mean accuracy per task,
+memory for every task in the paper's accounting (floats at 32 bits, PackNet's owner
+map; NWS: what ``nws-info`` counts) and as files on disk, training time per seed,
+and the gap to dense finetune (method − dense, points) when dense ran.
+
+    python benchmarks/accuracy_table.py benchmarks/results/accuracy_mixed_domain.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+LABELS = {"nws": "**NWS**", "dense": "dense finetune", "bn_head": "BN + head", "packnet": "PackNet (prune 60 %)",
+          "piggyback": "Piggyback", "lora4": "LoRA r=4", "lora16": "LoRA r=16"}
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def table(result: dict) -> str:
+    """Markdown table of an ``accuracy.py`` result (accuracies in %, bytes in MB of 10^6)."""
+    rows = result["rows"]
+    tasks = len(rows[0]["nws"]["accs"])
+    dense = [100 * r["dense"]["avg"] for r in rows] if "dense" in result["methods"] else None
+    head = (f"| method | avg acc (mean ± std, {len(rows)} seed{'s' if len(rows) > 1 else ''}) | per task, mean (tasks 0–{tasks - 1}) "
+            "| memory, paper accounting | files on disk | training time / seed | method − dense, points |")
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for m in result["methods"]:
+        label = LABELS.get(m, f"**NWS** `{m[4:-1]}`" if m.startswith("nws[") else m)
+        avg, std = _mean_std([100 * r[m]["avg"] for r in rows])
+        per_task = " / ".join(f"{100 * statistics.mean(r[m]['accs'][t] for r in rows):.1f}" for t in range(tasks))
+        disk = statistics.mean(r[m]["disk_bytes"] for r in rows) / 1e6
+        bits = [r[m].get("paper_bits") for r in rows]
+        paper = f"{statistics.mean(bits) / 8e6:.2f} MB" if all(b is not None for b in bits) else f"{disk:.2f} MB (nws-info)"
+        seconds = statistics.mean(r[m]["seconds"] for r in rows)
+        gap = f"{statistics.mean(100 * r[m]['avg'] - d for r, d in zip(rows, dense)):+.2f}" if dense is not None else "–"
+        lines.append(f"| {label} | {avg:.2f} ± {std:.2f} % | {per_task} | {paper} | {disk:.2f} MB | {seconds:.0f} s | {gap} |")
+    per_seed = "; ".join(f"{LABELS.get(m, m).strip('*')} " + " / ".join(f"{100 * r[m]['avg']:.2f}" for r in rows) for m in result["methods"])
+    return "\n".join(lines) + f"\n\nPer seed ({', '.join(str(r['seed']) for r in rows)}), avg %: {per_seed}."
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("result", type=Path, help="a JSON written by benchmarks/accuracy.py --json")
+    args = p.parse_args(argv)
+    try:
+        result = json.loads(args.result.read_text())
+    except FileNotFoundError:
+        p.error(f"{args.result}: no such file")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

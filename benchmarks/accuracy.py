@@ -34,6 +34,7 @@ import time
 import torch
 
 from baselines import METHODS, fit  # benchmarks/ is on sys.path when this script runs
+from nwsconvert.atomic import atomic_write_bytes
 from nwsconvert.cli import resolve_job, run_job, _train_config
 from nwsconvert.specs import build_model
 from nwsconvert.summary import run_summary
@@ -128,6 +129,21 @@ def _commit() -> str | None:
         return None
 
 
+def _result(args, commit, job, names, variants, rows) -> dict:
+    """The JSON of a run so far: per-seed rows, mean and std (%) per method."""
+    def ms(method):
+        vals = [100 * r[method]["avg"] for r in rows]
+        return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
+
+    return {"suite": args.suite, "commit": commit, "machine": _machine(), "job": job, "methods": names, "rows": rows,
+            "variants": {name: v for name, v in zip(variants, args.nws_variants)}, "seeds": args.seeds,
+            "mean": {m: ms(m)[0] for m in names}, "std": {m: ms(m)[1] for m in names}}
+
+
+def _write(path: str, result: dict) -> None:
+    atomic_write_bytes(path, json.dumps(result, indent=2).encode())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("items", nargs="*", help="nws-train keys (suite=..., suite.X=..., model=..., epochs=...)")
@@ -157,18 +173,14 @@ def main(argv=None) -> int:
             for name in args.methods:
                 row[name] = method_run(name, pretrained, job, seed, f"{tmp}/{name}")
         rows.append(row)
+        if args.json:  # after every seed: a killed run keeps the seeds it finished
+            _write(args.json, _result(args, commit, job, names, variants, rows))
         print(f"seed {seed}: " + "  ".join(f"{m} {100 * row[m]['avg']:.2f}% ({row[m]['seconds']:.0f}s)" for m in names), flush=True)
 
-    def ms(method):
-        vals = [100 * r[method]["avg"] for r in rows]
-        return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
-
-    result = {"suite": args.suite, "commit": commit, "machine": _machine(), "job": job, "methods": names, "rows": rows,
-              "variants": {name: v for name, v in zip(variants, args.nws_variants)},
-              "mean": {m: ms(m)[0] for m in names}, "std": {m: ms(m)[1] for m in names}}
+    result = _result(args, commit, job, names, variants, rows)
     print(f"\n{args.suite}, {job['model']}, recipe {job['recipe']}, seeds {args.seeds}")
     for m in names:
-        mean, std = ms(m)
+        mean, std = result["mean"][m], result["std"][m]
         print(f"  {m:<8} {mean:.2f} ± {std:.2f} %   ({rows[0][m]['disk_bytes'] / 1e6:.2f} MB on disk for {len(rows[0][m]['accs'])} tasks)")
     if "dense" in args.methods:
         gaps = [100 * (r["dense"]["avg"] - r["nws"]["avg"]) for r in rows]
@@ -177,8 +189,7 @@ def main(argv=None) -> int:
         megabytes = {m: rows[0][m]["disk_bytes"] / 1e6 for m in names}
         print(paper_table(args.suite, result["mean"], megabytes))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        _write(args.json, result)
     return 0
 
 

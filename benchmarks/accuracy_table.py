@@ -29,7 +29,7 @@ def table(result: dict) -> str:
     rows = result["rows"]
     tasks = len(rows[0]["nws"]["accs"])
     dense = [100 * r["dense"]["avg"] for r in rows] if "dense" in result["methods"] else None
-    head = (f"| method | avg acc (mean ± std, {len(rows)} seed{'s' if len(rows) > 1 else ''}) | per task, mean (tasks 0–{tasks - 1}) "
+    head = (f"| method | avg acc ({'mean ± std, ' if len(rows) > 1 else ''}{len(rows)} seed{'s' if len(rows) > 1 else ''}) | per task, mean (tasks 0–{tasks - 1}) "
             "| memory, paper accounting | files on disk | training time / seed | method − dense, points |")
     lines = [head, "|---|---|---|---|---|---|---|"]
     for m in result["methods"]:
@@ -41,7 +41,8 @@ def table(result: dict) -> str:
         paper = f"{statistics.mean(bits) / 8e6:.2f} MB" if all(b is not None for b in bits) else f"{disk:.2f} MB (nws-info)"
         seconds = statistics.mean(r[m]["seconds"] for r in rows)
         gap = f"{statistics.mean(100 * r[m]['avg'] - d for r, d in zip(rows, dense)):+.2f}" if dense is not None else "–"
-        lines.append(f"| {label} | {avg:.2f} ± {std:.2f} % | {per_task} | {paper} | {disk:.2f} MB | {seconds:.0f} s | {gap} |")
+        spread = f" ± {std:.2f}" if len(rows) > 1 else ""  # one seed: no spread to show
+        lines.append(f"| {label} | {avg:.2f}{spread} % | {per_task} | {paper} | {disk:.2f} MB | {seconds:.0f} s | {gap} |")
     per_seed = "; ".join(f"{LABELS.get(m, m).strip('*')} " + " / ".join(f"{100 * r[m]['avg']:.2f}" for r in rows) for m in result["methods"])
     return "\n".join(lines) + f"\n\nPer seed ({', '.join(str(r['seed']) for r in rows)}), avg %: {per_seed}."
 

@@ -7,6 +7,9 @@ scale). The figure is an ``nws-report``-style PNG:
 
     python benchmarks/plot_accuracy.py benchmarks/results/accuracy_hard_pairs.json \\
         benchmarks/results/accuracy_mixed_domain.json --out benchmarks/results/accuracy_vs_memory.png
+
+``A.json+B.json`` draws B's NWS in A's panel, named by the job keys B changed
+(e.g. ``nws[task_init=original]``), for an NWS variant run on its own.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ STYLE = {
     "lora4": ("LoRA r=4", "#DD8452"),
     "lora16": ("LoRA r=16", "#937860"),
 }
+
+
+def merge(first: dict, other: dict) -> dict:
+    """``first`` with ``other``'s NWS rows added as ``nws[key=value,...]`` (the job keys ``other`` changed)."""
+    changed = ",".join(f"{k}={v}" for k, v in sorted(other["job"].items()) if first["job"].get(k) != v)
+    name = f"nws[{changed}]"
+    by_seed = {r["seed"]: r for r in other["rows"]}
+    rows = [{**r, name: by_seed[r["seed"]]["nws"]} for r in first["rows"] if r["seed"] in by_seed]
+    return {**first, "methods": [*first["methods"][:1], name, *first["methods"][1:]], "rows": rows}
 
 
 def points(result: dict) -> list[dict]:
@@ -59,20 +71,21 @@ def figure(results: list[tuple[Path, dict]]):
     n = len(results)
     cols = min(n, 2)
     rows = math.ceil(n / cols)
-    fig = _figure(6.0 * cols, 4.2 * rows)
+    fig = _figure(7.6 * cols, 4.2 * rows)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, (path, result) in zip(axes, results):
         for p in points(result):
-            label, colour = STYLE.get(p["method"], (p["method"], "#333333"))
-            ax.errorbar(p["bytes"], p["acc"], yerr=p["std"], fmt="o", color=colour, capsize=3,
-                        markersize=9 if p["method"] == "nws" else 6, label=label)
+            variant = p["method"].startswith("nws[")
+            label, colour = STYLE.get(p["method"], (f"NWS {p['method'][4:-1]}" if variant else p["method"], "#7A1F22" if variant else "#333333"))
+            ax.errorbar(p["bytes"], p["acc"], yerr=p["std"], fmt="^" if variant else "o", color=colour, capsize=3,
+                        markersize=9 if p["method"].startswith("nws") else 6, label=label)
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(_byte_formatter(compact=True))
         ax.set_xlabel("memory for every task (files on disk, log scale)")
         ax.set_ylabel("average accuracy, % (mean ± std over seeds)")
         ax.set_title(title_of(result, path), fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best", framealpha=0.8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the panel: never over a point
     for ax in axes[n:]:
         ax.set_visible(False)
     return fig
@@ -80,17 +93,23 @@ def figure(results: list[tuple[Path, dict]]):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", nargs="+", type=Path, help="JSON files written by benchmarks/accuracy.py --json")
+    p.add_argument("results", nargs="+", help="JSON files written by benchmarks/accuracy.py --json (A.json+B.json: one panel)")
     p.add_argument("--out", type=Path, required=True, help="the PNG to write")
     args = p.parse_args(argv)
     results = []
-    for path in args.results:
-        try:
-            results.append((path, json.loads(path.read_text())))
-        except FileNotFoundError:
-            p.error(f"{path}: no such file")
-        except json.JSONDecodeError as e:
-            p.error(f"{path}: not an accuracy.py JSON ({e.msg} at line {e.lineno})")
+    for arg in args.results:
+        panel = []
+        for path in map(Path, arg.split("+")):
+            try:
+                panel.append(json.loads(path.read_text()))
+            except FileNotFoundError:
+                p.error(f"{path}: no such file")
+            except json.JSONDecodeError as e:
+                p.error(f"{path}: not an accuracy.py JSON ({e.msg} at line {e.lineno})")
+        result = panel[0]
+        for other in panel[1:]:
+            result = merge(result, other)
+        results.append((Path(arg.split("+")[0]), result))
     atomic_write_bytes(args.out, _png(figure(results)))
     print(f"wrote {args.out}")
     return 0

@@ -92,7 +92,8 @@ class TrainConfig:
             smallest total when every task is kept, but every pack then needs task 0) or
             ``none`` (every pack standalone).
         state_dtype: what a task pack stores its float32 non-pool state in (BatchNorm
-            affine parameters and statistics, the head's bias...): ``float16`` (half the
+            affine parameters and statistics, the head's bias, the weights of layers left
+            dense, LayerNorm...): ``float16`` (half the
             bytes; the model is rounded to it before the evaluation the pack's accuracy
             is recorded from) or ``float32``.
         amp: ``auto`` (bfloat16/float16 autocast on CUDA, off on CPU), ``off``, ``bf16``, ``fp16``.

@@ -16,12 +16,10 @@ import statistics
 import sys
 from pathlib import Path
 
+from plot_accuracy import points  # benchmarks/ is on sys.path when this script runs
+
 LABELS = {"nws": "**NWS**", "dense": "dense finetune", "bn_head": "BN + head", "packnet": "PackNet (prune 60 %)",
           "piggyback": "Piggyback", "lora4": "LoRA r=4", "lora16": "LoRA r=16"}
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def table(result: dict) -> str:
@@ -32,11 +30,12 @@ def table(result: dict) -> str:
     head = (f"| method | avg acc ({'mean ± std, ' if len(rows) > 1 else ''}{len(rows)} seed{'s' if len(rows) > 1 else ''}) | per task, mean (tasks 0–{tasks - 1}) "
             "| memory, paper accounting | files on disk | training time / seed | method − dense, points |")
     lines = [head, "|---|---|---|---|---|---|---|"]
+    stats = {p["method"]: p for p in points(result)}  # mean ± std over seeds, as the figure draws them
     for m in result["methods"]:
         label = LABELS.get(m, f"**NWS** `{m[4:-1]}`" if m.startswith("nws[") else m)
-        avg, std = _mean_std([100 * r[m]["avg"] for r in rows])
+        avg, std = stats[m]["acc"], stats[m]["std"]
         per_task = " / ".join(f"{100 * statistics.mean(r[m]['accs'][t] for r in rows):.1f}" for t in range(tasks))
-        disk = statistics.mean(r[m]["disk_bytes"] for r in rows) / 1e6
+        disk = stats[m]["bytes"] / 1e6
         bits = [r[m].get("paper_bits") for r in rows]
         paper = f"{statistics.mean(bits) / 8e6:.2f} MB" if all(b is not None for b in bits) else f"{disk:.2f} MB (nws-info)"
         seconds = statistics.mean(r[m]["seconds"] for r in rows)

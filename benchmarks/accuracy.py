@@ -18,6 +18,12 @@ Prints and writes a JSON with per-seed and mean ± std average accuracy, memory
     (the paper's benchmark: recipe split-cifar100 unless recipe= says otherwise, the paper's table printed beside)
     python benchmarks/accuracy.py suite.train_per_class=200 --suite split-fashion-mnist --methods dense bn_head packnet
     (the nws-train keys come before --methods, which takes every name after it)
+    python benchmarks/accuracy.py --suite mixed-domain --methods all --json r.json --resume
+    (a killed run, or one with more seeds or methods than ``r.json``: only what ``r.json`` lacks is run)
+
+The JSON is written after every method of every seed: a killed run loses at most the method it was
+running. ``--resume`` keeps what the JSON already holds for the same job and runs the rest; a JSON of
+another job (suite, model, recipe, keys, variants) is refused, naming the keys that differ.
 """
 
 from __future__ import annotations
@@ -129,19 +135,49 @@ def _commit() -> str | None:
         return None
 
 
-def _result(args, commit, job, names, variants, rows) -> dict:
-    """The JSON of a run so far: per-seed rows, mean and std (%) per method."""
+def _result(args, commit, job, names, variants, rows, partial=None) -> dict:
+    """The JSON of a run so far: complete per-seed rows, mean and std (%) per method over them, and
+    ``partial``, the seed in progress (the methods it has finished), for ``--resume``."""
     def ms(method):
         vals = [100 * r[method]["avg"] for r in rows]
+        if not vals:
+            return None, None
         return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
 
     return {"suite": args.suite, "commit": commit, "machine": _machine(), "job": job, "methods": names, "rows": rows,
             "variants": {name: v for name, v in zip(variants, args.nws_variants)}, "seeds": args.seeds,
-            "mean": {m: ms(m)[0] for m in names}, "std": {m: ms(m)[1] for m in names}}
+            "mean": {m: ms(m)[0] for m in names}, "std": {m: ms(m)[1] for m in names},
+            **({"partial": partial} if partial else {})}
 
 
 def _write(path: str, result: dict) -> None:
     atomic_write_bytes(path, json.dumps(result, indent=2).encode())
+
+
+def _resumed(path: str, suite: str, job: dict) -> dict:
+    """seed -> the methods ``path`` already measured for this job (complete rows and the partial one; a
+    variant's figures are kept under its name, ``nws[key=value]``, whose job follows from the base job).
+
+    Raises SystemExit naming the file and the keys that differ when ``path`` holds another job's figures."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--resume: {path} is not a readable accuracy JSON ({exc})") from None
+    here = json.loads(json.dumps(job))  # tuples as lists, as the file holds them
+    there = old.get("job", {})
+    differ = sorted(k for k in {*here, *there} if here.get(k) != there.get(k))
+    if old.get("suite") != suite:
+        differ.insert(0, "--suite")
+    if differ:
+        raise SystemExit(f"--resume: {path} holds another job's figures ({', '.join(differ)} differ); "
+                         "give another --json or the same keys")
+    done = {}
+    for row in [*old.get("rows", []), *([old["partial"]] if old.get("partial") else [])]:
+        done.setdefault(row["seed"], {}).update({k: v for k, v in row.items() if k != "seed"})
+    return done
 
 
 def main(argv=None) -> int:
@@ -153,8 +189,12 @@ def main(argv=None) -> int:
                    help="baselines beside NWS (default: dense; all: every one; none after the flag: NWS alone)")
     p.add_argument("--nws-variants", nargs="*", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="more NWS runs beside the first, each with these nws-train keys changed (e.g. task_init=original)")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json", default=None, help="write the results here (after every method of every seed)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep what --json already holds for this job (its seeds join --seeds); run only what it lacks")
     args = p.parse_args(argv)
+    if args.resume and not args.json:
+        p.error("--resume needs --json, the file to resume")
     commit = _commit()  # at the start: the code this run imported
     if "all" in args.methods:
         args.methods = list(METHODS)
@@ -162,18 +202,36 @@ def main(argv=None) -> int:
     job = resolve_job([f"suite={args.suite}", "progress=false", *recipe, *args.items])
     variants = {f"nws[{v}]": resolve_job(v.split(","), job) for v in args.nws_variants}
     names = ["nws", *variants, *args.methods]
+    done = _resumed(args.json, args.suite, job) if args.resume else {}
+    args.seeds = list(dict.fromkeys([*done, *args.seeds]))  # resuming never drops a seed the file holds
+    dropped = sorted({m for row in done.values() for m in row} - set(names))
+    if dropped:  # nor a method: the file is rewritten with this command's methods
+        p.error(f"--resume: {args.json} holds {', '.join(dropped)}, which this command does not run; "
+                "add them to --methods / --nws-variants or give another --json")
     rows = []
     for seed in args.seeds:
+        row = {"seed": seed, **{m: r for m, r in done.get(seed, {}).items() if m in names}}
+        if len(row) > 1:
+            print(f"seed {seed}: kept from {args.json}: {', '.join(m for m in names if m in row)}", flush=True)
+
+        def finished(name, figures):
+            row[name] = {**figures, "commit": commit}
+            if args.json:  # after every method: a killed run loses at most the one it was running
+                _write(args.json, _result(args, commit, job, names, variants, rows, partial=row))
+
         with tempfile.TemporaryDirectory() as tmp:
-            row = {"seed": seed, "nws": nws_run(job, seed, f"{tmp}/run")}
+            if "nws" not in row:
+                finished("nws", nws_run(job, seed, f"{tmp}/run"))
             for i, (name, vjob) in enumerate(variants.items()):
-                row[name] = nws_run(vjob, seed, f"{tmp}/variant{i}")
-            if args.methods:
+                if name not in row:
+                    finished(name, nws_run(vjob, seed, f"{tmp}/variant{i}"))
+            todo = [name for name in args.methods if name not in row]
+            if todo:
                 pretrained = pretrained_model(job, seed)
-            for name in args.methods:
-                row[name] = method_run(name, pretrained, job, seed, f"{tmp}/{name}")
+            for name in todo:
+                finished(name, method_run(name, pretrained, job, seed, f"{tmp}/{name}"))
         rows.append(row)
-        if args.json:  # after every seed: a killed run keeps the seeds it finished
+        if args.json:
             _write(args.json, _result(args, commit, job, names, variants, rows))
         print(f"seed {seed}: " + "  ".join(f"{m} {100 * row[m]['avg']:.2f}% ({row[m]['seconds']:.0f}s)" for m in names), flush=True)
 

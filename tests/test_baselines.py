@@ -183,3 +183,56 @@ def test_accuracy_table_rows_and_gap_to_dense():
     lines = text.splitlines()
     assert lines[2] == "| **NWS** | 85.00 ± 7.07 % | 70.0 / 100.0 | 3.00 MB (nws-info) | 3.00 MB | 10 s | -5.00 |"
     assert lines[3] == "| dense finetune | 90.00 ± 0.00 % | 90.0 / 90.0 | 200.00 MB | 200.00 MB | 2 s | +0.00 |"
+
+
+def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
+    """accuracy.py writes after every method; ``--resume`` keeps those figures and runs the rest, refuses a
+    JSON of another job (naming the key) and a command that would drop a method the JSON holds."""
+    import json
+
+    import accuracy
+
+    calls, kill = [], [("bn_head", 1994)]
+
+    class Killed(Exception):
+        """Stands for the run being killed (SIGKILL cannot be caught in-process)."""
+
+    def fake(name):
+        def run(*args):
+            seed = args[-2]
+            calls.append((name, seed))
+            if (name, seed) in kill:
+                kill.clear()
+                raise Killed  # the run killed inside its second seed's last method
+            return {"accs": [0.5, 0.7], "avg": 0.6 + seed % 10 / 100, "seconds": 1.0, "disk_bytes": 10, "paper_bits": None}
+        return run
+
+    monkeypatch.setattr(accuracy, "nws_run", lambda job, seed, folder: fake("nws")(job, seed, folder))
+    monkeypatch.setattr(accuracy, "method_run", lambda name, pre, job, seed, folder: fake(name)(pre, job, seed, folder))
+    monkeypatch.setattr(accuracy, "pretrained_model", lambda job, seed: None)
+    out = tmp_path / "acc.json"
+    argv = ["epochs=1", "--suite", "split-mnist", "--json", str(out), "--seeds", "1993", "1994", "--methods", "dense", "bn_head"]
+    with pytest.raises(Killed):
+        accuracy.main(argv)
+    kept = json.loads(out.read_text())
+    assert [r["seed"] for r in kept["rows"]] == [1993]
+    assert sorted(kept["partial"]) == ["dense", "nws", "seed"] and kept["partial"]["seed"] == 1994
+    calls.clear()
+    assert accuracy.main([*argv, "--resume"]) == 0
+    assert calls == [("bn_head", 1994)]  # nothing finished is run again
+    result = json.loads(out.read_text())
+    assert [r["seed"] for r in result["rows"]] == [1993, 1994] and "partial" not in result
+    assert result["rows"][1]["nws"] == kept["partial"]["nws"]
+    assert result["mean"]["bn_head"] == pytest.approx(100 * (0.63 + 0.64) / 2)
+
+    calls.clear()  # more seeds later: the file's seeds are kept, only the new one runs
+    assert accuracy.main(["epochs=1", "--suite", "split-mnist", "--json", str(out), "--seeds", "1995",
+                          "--methods", "dense", "bn_head", "--resume"]) == 0
+    assert sorted(calls) == [("bn_head", 1995), ("dense", 1995), ("nws", 1995)]
+    assert [r["seed"] for r in json.loads(out.read_text())["rows"]] == [1993, 1994, 1995]
+
+    with pytest.raises(SystemExit, match="epochs"):
+        accuracy.main(["epochs=2", *argv[1:], "--resume"])
+    with pytest.raises(SystemExit):
+        accuracy.main([*argv[:-1], "--resume"])  # would drop bn_head's figures
+    assert calls == [("nws", 1995), ("dense", 1995), ("bn_head", 1995)]

@@ -132,7 +132,7 @@ def search_stats(model: nn.Module) -> dict:
     layers = _require(model)
     searched = sum(layer.nws.stats["searched"] for layer in layers)
     total = sum(layer.nws.stats["total"] for layer in layers)
-    exact = sum(layer.nws.stats["exact_rows"] for layer in layers)
+    exact = int(sum(layer.nws.stats["exact_rows"] for layer in layers))  # device counts (fused search): one sync here
     return {"searched": searched, "total": total, "fraction": searched / max(total, 1), "exact_rows": exact}
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import fused_search
+
 __all__ = ["SearchResult", "PreparedPool", "brute_force", "nearest_two", "nearest_scalar", "scalar_cells", "DEFAULT_CHUNK"]
 
 #: Rows per ``addmm`` block. 2048 x 512 float32 distances = 4 MiB: fits in L2/L3
@@ -131,12 +133,13 @@ class SearchResult:
         index: ``(N,)`` int64, the nearest pool entry of each row (lowest index on ties).
         radius: ``(N,)`` float64, how far (L2) the row may move, together with
             any pool-entry movement, before its nearest entry can change. ``0`` on ties.
-        exact_rows: how many rows needed the float64 fallback (near-ties).
+        exact_rows: how many rows needed the float64 fallback (near-ties); a 0-dim device
+            tensor on the fused CUDA path, so that reading it is the caller's (one) sync.
     """
 
     index: torch.Tensor
     radius: torch.Tensor
-    exact_rows: int = 0
+    exact_rows: int | torch.Tensor = 0
 
 
 def _exact_sq_dist(x: torch.Tensor, pool) -> np.ndarray:
@@ -318,7 +321,9 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
         product bound, with a factor 2 of slack for BLAS blocking). A winner
         whose margin over the runner-up exceeds twice that is the true argmin;
         the rest go to the float64 fallback. On CPU, batches of up to
-        :data:`FLOAT64_ROWS` rows use the same bound in float64 (u = 2^-53).
+        :data:`FLOAT64_ROWS` rows use the same bound in float64 (u = 2^-53). CUDA
+        tensors take :func:`~nwsconvert.fused_search.fused_nearest_two` (Triton) when
+        Triton is installed: the same answer without the distance matrix or a host sync.
     """
     prep = _prepared(pool)
     pool = prep.pool
@@ -330,6 +335,10 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
     if 0 < num <= FLOAT64_ROWS and vectors.device.type == "cpu":
         idx, rad, exact_rows = _nearest_two_f64(vectors, prep)
         return SearchResult(torch.from_numpy(idx), torch.from_numpy(rad), exact_rows)
+    if vectors.device.type == "cuda" and fused_search.available(vectors.device):
+        # One fused kernel pass, certified and resolved on the device (no N x n matrix, no host sync).
+        idx, rad, exact = fused_search.fused_nearest_two(vectors, pool)
+        return SearchResult(idx, rad, exact.sum())
     index = torch.empty(num, dtype=torch.int64, device=vectors.device)
     radius = torch.empty(num, dtype=torch.float64, device=vectors.device)
     if num == 0:

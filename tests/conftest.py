@@ -6,6 +6,11 @@ import torch
 # CI machines have 2 cores; keep intra-op threads at the core count.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Without CUDA, Triton kernels run in Triton's interpreter on CPU tensors (tests/test_fused_search.py).
+# Set before any test imports a kernel module: triton.jit reads it when a kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def _seed():

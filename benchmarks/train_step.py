@@ -13,6 +13,13 @@ and the lazy search does real work.
 The NWS step fuses the commitment gradient into the backward
 (``nwsconvert.set_commitment(model, 1.0)``); ``--unfused`` adds
 ``commitment_loss(model)`` to the loss instead (same gradient, autograd MSE).
+``--search`` picks how the indices are kept exact, as ``nws-train search=`` does:
+``engine`` (one update for the whole model, :class:`nwsconvert.engine.SearchEngine`),
+``layer`` (each layer's own lazy search), ``auto`` (engine on CUDA, layer on CPU).
+
+On CUDA it also counts, over one NWS step and one dense step, the host-device
+synchronisations (``torch.cuda.set_sync_debug_mode('warn')``) and the kernel
+launches (``torch.profiler``).
 
 Memory: each variant in a fresh subprocess; peak RSS (``VmHWM``, reset
 after the model is built and converted) over 8 training steps, reported in
@@ -43,9 +50,12 @@ def build(args, nws: bool):
     torch.manual_seed(0)
     model = timm.create_model(args.model, num_classes=10).to(args.device)
     if nws:
+        from nwsconvert.engine import search_engine
+
         nwsconvert.convert(model, pool_size=args.pool_size, init="kmeans")
         if not args.unfused:
             nwsconvert.set_commitment(model, 1.0)
+        model.nws_engine = search_engine(model, args.search)  # kept alive with the model (None: per layer)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5)
     return model, opt
@@ -60,6 +70,29 @@ def step(model, opt, x, y, nws: bool, unfused: bool = False):
         loss = loss + nwsconvert.commitment_loss(model)
     loss.backward()
     opt.step()
+
+
+def host_work(model, opt, x, y, nws: bool, unfused: bool) -> dict:
+    """Host-device synchronisations and CUDA kernel launches of one training step (CUDA only)."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(model, opt, x, y, nws, unfused)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(model, opt, x, y, nws, unfused)
+        torch.cuda.synchronize()
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"syncs": syncs, "kernels": kernels}
 
 
 def _sync(device):
@@ -113,6 +146,9 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--unfused", action="store_true",
                     help="add commitment_loss() to the loss (autograd MSE) instead of set_commitment() (fused)")
+    ap.add_argument("--search", choices=["auto", "engine", "layer"], default="auto",
+                    help="NWS index search: engine (whole model), layer (per layer), auto (engine on CUDA)")
+    ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--memory-child", choices=["dense", "nws"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -143,13 +179,20 @@ def main():
 
     mem = {}
     for variant in ("dense", "nws"):
-        cmd = [sys.executable, __file__, "--memory-child", variant, *(["--unfused"] if args.unfused else []), "--model", args.model, "--batch", str(args.batch),
+        cmd = [sys.executable, __file__, "--memory-child", variant, *(["--unfused"] if args.unfused else []),
+               "--search", args.search, "--model", args.model, "--batch", str(args.batch),
                "--size", str(args.size), "--pool-size", str(args.pool_size), "--threads", str(args.threads),
                "--device", args.device]
         mem[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
-    print(f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, {args.device}, "
-          f"torch {torch.__version__}")
+    host = {}
+    if args.device.startswith("cuda"):
+        host = {name: host_work(m, o, x, y, name == "nws", args.unfused) for name, (m, o) in
+                (("dense", (dense, dopt)), ("nws", (nws, nopt)))}
+    engine = getattr(nws, "nws_engine", None)
+    device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+    print(f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, {args.device} "
+          f"({device_name}), torch {torch.__version__}, search {'engine (' + engine.kernel + ')' if engine else 'layer'}")
     paired = statistics.median(n / d for n, d in zip(times["nws"], times["dense"]))
     print(f"step time   dense {td * 1e3:8.1f} ms   NWS {tn * 1e3:8.1f} ms   ratio {tn / td:.2f}x "
           f"(median of {args.rounds}, interleaved; median of per-round ratios {paired:.2f}x)")
@@ -163,6 +206,16 @@ def main():
     if "cuda_peak_mb" in d:
         print(f"CUDA peak   dense {d['cuda_peak_mb']:8.1f} MB   NWS {n['cuda_peak_mb']:8.1f} MB   ratio "
               f"{n['cuda_peak_mb'] / d['cuda_peak_mb']:.2f}x")
+    for name, h in host.items():
+        print(f"per {name} step: {h['syncs']} host syncs, {h['kernels']} kernel launches")
+    if args.json:
+        from nwsconvert.atomic import atomic_write_bytes
+
+        atomic_write_bytes(args.json, json.dumps({
+            "args": vars(args), "torch": torch.__version__, "device": device_name,
+            "search": ("engine:" + engine.kernel) if engine else "layer",
+            "dense_ms": td * 1e3, "nws_ms": tn * 1e3, "ratio": tn / td, "paired_ratio": paired,
+            "searched_median": statistics.median(searched), "memory": mem, "host_work": host}, indent=2).encode())
 
 
 if __name__ == "__main__":

@@ -97,6 +97,10 @@ class TrainConfig:
             bytes; the model is rounded to it before the evaluation the pack's accuracy
             is recorded from) or ``float32``.
         amp: ``auto`` (bfloat16/float16 autocast on CUDA, off on CPU), ``off``, ``bf16``, ``fp16``.
+        search: how training keeps indices exact. ``engine``: one update for the whole model
+            (:class:`~nwsconvert.engine.SearchEngine`: flat buffers, fused Triton search, no host
+            sync); ``layer``: each layer's own lazy search (BLAS + NumPy, fastest on CPU);
+            ``auto``: ``engine`` on CUDA with Triton, else ``layer``. Both give the same indices.
         seed: seeds model init, data order and head rows.
         deterministic: ``torch.use_deterministic_algorithms(True)`` (slower on GPU).
         num_workers: DataLoader workers.
@@ -124,6 +128,7 @@ class TrainConfig:
     pack_base: str = "pools"
     state_dtype: str = "float16"
     amp: str = "auto"
+    search: str = "auto"
     seed: int = 1993
     deterministic: bool = False
     num_workers: int = 0
@@ -139,6 +144,7 @@ class TrainConfig:
             "pack_base": ("pools", "task0", "none"),
             "state_dtype": ("float16", "float32"),
             "amp": ("auto", "off", "bf16", "fp16"),
+            "search": ("auto", "engine", "layer"),
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-__all__ = ["available", "fused_nearest_two"]
+__all__ = ["BLOCK_R", "available", "fused_nearest_two", "row_blocks", "segmented_nearest_two"]
 
 #: Triton is imported on first search (0.3 s), from :mod:`nwsconvert.triton_kernels`. CPU-only torch
 #: wheels come without it.
@@ -44,8 +44,8 @@ _U32 = 2.0**-24
 _TINY32 = 2.0**-149
 #: Same shrink of every radius as the BLAS path (``search._RADIUS_SHRINK``).
 _RADIUS_SHRINK = 1.0 - 1e-4
-#: Rows per program.
-_BLOCK_R = 32
+#: Rows per kernel program (a block never holds two layers' rows).
+BLOCK_R = 32
 
 
 def _interpreting() -> bool:
@@ -59,21 +59,65 @@ def available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or _interpreting()
 
 
-def _launch(x, pool, active, idx, d1, d2, gated: bool) -> None:
-    """The float32 pass over every row (``gated=False``), or the float64 pass over the ``active`` rows."""
-    import triton
+def _launch(x, pool, blocks, active, idx, d1, d2, acc: str) -> None:
+    """One kernel pass: ``acc`` ``'float32'`` (with FMA) or ``'float64'`` (correctly rounded, as brute force)
+    over the rows whose ``active`` flag is set (every row when ``active`` is None)."""
     import triton.language as tl
 
     from .triton_kernels import nearest_two_kernel
 
-    n_rows, dim = x.shape
     interp = _interpreting()
     block_p = 1024 if interp else 64  # the interpreter pays per tile, the GPU per register
-    extra = {} if interp else {"enable_fp_fusion": not gated}  # float64 pass: no FMA, as brute_force
-    grid = (triton.cdiv(n_rows, _BLOCK_R),)
-    acc = tl.float64 if gated else tl.float32
-    nearest_two_kernel[grid](x, pool, active, idx, d1, d2, n_rows, pool.shape[0], D=dim, ACC=acc, GATED=gated,
-                              BLOCK_R=_BLOCK_R, BLOCK_P=block_p, **extra)
+    exact = acc == "float64"
+    extra = {} if interp else {"enable_fp_fusion": not exact}
+    gated = active is not None
+    blk_row, blk_end, blk_off, blk_n = blocks
+    nearest_two_kernel[(blk_n.numel(),)](
+        x, pool, blk_row, blk_end, blk_off, blk_n, active if gated else blk_n, idx, d1, d2,
+        D=x.shape[1], ACC=tl.float64 if exact else tl.float32, GATED=gated, BLOCK_R=BLOCK_R, BLOCK_P=block_p, **extra)
+
+
+def segmented_nearest_two(x: torch.Tensor, pool: torch.Tensor, blocks: tuple, active: torch.Tensor | None = None):
+    """:func:`fused_nearest_two` of many layers at once, each row block against its own pool.
+
+    Args:
+        x: ``(R, D)`` float32 contiguous: the layers' rows one after another.
+        pool: ``(P, D)`` float32 contiguous: the layers' pools one after another.
+        blocks: ``(blk_row, blk_end, blk_off, blk_n)``, each ``(B,)`` int32 (see :func:`row_blocks`):
+            block ``b`` is rows ``blk_row[b] .. min(blk_row[b] + BLOCK_R, blk_end[b])``, searched
+            against pool rows ``blk_off[b] .. blk_off[b] + blk_n[b]``.
+        active: ``(R,)`` bool, the rows to search (None: all). Other rows' outputs are unspecified.
+
+    Returns:
+        ``(index, radius, exact)`` as :func:`fused_nearest_two`, indices local to each block's pool;
+        ``exact`` is False outside ``active``.
+    """
+    n_rows, dim = x.shape
+    idx = torch.empty(n_rows, dtype=torch.int64, device=x.device)
+    d1 = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    d2 = torch.empty_like(d1)
+    flags = None if active is None else active.to(torch.int8)
+    _launch(x, pool, blocks, flags, idx, d1, d2, "float32")
+
+    # Certify: true distances lie within gamma (relative) + tiny (subnormal rounding) of the computed ones.
+    gamma = 2.0 * (dim + 2) * _U32
+    tiny = (2 * dim + 2) * _TINY32
+    a, b = d1.double(), d2.double()
+    upper1 = a * (1 + gamma) + tiny
+    lower2 = b * (1 - gamma) - tiny
+    exact = ~(torch.isfinite(a) & (lower2 > upper1))  # NaN compares false: uncertified
+    if active is not None:
+        exact &= active
+    radius = ((lower2.clamp_min(0).sqrt() - upper1.sqrt()) * (0.5 * _RADIUS_SHRINK)).clamp_min(0)
+
+    e1 = torch.empty(n_rows, dtype=torch.float64, device=x.device)
+    e2 = torch.empty_like(e1)
+    _launch(x, pool, blocks, exact, idx, e1, e2, "float64")
+    r1, r2 = e1.sqrt(), e2.sqrt()
+    half_gap = (r2 - r1) * 0.5
+    # float64 distances are ~1e-16 relative: a gap below 1e-12 of their scale is a tie (radius 0).
+    exact_radius = torch.where(half_gap > 1e-12 * (r2 + 1e-30), half_gap * _RADIUS_SHRINK, 0.0)
+    return idx, torch.where(exact, exact_radius, radius), exact
 
 
 def fused_nearest_two(vectors: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,29 +140,29 @@ def fused_nearest_two(vectors: torch.Tensor, pool: torch.Tensor) -> tuple[torch.
         raise ValueError(f"vectors {tuple(vectors.shape)} and pool {tuple(pool.shape)} must be (N, D) and (n >= 1, D)")
     x = vectors.detach().to(torch.float32).contiguous()
     m = pool.detach().to(device=x.device, dtype=torch.float32).contiguous()
-    n_rows, dim = x.shape
-    idx = torch.empty(n_rows, dtype=torch.int64, device=x.device)
+    n_rows = x.shape[0]
     if n_rows == 0:
         empty = torch.empty(0, dtype=torch.float64, device=x.device)
-        return idx, empty, torch.zeros(0, dtype=torch.bool, device=x.device)
-    d1 = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    d2 = torch.empty_like(d1)
-    _launch(x, m, idx, idx, d1, d2, gated=False)  # active_ptr unused when not gated
+        return torch.empty(0, dtype=torch.int64, device=x.device), empty, torch.zeros(0, dtype=torch.bool, device=x.device)
+    return segmented_nearest_two(x, m, row_blocks([(n_rows, m.shape[0])], x.device))
 
-    # Certify: true distances lie within gamma (relative) + tiny (subnormal rounding) of the computed ones.
-    gamma = 2.0 * (dim + 2) * _U32
-    tiny = (2 * dim + 2) * _TINY32
-    a, b = d1.double(), d2.double()
-    upper1 = a * (1 + gamma) + tiny
-    lower2 = b * (1 - gamma) - tiny
-    exact = ~(torch.isfinite(a) & (lower2 > upper1))  # NaN compares false: uncertified
-    radius = ((lower2.clamp_min(0).sqrt() - upper1.sqrt()) * (0.5 * _RADIUS_SHRINK)).clamp_min(0)
 
-    e1 = torch.empty(n_rows, dtype=torch.float64, device=x.device)
-    e2 = torch.empty_like(e1)
-    _launch(x, m, exact.to(torch.int8), idx, e1, e2, gated=True)
-    r1, r2 = e1.sqrt(), e2.sqrt()
-    half_gap = (r2 - r1) * 0.5
-    # float64 distances are ~1e-16 relative: a gap below 1e-12 of their scale is a tie (radius 0).
-    exact_radius = torch.where(half_gap > 1e-12 * (r2 + 1e-30), half_gap * _RADIUS_SHRINK, 0.0)
-    return idx, torch.where(exact, exact_radius, radius), exact
+def row_blocks(segments: list[tuple[int, int]], device) -> tuple[torch.Tensor, ...]:
+    """The kernel's block table for layers laid out one after another.
+
+    Args:
+        segments: per layer ``(rows, pool size)``, in the order of the flat row and pool buffers.
+
+    Returns:
+        ``(blk_row, blk_end, blk_off, blk_n)``, ``(B,)`` int32 each on ``device``: every layer's rows in
+        blocks of :data:`BLOCK_R` that never cross into the next layer.
+    """
+    cols = [[], [], [], []]
+    row = off = 0
+    for count, size in segments:
+        for start in range(row, row + count, BLOCK_R):
+            for c, v in zip(cols, (start, row + count, off, size)):
+                c.append(v)
+        row += count
+        off += size
+    return tuple(torch.tensor(c, dtype=torch.int32, device=device) for c in cols)

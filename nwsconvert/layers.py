@@ -173,6 +173,7 @@ class NWSWeight(nn.Module):
         self._prep = None  # PreparedPool of the current pool
         self.commitment_weight = 0.0  # > 0: commitment gradient fused into the backward
         self.export_gather = False  # True while exporting to ONNX (see nwsconvert.export)
+        self._engine = None  # weakref to the SearchEngine keeping this layer's search state, while one runs
         self.chunk = DEFAULT_CHUNK
         self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
         self.full_search(weight)
@@ -424,9 +425,20 @@ class NWSWeight(nn.Module):
         if self.export_gather:
             # ONNX export: Reshape(Gather(pool, Cast(indices))) stays in the traced graph.
             return self.pool.index_select(0, self.indices.to(torch.int64)).view(self.weight_shape)
+        if not self.training and torch.compiler.is_compiling():
+            # Traced by torch.compile: the plain gather, without the cache's bookkeeping (which would
+            # break the graph); the compiled model computes the same weights.
+            k = self.pool.detach().index_select(0, self.indices).view(self.weight_shape)
+            if torch.is_grad_enabled() and weight.requires_grad:
+                return _GatherSTE.apply(weight, k, self._fused_scale())
+            return k
         if self.training:
-            self.update_indices(weight)
-            k = self._hand_out(_GatherSTE.apply(weight, self._gathered(), self._fused_scale()))
+            engine = self._engine() if self._engine is not None else None
+            k = engine.weight(self) if engine is not None else None  # already straight-through to W
+            if k is None:  # the layer's own lazy search
+                self.update_indices(weight)
+                k = _GatherSTE.apply(weight, self._gathered(), self._fused_scale())
+            k = self._hand_out(k)
             self._last = (self._key(), weakref.ref(k))
             return k
         if torch.is_grad_enabled() and weight.requires_grad:

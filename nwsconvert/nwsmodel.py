@@ -130,9 +130,12 @@ def reseed_unused(model: nn.Module) -> int:
 def search_stats(model: nn.Module) -> dict:
     """Kernels re-searched by the last training forward: ``{'searched', 'total', 'fraction', 'exact_rows'}``."""
     layers = _require(model)
+    engine = layers[0].nws._engine() if layers[0].nws._engine is not None else None
+    if engine is not None and engine.manages(layers):
+        return engine.stats()
     searched = sum(layer.nws.stats["searched"] for layer in layers)
     total = sum(layer.nws.stats["total"] for layer in layers)
-    exact = int(sum(layer.nws.stats["exact_rows"] for layer in layers))  # device counts (fused search): one sync here
+    exact = int(sum(layer.nws.stats["exact_rows"] for layer in layers))  # a device count (fused search): one sync
     return {"searched": searched, "total": total, "fraction": searched / max(total, 1), "exact_rows": exact}
 
 

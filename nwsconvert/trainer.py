@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, lr_factor
+from .engine import search_engine
 from .distributed import average_buffers, gather_strings, setup
 from .heads import head_classes, resize_head
 from .loading import build_task_model, load_run_pools
@@ -148,6 +149,7 @@ class Trainer:
         self.device = device
         self.progress = progress
         self.lock = None
+        self._restore = None  # set below where deterministic=true changes the process settings
         if self.dist.is_main:
             self.lock = RunLock.acquire(self.run.path)
             remove_stale_temporaries(self.run.path)  # a killed writer's; none is in flight under the lock
@@ -192,17 +194,28 @@ class Trainer:
             if self.dist.is_main:
                 self.run.write(self.manifest)
             self.dist.barrier()
+        self._restore = None  # the process's determinism settings, put back by close()
         if self.config.deterministic:
+            self._restore = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+                             torch.backends.cudnn.benchmark)
+            # cuBLAS needs a fixed workspace before its first call; cuDNN fixed algorithms, no autotuning.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
         torch.manual_seed(self.config.seed)
         self.model = model.to(self.device)
 
     def close(self) -> None:
-        """Release the run's lock (also released when the process ends)."""
+        """Release the run's lock (also released when the process ends) and restore the process's
+        determinism settings where ``deterministic=true`` changed them."""
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        if self._restore is not None:
+            torch.use_deterministic_algorithms(self._restore[0])
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = self._restore[1:]
+            self._restore = None
 
     def __enter__(self) -> "Trainer":
         return self
@@ -280,6 +293,16 @@ class Trainer:
         if ckpt is not None:
             optimizer.load_state_dict(ckpt[2])
         set_commitment(model, cfg.commitment)
+        engine = search_engine(model, cfg.search)
+        try:
+            return self._epochs(stage, train, val, cfg, pool, seed, ckpt, optimizer, start)
+        finally:
+            if engine is not None:
+                engine.close()  # the layers' own lazy search goes on from the engine's state
+
+    def _epochs(self, stage, train, val, cfg, pool, seed, ckpt, optimizer, start) -> dict:
+        """The epochs of a stage from ``start``, on the model as :meth:`_train` prepared it."""
+        model = self.model
         net = model
         if self.dist.enabled:
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -344,7 +367,7 @@ class Trainer:
                 "train_loss": loss_sum / max(seen, 1),
                 "train_acc": correct / max(seen, 1),
                 "searched": searched / max(steps, 1),
-                "commitment": float(commitment_loss(model)),
+                "commitment": float(commitment_loss(model).detach()),
                 "pool_usage": pool_usage(model),
                 "seconds": time.perf_counter() - tic,
             }

@@ -11,18 +11,24 @@ __all__ = ["nearest_two_kernel"]
 
 
 @triton.jit
-def nearest_two_kernel(x_ptr, pool_ptr, active_ptr, idx_ptr, d1_ptr, d2_ptr, n_rows, n_pool,
+def nearest_two_kernel(x_ptr, pool_ptr, blk_row_ptr, blk_end_ptr, blk_off_ptr, blk_n_ptr, active_ptr, idx_ptr, d1_ptr, d2_ptr,
                        D: tl.constexpr, ACC: tl.constexpr, GATED: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Per row of ``x`` ``(n_rows, D)``: nearest entry of ``pool`` ``(n_pool, D)`` (lowest index on ties),
-    its squared distance and the second smallest squared distance, accumulated in ``ACC``.
+    """Per row of ``x`` ``(n_rows, D)``: the nearest entry of its block's pool (lowest index on ties),
+    that squared distance and the second smallest one, accumulated in ``ACC``.
 
+    Program ``b`` searches rows ``blk_row[b] .. min(blk_row[b] + BLOCK_R, blk_end[b])`` (one layer's)
+    against the ``blk_n[b]`` pool rows starting at row ``blk_off[b]`` of ``pool`` (several layers'
+    pools side by side); indices are pool-local.
     ``GATED``: only rows whose ``active`` flag is set are searched and written; a block with none
     does no pool loop at all."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = rows < n_rows
+    blk = tl.program_id(0)
+    rows = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
+    live = rows < tl.load(blk_end_ptr + blk)
     if GATED:
         live = live & (tl.load(active_ptr + rows, mask=live, other=0) != 0)
+    n_pool = tl.load(blk_n_ptr + blk)
+    pool_blk = pool_ptr + tl.load(blk_off_ptr + blk).to(tl.int64) * D
     pool_end = n_pool * tl.max(live.to(tl.int32), axis=0)  # 0: nothing to search in this block
     x_row = x_ptr + rows.to(tl.int64) * D
     best = tl.full([BLOCK_R], float("inf"), ACC)
@@ -35,7 +41,7 @@ def nearest_two_kernel(x_ptr, pool_ptr, active_ptr, idx_ptr, d1_ptr, d2_ptr, n_r
         acc = tl.zeros([BLOCK_R, BLOCK_P], dtype=ACC)
         for k in tl.static_range(D):
             xk = tl.load(x_row + k, mask=live, other=0.0).to(ACC)
-            mk = tl.load(pool_ptr + cols.to(tl.int64) * D + k, mask=in_pool, other=0.0).to(ACC)
+            mk = tl.load(pool_blk + cols.to(tl.int64) * D + k, mask=in_pool, other=0.0).to(ACC)
             diff = xk[:, None] - mk[None, :]
             acc = acc + diff * diff
         acc = tl.where(acc != acc, float("-inf"), acc)  # NaN wins, as in NumPy's argmin

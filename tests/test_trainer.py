@@ -68,12 +68,13 @@ def test_rebuilt_model_scores_exactly_the_training_time_accuracy(finished_run):
 def test_load_matches_the_trained_model_bitwise(finished_run):
     out, trainer, tasks, _, _ = finished_run
     # The trainer's model ends in the last task's state.
-    x = tasks[1][1].tensors[0]
+    device = next(trainer.model.parameters()).device  # the trainer's device: CUDA where there is one
+    x = tasks[1][1].tensors[0].to(device)
     trainer.model.eval()
     with torch.no_grad():
         ref = trainer.model(x)
-        nws = nwsconvert.load(out, task=1)(x)
-        dense = nwsconvert.load(out, task=1, dense=True)
+        nws = nwsconvert.load(out, task=1, device=device)(x)
+        dense = nwsconvert.load(out, task=1, dense=True, device=device)
         assert not nwsconvert.is_converted(dense)
         assert torch.equal(nws, ref)
         assert torch.equal(dense(x), ref)
@@ -96,7 +97,7 @@ def test_next_task_starts_from_previous_chosen_kernels(tmp_path):
     trainer._enter_task_state(0)
     for layer in nws_layers(trainer.model):
         assert torch.equal(layer.weight, layer.nws.gather())  # W = D(C_{t-1}; M)
-        assert torch.equal(layer.nws.indices.long(), pack0.indices[layer.name])
+        assert torch.equal(layer.nws.indices.long().cpu(), pack0.indices[layer.name])
 
 
 def test_without_pool_learning_the_converted_pools_are_the_run_pools(tmp_path):

@@ -1,0 +1,211 @@
+"""SearchEngine: one search update for the whole model, exact, and with a host work that does not grow with depth.
+
+Both kernels are checked: ``torch`` (the BLAS + NumPy search, CPU) and ``triton`` (the fused kernel; in CI
+under Triton's interpreter, which ``conftest.py`` switches on without CUDA).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nwsconvert
+from nwsconvert import fused_search
+from nwsconvert.engine import SearchEngine, search_engine
+from nwsconvert.nwsmodel import distillation_loss, ema_update, nws_layers, set_commitment, set_mode
+from nwsconvert.search import brute_force
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNELS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not fused_search.available(DEVICE), reason="needs Triton (CPU-only torch wheels ship without it)"))]
+
+
+def small_net(depth: int = 1, width: int = 8) -> nn.Module:
+    """3x3 convs (D = 9), a depthwise conv, 1x1 convs and a linear head (scalar pools, D = 1)."""
+    layers = [nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
+    for _ in range(depth):
+        layers += [nn.Conv2d(width, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1, groups=width),
+                   nn.Conv2d(width, width, 1), nn.ReLU()]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 3)]
+    return nwsconvert.convert(nn.Sequential(*layers), pool_size=16, seed=0).to(DEVICE)
+
+
+def batches(steps: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield torch.randn(8, 1, 8, 8, generator=g).to(DEVICE), torch.randint(0, 3, (8,), generator=g).to(DEVICE)
+
+
+def assert_exact(model, x):
+    """After a training-mode forward on ``x`` (which brings the indices up to date), every index is brute force's."""
+    with torch.no_grad():
+        model.train()(x)
+    for layer in nws_layers(model):
+        vec = layer.nws._vectors(layer.weight).cpu()
+        assert torch.equal(layer.nws.indices.long().cpu(), brute_force(vec, layer.nws.pool.detach().cpu())), layer.name
+
+
+def sgd_step(model, opt, x, y, pool_beta: float = 0.0):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    if pool_beta:
+        loss = loss + pool_beta * distillation_loss(model)
+    loss.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_engine_trains_bitwise_like_the_layers_own_search(kernel):
+    """Without commitment the two paths compute the same numbers: same weights, same indices, every step."""
+    a = small_net()
+    b = copy.deepcopy(a)
+    oa, ob = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (a, b))
+    with SearchEngine(b, kernel=kernel) as engine:
+        assert engine.kernel == kernel
+        searched = []
+        for x, y in batches(8):
+            sgd_step(a, oa, x, y)
+            sgd_step(b, ob, x, y)
+            for la, lb in zip(nws_layers(a), nws_layers(b)):
+                assert torch.equal(la.nws.indices, lb.nws.indices) and torch.equal(la.weight, lb.weight), la.name
+            searched.append(nwsconvert.search_stats(b)["searched"])
+        assert_exact(b, x)
+    assert searched[0] > 0 and min(searched[1:]) < searched[0]  # lazy: later steps search fewer rows
+    for x, y in batches(3, seed=1):  # handed back: the layers' own search goes on from the engine's state
+        sgd_step(a, oa, x, y)
+        sgd_step(b, ob, x, y)
+    for la, lb in zip(nws_layers(a), nws_layers(b)):
+        assert torch.equal(la.nws.indices, lb.nws.indices) and torch.equal(la.weight, lb.weight)
+    assert all(layer.nws._engine is None for layer in nws_layers(b))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_engine_commitment_gradient_is_the_layers_up_to_rounding(kernel):
+    """With commitment the gradient is grad + s (W - K) in one pass for all layers: the per-layer path
+    computes it in another order, so the weights agree to float32 rounding (a few ulp per step)."""
+    a = small_net()
+    b = copy.deepcopy(a)
+    for m in (a, b):
+        set_commitment(m, 1.0)
+    oa, ob = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (a, b))
+    with SearchEngine(b, kernel=kernel):
+        for x, y in batches(4):
+            sgd_step(a, oa, x, y)
+            sgd_step(b, ob, x, y)
+            assert_exact(b, x)
+        for la, lb in zip(nws_layers(a), nws_layers(b)):
+            torch.testing.assert_close(la.weight, lb.weight, rtol=0, atol=1e-6)
+            assert not torch.equal(la.weight, lb.weight) or la.weight.grad is not None
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("update", ["gradient", "ema"])
+def test_engine_follows_moving_pools_exactly(kernel, update):
+    """Pool learning: pools move every step (distillation gradient or EMA); budgets shrink by the movement."""
+    model = small_net()
+    set_mode(model, "pool")
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    with SearchEngine(model, kernel=kernel):
+        for x, y in batches(6):
+            sgd_step(model, opt, x, y, pool_beta=0.5 if update == "gradient" else 0.0)
+            if update == "ema":
+                ema_update(model, 0.9)
+            assert_exact(model, x)  # the forward's update brings the indices to the moved pools
+
+
+def test_engine_choice_and_errors(monkeypatch):
+    model = small_net()
+    assert search_engine(model, "layer") is None
+    engine = search_engine(model, "engine")
+    assert isinstance(engine, SearchEngine) and engine.kernel == ("triton" if DEVICE.type == "cuda" else "torch")
+    engine.close()
+    auto = search_engine(model, "auto")
+    assert (auto is not None) == (DEVICE.type == "cuda" and fused_search.available(DEVICE))
+    if auto is not None:
+        auto.close()
+    with pytest.raises(ValueError, match="kernel='nope'"):
+        SearchEngine(model, kernel="nope")
+    monkeypatch.setattr(fused_search, "_HAVE_TRITON", False)
+    with pytest.raises(RuntimeError, match="needs Triton"):
+        SearchEngine(model, kernel="triton")
+
+
+def test_a_deep_copy_of_an_engine_model_searches_on_its_own():
+    model = small_net()
+    with SearchEngine(model):
+        twin = copy.deepcopy(model)
+        opt = torch.optim.SGD(twin.parameters(), lr=0.5)
+        for x, y in batches(2):
+            sgd_step(twin, opt, x, y)
+        assert_exact(twin, x)
+
+
+#: ops that read a device value back to the host, or whose output size depends on values
+SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "equal", "is_nonzero", "masked_select", "unique", "_unique2"}
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:  # views launch nothing
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _step_ops(model, kernel: str | None) -> list[str]:
+    """aten ops (views left out) of one SGD step after a warm-up step, with the engine or, for None, a dense model."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = list(batches(2))
+    ctx = SearchEngine(model, kernel=kernel) if kernel else None
+    try:
+        sgd_step(model, opt, *data[0])
+        with _Count() as count:
+            sgd_step(model, opt, *data[1])
+    finally:
+        if ctx is not None:
+            ctx.close()
+    return count.ops
+
+
+@pytest.mark.skipif(not fused_search.available(DEVICE), reason="needs Triton (CPU-only torch wheels ship without it)")
+def test_host_work_of_a_training_step_has_no_syncs_and_does_not_grow_with_depth():
+    """The NWS part of a step (the engine's update, gather and commitment gradient) dispatches no
+    sync-class op, and its op count barely grows from 5 to 29 NWS layers (per-layer work: none)."""
+    extra = {}
+    for depth in (1, 9):
+        nws = small_net(depth)
+        set_commitment(nws, 1.0)
+        dense = nwsconvert.materialize(nws)
+        nws_ops, dense_ops = _step_ops(nws, "triton"), _step_ops(dense, None)
+        assert not SYNC_OPS & set(nws_ops), sorted(SYNC_OPS & set(nws_ops))
+        extra[depth] = len(nws_ops) - len(dense_ops)
+        assert len(nws_layers(nws)) == 3 * depth + 2
+    assert extra[1] > 0 and extra[9] <= 1.2 * extra[1], extra
+
+
+def test_trainer_with_search_engine_writes_the_packs_of_the_layer_search(tmp_path):
+    """``search=engine`` in a real training stage (CPU: the torch kernel): without commitment the task's
+    pack is the one ``search=layer`` writes, index for index, and the stage leaves no engine behind."""
+    from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
+
+    from nwsconvert.packs import TaskPack
+    from nwsconvert.trainer import Trainer
+
+    packs = {}
+    for search in ("layer", "engine"):
+        model = tiny_model()
+        cfg = tiny_config(epochs=1, commitment=0.0, search=search)
+        trainer = Trainer(model, tmp_path / search, cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+        trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
+        packs[search] = TaskPack.load(tmp_path / search / "tasks" / "task_0.nwspack")
+        assert all(layer.nws._engine is None for layer in nws_layers(trainer.model))
+        trainer.close()
+    assert packs["layer"].indices.keys() == packs["engine"].indices.keys()
+    for name, idx in packs["layer"].indices.items():
+        assert torch.equal(idx, packs["engine"].indices[name]), name

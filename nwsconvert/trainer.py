@@ -309,6 +309,12 @@ class Trainer:
             net = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
         ctx, scaler = _autocast(self.device, cfg.amp)
         gradient_pools = pool and cfg.pool_update == "gradient"
+        # float16 autocast scales the loss (GradScaler): a commitment gradient fused into the backward
+        # would not be scaled with it and end up divided by the loss scale. There, the commitment
+        # term goes into the loss instead (same gradient, autograd MSE).
+        commitment_in_loss = scaler is not None and cfg.commitment > 0
+        if commitment_in_loss:
+            set_commitment(model, 0.0)
         record: dict = {"stage": stage, "epoch": start}
         if ckpt is not None and isinstance(ckpt[0].get("record"), dict) and ckpt[0]["record"].get("epoch") == start:
             record = dict(ckpt[0]["record"])  # the checkpointed epoch's metrics: a stage killed after its last
@@ -339,6 +345,8 @@ class Trainer:
                     out = net(x)
                     loss = F.cross_entropy(out.float(), y)
                     total = loss + cfg.beta * distillation_loss(model) if gradient_pools else loss
+                    if commitment_in_loss:
+                        total = total + cfg.commitment * commitment_loss(model)
                 optimizer.zero_grad(set_to_none=True)
                 if scaler is not None:
                     scaler.scale(total).backward()

@@ -209,3 +209,24 @@ def test_trainer_with_search_engine_writes_the_packs_of_the_layer_search(tmp_pat
     assert packs["layer"].indices.keys() == packs["engine"].indices.keys()
     for name, idx in packs["layer"].indices.items():
         assert torch.equal(idx, packs["engine"].indices[name]), name
+
+
+def test_fused_commitment_escapes_loss_scaling_so_fp16_training_puts_it_in_the_loss():
+    """Why the trainer adds ``commitment * commitment_loss`` to the loss under float16 autocast: a
+    GradScaler multiplies the loss by S and divides the gradients by S; the fused commitment gradient
+    is added in the backward, after the scaling, so it comes out divided by S. In the loss it does not."""
+    base = small_net()
+    grads = {}
+    for how in ("reference", "fused", "in_loss"):
+        model = copy.deepcopy(base).train()
+        set_commitment(model, 1.0 if how != "in_loss" else 0.0)
+        x, y = next(batches(1))
+        loss = F.cross_entropy(model(x), y)
+        if how == "in_loss":
+            loss = loss + nwsconvert.commitment_loss(model)
+        scale = 1.0 if how == "reference" else 1024.0
+        (loss * scale).backward()
+        grads[how] = [layer.weight.grad / scale for layer in nws_layers(model)]
+    for ref, fused, in_loss in zip(grads["reference"], grads["fused"], grads["in_loss"]):
+        torch.testing.assert_close(in_loss, ref, rtol=1e-4, atol=1e-7)  # float32 rounding of the two sums
+    assert any(not torch.allclose(f, r, rtol=1e-3, atol=1e-6) for f, r in zip(grads["fused"], grads["reference"]))

@@ -230,3 +230,20 @@ def test_fused_commitment_escapes_loss_scaling_so_fp16_training_puts_it_in_the_l
     for ref, fused, in_loss in zip(grads["reference"], grads["fused"], grads["in_loss"]):
         torch.testing.assert_close(in_loss, ref, rtol=1e-4, atol=1e-7)  # float32 rounding of the two sums
     assert any(not torch.allclose(f, r, rtol=1e-3, atol=1e-6) for f, r in zip(grads["fused"], grads["reference"]))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_engine_under_bfloat16_autocast_keeps_exact_float32_indices(kernel):
+    """Autocast changes the convolutions' compute dtype, not the search: W, pools and indices stay float32."""
+    model = small_net()
+    set_commitment(model, 1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with SearchEngine(model, kernel=kernel):
+        for x, y in batches(3):
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x).float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            assert all(layer.weight.grad.dtype == torch.float32 for layer in nws_layers(model))
+            assert_exact(model, x)

@@ -146,6 +146,15 @@ class _Group:
             else:
                 seen.append(nws.pool.detach().float())
         self.seen = torch.cat(seen)
+        self.cells = None
+        if dim == 1:
+            # Scalar pools: each entry's exact interval (PreparedPool.lo32 / hi32). A kernel strictly
+            # inside its entry's interval keeps it, however far it moved: the per-layer path's test,
+            # which searches far fewer kernels than the radius budget. Valid while the pools are the
+            # ones the intervals were cut from; a layer whose pool moves goes back to its budgets.
+            preps = [PreparedPool(layer.nws.pool.detach()) for layer in layers]
+            self.cells = (torch.cat([p.lo32 for p in preps]).to(device), torch.cat([p.hi32 for p in preps]).to(device),
+                          torch.cat([p.pool for p in preps]).to(device))
         self.pieces = None
         self._scales = None
         self.searched = torch.zeros(len(layers), device=device)
@@ -177,6 +186,15 @@ class _Group:
             self.seen = pools
             drift = torch.mv((x - self.ref).square_(), self.ones)
             need = ~(drift < budget)  # NaN counts as drifted
+            if self.cells is not None:
+                lo, hi, cut_from = self.cells
+                entry = self.index + self.row_pool
+                value = x[:, 0]
+                inside = (lo.index_select(0, entry) < value) & (value < hi.index_select(0, entry))
+                changed = (~(pools == cut_from)).any(dim=1).to(torch.int64)  # NaN counts as changed
+                stale = torch.zeros(len(self.layers), dtype=torch.int64, device=x.device)
+                stale = stale.index_add_(0, self.pool_layer, changed).index_select(0, self.row_layer) > 0
+                need = torch.where(stale, need, ~inside)
             index, radius, exact = self.search(x, pools, self.blocks, need)
             self.index = torch.where(need, index, self.index)
             self.ref = torch.where(need[:, None], x, self.ref)

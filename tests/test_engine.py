@@ -71,9 +71,10 @@ def test_engine_trains_bitwise_like_the_layers_own_search(kernel):
             sgd_step(b, ob, x, y)
             for la, lb in zip(nws_layers(a), nws_layers(b)):
                 assert torch.equal(la.nws.indices, lb.nws.indices) and torch.equal(la.weight, lb.weight), la.name
-            searched.append(nwsconvert.search_stats(b)["searched"])
+            stats = nwsconvert.search_stats(b)
+            searched.append(stats["searched"])
         assert_exact(b, x)
-    assert searched[0] > 0 and min(searched[1:]) < searched[0]  # lazy: later steps search fewer rows
+    assert 0 < sum(searched) and max(searched) < stats["total"]  # lazy: some rows searched, never all
     for x, y in batches(3, seed=1):  # handed back: the layers' own search goes on from the engine's state
         sgd_step(a, oa, x, y)
         sgd_step(b, ob, x, y)

@@ -50,25 +50,37 @@ from .search import PreparedPool, flat_nonzero, nearest_two, round_down_f32
 __all__ = ["SearchEngine", "search_engine"]
 
 
-def _segmented_nearest_two_torch(x, pools, blocks, need):
+class _TorchSearch:
     """:func:`~nwsconvert.fused_search.segmented_nearest_two` through :func:`~nwsconvert.search.nearest_two`,
-    layer by layer over the flagged rows (CPU: host reads cost nothing there)."""
-    blk_row, blk_end, blk_off, blk_n = (t.tolist() for t in blocks)
-    index = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
-    radius = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
-    exact = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    seen = set()
-    for start, end, off, n in zip(blk_row, blk_end, blk_off, blk_n):
-        if end in seen:  # one layer = the blocks sharing an end
-            continue
-        seen.add(end)
-        rows = flat_nonzero(need[start:end]) + start  # start: the layer's first row (its first block comes first)
-        if rows.numel():
-            res = nearest_two(x.index_select(0, rows), PreparedPool(pools[off : off + n]))
-            index[rows] = res.index.to(x.device)
-            radius[rows] = res.radius.to(x.device)
-            exact[rows[: int(res.exact_rows)]] = True  # nearest_two counts them: the count is what is kept
-    return index, radius, exact
+    layer by layer over the flagged rows (CPU: reading their number back costs nothing there). Each
+    layer's :class:`~nwsconvert.search.PreparedPool` is kept while its pool's values stay the same."""
+
+    def __init__(self):
+        self.preps: dict[int, PreparedPool] = {}
+
+    def _prepared(self, off: int, pool: torch.Tensor) -> PreparedPool:
+        prep = self.preps.get(off)
+        if prep is None or prep.pool.shape != pool.shape or not torch.equal(prep.pool, pool):
+            prep = self.preps[off] = PreparedPool(pool)
+        return prep
+
+    def __call__(self, x, pools, blocks, need):
+        blk_row, blk_end, blk_off, blk_n = (t.tolist() for t in blocks)
+        index = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+        radius = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+        exact = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        done = set()
+        for start, end, off, n in zip(blk_row, blk_end, blk_off, blk_n):
+            if end in done:  # one layer = the blocks sharing an end; its first block starts at its first row
+                continue
+            done.add(end)
+            rows = flat_nonzero(need[start:end]) + start
+            if rows.numel():
+                res = nearest_two(x.index_select(0, rows), self._prepared(off, pools[off : off + n]))
+                index[rows] = res.index.to(x.device)
+                radius[rows] = res.radius.to(x.device)
+                exact[rows[: int(res.exact_rows)]] = True  # nearest_two counts them: the count is what is kept
+        return index, radius, exact
 
 
 class _FlatGatherSTE(torch.autograd.Function):
@@ -253,11 +265,11 @@ class SearchEngine:
         if kernel not in ("triton", "torch"):
             raise ValueError(f"kernel={kernel!r}: choose auto, triton or torch")
         self.kernel = kernel
-        search = segmented_nearest_two if kernel == "triton" else _segmented_nearest_two_torch
         dims: dict[int, list] = {}
         for layer in layers:
             dims.setdefault(layer.nws.vector_size, []).append(layer)
-        self.groups = [_Group(d, members, device, search) for d, members in sorted(dims.items())]
+        self.groups = [_Group(d, members, device, segmented_nearest_two if kernel == "triton" else _TorchSearch())
+                       for d, members in sorted(dims.items())]
         self._place = {}
         for g in self.groups:
             for i, layer in enumerate(g.layers):

@@ -15,7 +15,9 @@ from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model  # noqa: 
 
 out = Path(sys.argv[1])
 torch.set_num_threads(1)
-trainer = Trainer(tiny_model(), out / "run", tiny_config(), model_spec=SPEC, model_kwargs=KWARGS, device="cpu", progress=False)
+search = sys.argv[2] if len(sys.argv) > 2 else "auto"  # engine: the SearchEngine under DDP
+trainer = Trainer(tiny_model(), out / "run", tiny_config(search=search), model_spec=SPEC, model_kwargs=KWARGS, device="cpu",
+                  progress=False)
 rank = trainer.dist.rank
 assert trainer.dist.world_size == 2
 trainer.fit_pools(blobs(64, 4, 1), blobs(16, 4, 2), num_classes=4)

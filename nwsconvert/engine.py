@@ -195,7 +195,8 @@ class _Group:
             left = (self.budget.double().clamp_min(0).sqrt() - move * (1 + 1e-5)).clamp_min(0)
             shrunk = torch.where(self.budget > 0, round_down_f32(left.square()), self.budget.clamp_max(0))
             budget = torch.where(move != 0, shrunk, self.budget)  # NaN movement gives NaN: searched
-            self.seen = pools
+            # State is updated in place (copy_): a CUDA graph replaying the step then carries it over.
+            self.seen.copy_(pools)
             drift = torch.mv((x - self.ref).square_(), self.ones)
             need = ~(drift < budget)  # NaN counts as drifted
             if self.cells is not None:
@@ -208,11 +209,11 @@ class _Group:
                 stale = stale.index_add_(0, self.pool_layer, changed).index_select(0, self.row_layer) > 0
                 need = torch.where(stale, need, ~inside)
             index, radius, exact = self.search(x, pools, self.blocks, need)
-            self.index = torch.where(need, index, self.index)
-            self.ref = torch.where(need[:, None], x, self.ref)
-            self.budget = torch.where(need, _budget_sq(radius, x, x), budget)
-            self.searched = torch.zeros_like(self.searched).index_add_(0, self.row_layer, need.float())
-            self.exact_rows = torch.zeros_like(self.exact_rows).index_add_(0, self.row_layer, exact.float())
+            self.index.copy_(torch.where(need, index, self.index))
+            self.ref.copy_(torch.where(need[:, None], x, self.ref))
+            self.budget.copy_(torch.where(need, _budget_sq(radius, x, x), budget))
+            self.searched.zero_().index_add_(0, self.row_layer, need.float())
+            self.exact_rows.zero_().index_add_(0, self.row_layer, exact.float())
             native = [layer.nws.pool.detach() for layer in self.layers]
             flat = pools if all(p.dtype == torch.float32 for p in native) else torch.cat(native)
             k = flat.index_select(0, self.index + self.row_pool)

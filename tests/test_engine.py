@@ -248,3 +248,43 @@ def test_engine_under_bfloat16_autocast_keeps_exact_float32_indices(kernel):
             opt.step()
             assert all(layer.weight.grad.dtype == torch.float32 for layer in nws_layers(model))
             assert_exact(model, x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: CUDA graphs and the sync debug mode")
+def test_cuda_graph_replay_of_an_engine_step_equals_eager_steps_without_syncs():
+    """A whole training step (engine update, forward, backward, SGD) captured once and replayed gives
+    the weights and indices of the same steps run eagerly, and an eager step makes no host sync."""
+    eager = small_net()
+    graphed = copy.deepcopy(eager)
+    for m in (eager, graphed):
+        set_commitment(m, 1.0)
+    opt_e, opt_g = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, graphed))
+    data = list(batches(8))
+    with SearchEngine(eager, kernel="triton"), SearchEngine(graphed, kernel="triton"):
+        static_x, static_y = (t.clone() for t in data[0])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, Triton compilation)
+            for x, y in data[:3]:
+                sgd_step(eager, opt_e, x, y)
+                sgd_step(graphed, opt_g, x, y)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            sgd_step(graphed, opt_g, static_x, static_y)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            sgd_step(eager, opt_e, *data[3])  # the captured step's data, eagerly
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        static_x.copy_(data[3][0])
+        static_y.copy_(data[3][1])
+        graph.replay()
+        for x, y in data[4:]:
+            sgd_step(eager, opt_e, x, y)
+            static_x.copy_(x)
+            static_y.copy_(y)
+            graph.replay()
+        torch.cuda.synchronize()
+        for le, lg in zip(nws_layers(eager), nws_layers(graphed)):
+            assert torch.equal(le.nws.indices, lg.nws.indices) and torch.equal(le.weight, lg.weight), le.name

@@ -144,7 +144,10 @@ def fused_nearest_two(vectors: torch.Tensor, pool: torch.Tensor) -> tuple[torch.
     if n_rows == 0:
         empty = torch.empty(0, dtype=torch.float64, device=x.device)
         return torch.empty(0, dtype=torch.int64, device=x.device), empty, torch.zeros(0, dtype=torch.bool, device=x.device)
-    return segmented_nearest_two(x, m, row_blocks([(n_rows, m.shape[0])], x.device))
+    # One pool: the block table made on the device (a table built on the host would be a blocking copy).
+    starts = torch.arange(0, n_rows, BLOCK_R, dtype=torch.int32, device=x.device)
+    blocks = (starts, torch.full_like(starts, n_rows), torch.zeros_like(starts), torch.full_like(starts, m.shape[0]))
+    return segmented_nearest_two(x, m, blocks)
 
 
 def row_blocks(segments: list[tuple[int, int]], device) -> tuple[torch.Tensor, ...]:

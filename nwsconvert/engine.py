@@ -103,7 +103,7 @@ class _FlatGatherSTE(torch.autograd.Function):
         if not ctx.commit:
             return grad, None, None
         w, k, scale = ctx.saved_tensors
-        return torch.addcmul(grad, scale, w.detach() - k.to(w.dtype)), None, None
+        return torch.addcmul(grad, scale.to(grad.dtype), w.detach() - k.to(w.dtype)), None, None
 
 
 class _Group:

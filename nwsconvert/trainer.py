@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, lr_factor
-from .engine import search_engine
 from .distributed import average_buffers, gather_strings, setup
+from .engine import search_engine
 from .heads import head_classes, resize_head
 from .loading import build_task_model, load_run_pools
 from .nwsmodel import (
@@ -149,7 +149,7 @@ class Trainer:
         self.device = device
         self.progress = progress
         self.lock = None
-        self._restore = None  # set below where deterministic=true changes the process settings
+        self._restore = None  # the process's determinism settings where deterministic=true changes them
         if self.dist.is_main:
             self.lock = RunLock.acquire(self.run.path)
             remove_stale_temporaries(self.run.path)  # a killed writer's; none is in flight under the lock
@@ -194,7 +194,6 @@ class Trainer:
             if self.dist.is_main:
                 self.run.write(self.manifest)
             self.dist.barrier()
-        self._restore = None  # the process's determinism settings, put back by close()
         if self.config.deterministic:
             self._restore = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
                              torch.backends.cudnn.benchmark)

@@ -323,6 +323,11 @@ class SearchEngine:
         """Whether this engine keeps the search state of every one of ``layers`` (NWSLayer s)."""
         return all(id(layer.nws) in self._place for layer in layers) and len(layers) == len(self._place)
 
+    def searched_fraction(self) -> torch.Tensor:
+        """Fraction of kernels the last update re-searched, a 0-dim device tensor (no host sync)."""
+        total = sum(count for g in self.groups for _, count in g.rows)
+        return sum(g.searched.sum() for g in self.groups) / max(total, 1)
+
     def stats(self) -> dict:
         """Kernels re-searched by the last update, as :func:`~nwsconvert.nwsmodel.search_stats` reports them
         (reading them back is one host sync)."""

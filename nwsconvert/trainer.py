@@ -60,6 +60,10 @@ BASE_WEIGHTS_FORMAT = "nwsconvert.baseweights"
 BASE_WEIGHTS_VERSION = 2  # 2: header_sha256
 
 
+#: Training steps between reads of the running loss and accuracy (progress bar, divergence check).
+_READ_EVERY = 25
+
+
 def pool_usage(model: nn.Module) -> float:
     """Mean over NWS layers of the fraction of pool entries some kernel selects."""
     layers = _require(model)
@@ -294,12 +298,19 @@ class Trainer:
         set_commitment(model, cfg.commitment)
         engine = search_engine(model, cfg.search)
         try:
-            return self._epochs(stage, train, val, cfg, pool, seed, ckpt, optimizer, start)
+            return self._epochs(stage, train, val, cfg, pool, seed, ckpt, optimizer, start, engine)
         finally:
             if engine is not None:
                 engine.close()  # the layers' own lazy search goes on from the engine's state
 
-    def _epochs(self, stage, train, val, cfg, pool, seed, ckpt, optimizer, start) -> dict:
+    @staticmethod
+    def _check_loss(stage: str, epoch: int, loss_sum: torch.Tensor) -> None:
+        """One line for a diverged stage: a NaN or infinite loss makes the running sum non-finite."""
+        value = float(loss_sum)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"{stage}: loss is {value} at epoch {epoch + 1}: lower the learning rate")
+
+    def _epochs(self, stage, train, val, cfg, pool, seed, ckpt, optimizer, start, engine) -> dict:
         """The epochs of a stage from ``start``, on the model as :meth:`_train` prepared it."""
         model = self.model
         net = model
@@ -329,7 +340,11 @@ class Trainer:
                 loader.sampler.set_epoch(epoch)
             net.train()
             tic = time.perf_counter()
-            seen, correct, loss_sum, searched, steps = 0, 0, 0.0, 0.0, 0
+            # Running sums stay on the device: read back every _READ_EVERY steps (progress bar, NaN
+            # check) and at the end of the epoch, not at every step (each read waits for the GPU).
+            seen, steps, searched = 0, 0, 0.0
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            correct = torch.zeros((), dtype=torch.int64, device=self.device)
             bar = tqdm(
                 loader,
                 desc=f"{stage} {epoch + 1}/{cfg.epochs}",
@@ -356,24 +371,25 @@ class Trainer:
                     optimizer.step()
                 if pool and not gradient_pools:
                     ema_update(model, cfg.ema_decay)
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"{stage}: loss is {value} at epoch {epoch + 1}: lower the learning rate")
                 n = y.numel()
                 seen += n
-                correct += int((out.detach().argmax(1) == y).sum())
-                loss_sum += value * n
-                searched += search_stats(model)["fraction"]
                 steps += 1
-                bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}", searched=f"{searched / steps:.1%}")
+                correct += (out.detach().argmax(1) == y).sum()
+                loss_sum += loss.detach().double() * n
+                searched = searched + (engine.searched_fraction() if engine is not None else search_stats(model)["fraction"])
+                if steps % _READ_EVERY == 0:
+                    self._check_loss(stage, epoch, loss_sum)
+                    bar.set_postfix(loss=f"{float(loss_sum) / seen:.3f}", acc=f"{int(correct) / seen:.3f}",
+                                    searched=f"{float(searched) / steps:.1%}")
             bar.close()
+            self._check_loss(stage, epoch, loss_sum)
             record = {
                 "stage": stage,
                 "epoch": epoch + 1,
                 "lr": lr,
-                "train_loss": loss_sum / max(seen, 1),
-                "train_acc": correct / max(seen, 1),
-                "searched": searched / max(steps, 1),
+                "train_loss": float(loss_sum) / max(seen, 1),
+                "train_acc": int(correct) / max(seen, 1),
+                "searched": float(searched) / max(steps, 1),
                 "commitment": float(commitment_loss(model).detach()),
                 "pool_usage": pool_usage(model),
                 "seconds": time.perf_counter() - tic,

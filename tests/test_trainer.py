@@ -277,3 +277,11 @@ def test_recorded_spec_of_a_plain_class_rebuilds_it_or_says_what_to_do():
     with pytest.raises(ValueError, match="model=") as e:
         build_model(spec, trust_code=True, num_classes=5)
     assert "torchvision.models.resnet:ResNet" in str(e.value)
+
+
+def test_a_diverging_stage_stops_with_one_line(tmp_path):
+    """The running loss is read back every few steps and at the end of each epoch: a NaN or inf stops the stage."""
+    trainer = Trainer(tiny_model(), tmp_path / "r", tiny_config(epochs=2, lr=1e30), model_spec=SPEC, model_kwargs=KWARGS,
+                      progress=False)
+    with pytest.raises(FloatingPointError, match=r"task:0: loss is (nan|inf) at epoch 1: lower the learning rate"):
+        trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)

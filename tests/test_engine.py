@@ -288,3 +288,19 @@ def test_cuda_graph_replay_of_an_engine_step_equals_eager_steps_without_syncs():
         torch.cuda.synchronize()
         for le, lg in zip(nws_layers(eager), nws_layers(graphed)):
             assert torch.equal(le.nws.indices, lg.nws.indices) and torch.equal(le.weight, lg.weight), le.name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: 40 real optimiser steps with the compiled kernel")
+@pytest.mark.parametrize("mode", ["task", "pool"])
+def test_forty_cuda_steps_stay_exact(mode):
+    """40 SGD steps (momentum, commitment; pool mode: distillation gradient into the pools) on the GPU:
+    after every one the indices equal float64 brute force."""
+    model = small_net(2)
+    set_commitment(model, 1.0)
+    if mode == "pool":
+        set_mode(model, "pool")
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    with SearchEngine(model, kernel="triton"):
+        for x, y in batches(40, seed=3):
+            sgd_step(model, opt, x, y, pool_beta=0.5 if mode == "pool" else 0.0)
+            assert_exact(model, x)

@@ -395,6 +395,29 @@ class Piggyback(Method):
         return bits
 
 
+_PEFT_SHIMS: dict = {}
+
+
+def _peft_constructible(module: nn.Module) -> None:
+    """Let peft build adapter layers of ``module``'s class.
+
+    peft makes a conv adapter's layers with ``type(base)(in, out, kernel, stride, padding)``. A Conv2d
+    subclass with another constructor (``efficientnet_lite_pytorch``'s ``Conv2dStaticSamePadding``
+    takes ``image_size`` there and pads in its forward with ``static_padding``) gets a subclass that
+    is built like ``nn.Conv2d`` with no padding of its own; ``module`` itself keeps its forward and state.
+    """
+    cls = type(module)
+    if not isinstance(module, nn.Conv2d) or cls is nn.Conv2d or cls.__init__ is nn.Conv2d.__init__:
+        return
+    if cls not in _PEFT_SHIMS:
+        def __init__(self, *args, **kwargs):
+            nn.Conv2d.__init__(self, *args, **kwargs)
+            self.static_padding = nn.Identity()
+
+        _PEFT_SHIMS[cls] = type(f"{cls.__name__}ForPeft", (cls,), {"__init__": __init__})
+    module.__class__ = _PEFT_SHIMS[cls]
+
+
 class LoRA(Method):
     """Rank-``r`` LoRA adapters (``peft``) on every conv and linear layer but the head; per task the
     adapters, BatchNorm and head are trained and stored, the pretrained backbone is shared."""
@@ -406,7 +429,10 @@ class LoRA(Method):
     def __init__(self, pretrained, folder, cfg, seed):
         super().__init__(pretrained, folder, cfg, seed)
         self.head_name, _ = find_head(self.skeleton)
-        self.targets = [n for n, m in self.skeleton.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear)) and n != self.head_name]
+        # Grouped convolutions (depthwise) are left out: peft gives the up-projection the base layer's
+        # groups, which the rank must divide.
+        self.targets = [n for n, m in self.skeleton.named_modules()
+                        if isinstance(m, (nn.Conv2d, nn.Linear)) and n != self.head_name and getattr(m, "groups", 1) == 1]
         self._write("backbone.safetensors", {k: v for k, v in self.skeleton.state_dict().items() if k not in _head_keys(self.skeleton)})
 
     def _key(self, key: str) -> str:
@@ -421,7 +447,14 @@ class LoRA(Method):
         if seed is not None:
             torch.manual_seed(seed)  # peft draws lora_A from the global generator
         config = LoraConfig(r=self.rank, lora_alpha=self.rank, lora_dropout=0.0, target_modules=self.targets, bias="none")
+        for name in self.targets:
+            _peft_constructible(model.get_submodule(name))
         model = get_peft_model(model, config)
+        for name in self.targets:  # the down-projection pads its input as the layer it adapts does
+            layer = model.get_submodule(f"base_model.model.{name}")
+            if isinstance(getattr(layer.base_layer, "static_padding", None), nn.Module):
+                for down in layer.lora_A.values():
+                    down.static_padding = layer.base_layer.static_padding
         own = {self._key(k) for k in _bn_keys(self.skeleton)} | {f"base_model.model.{k}" for k in _head_keys(self.skeleton)}
         for n, p in model.named_parameters():
             if n in own:

@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_checks.sh            # results under ${OUT:-/tmp/gpu_checks}
 # 1. the GPU-only tests (fused search without host syncs, engine exactness) and the suite's device tests;
 # 2. benchmarks/train_step.py on the five rows of issue 14, engine and per-layer search side by side.
+# The device image has torch, Triton and timm; nwsconvert's other dependencies (safetensors, onnx,
+# constriction, mlxtend, ...) travel as wheels (the device tool's README), installed before this runs.
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"

@@ -271,6 +271,7 @@ class SearchEngine:
             dims.setdefault(layer.nws.vector_size, []).append(layer)
         self.groups = [_Group(d, members, device, segmented_nearest_two if kernel == "triton" else _TorchSearch())
                        for d, members in sorted(dims.items())]
+        self.total = sum(count for g in self.groups for _, count in g.rows)  # kernels of every layer
         self._place = {}
         for g in self.groups:
             for i, layer in enumerate(g.layers):
@@ -325,13 +326,12 @@ class SearchEngine:
 
     def searched_fraction(self) -> torch.Tensor:
         """Fraction of kernels the last update re-searched, a 0-dim device tensor (no host sync)."""
-        total = sum(count for g in self.groups for _, count in g.rows)
-        return sum(g.searched.sum() for g in self.groups) / max(total, 1)
+        return sum(g.searched.sum() for g in self.groups) / max(self.total, 1)
 
     def stats(self) -> dict:
         """Kernels re-searched by the last update, as :func:`~nwsconvert.nwsmodel.search_stats` reports them
         (reading them back is one host sync)."""
-        total = sum(count for g in self.groups for _, count in g.rows)
+        total = self.total
         if self._stamp is None:
             return {"searched": 0, "total": total, "fraction": 0.0, "exact_rows": 0}
         counts = torch.stack([torch.stack([g.searched.sum(), g.exact_rows.sum()]) for g in self.groups]).sum(0)

@@ -33,17 +33,16 @@ import os
 
 import torch
 
+from .search import _RADIUS_SHRINK, _U32
+
 __all__ = ["BLOCK_R", "available", "fused_nearest_two", "row_blocks", "segmented_nearest_two"]
 
 #: Triton is imported on first search (0.3 s), from :mod:`nwsconvert.triton_kernels`. CPU-only torch
 #: wheels come without it.
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
-#: Unit roundoff of float32, and the smallest subnormal float32.
-_U32 = 2.0**-24
+#: The smallest subnormal float32 (unit roundoff and radius shrink: the BLAS path's, from search.py).
 _TINY32 = 2.0**-149
-#: Same shrink of every radius as the BLAS path (``search._RADIUS_SHRINK``).
-_RADIUS_SHRINK = 1.0 - 1e-4
 #: Rows per kernel program (a block never holds two layers' rows).
 BLOCK_R = 32
 

@@ -428,7 +428,7 @@ class NWSWeight(nn.Module):
         if not self.training and torch.compiler.is_compiling():
             # Traced by torch.compile: the plain gather, without the cache's bookkeeping (which would
             # break the graph); the compiled model computes the same weights.
-            k = self.pool.detach().index_select(0, self.indices).view(self.weight_shape)
+            k = self.gather()
             if torch.is_grad_enabled() and weight.requires_grad:
                 return _GatherSTE.apply(weight, k, self._fused_scale())
             return k

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import fused_search
-
 __all__ = ["SearchResult", "PreparedPool", "brute_force", "nearest_two", "nearest_scalar", "scalar_cells", "DEFAULT_CHUNK"]
 
 #: Rows per ``addmm`` block. 2048 x 512 float32 distances = 4 MiB: fits in L2/L3
@@ -335,10 +333,13 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
     if 0 < num <= FLOAT64_ROWS and vectors.device.type == "cpu":
         idx, rad, exact_rows = _nearest_two_f64(vectors, prep)
         return SearchResult(torch.from_numpy(idx), torch.from_numpy(rad), exact_rows)
-    if vectors.device.type == "cuda" and fused_search.available(vectors.device):
-        # One fused kernel pass, certified and resolved on the device (no N x n matrix, no host sync).
-        idx, rad, exact = fused_search.fused_nearest_two(vectors, pool)
-        return SearchResult(idx, rad, exact.sum())
+    if vectors.device.type == "cuda":
+        from . import fused_search  # it imports this module's constants: not at the top
+
+        if fused_search.available(vectors.device):
+            # One fused kernel pass, certified and resolved on the device (no N x n matrix, no host sync).
+            idx, rad, exact = fused_search.fused_nearest_two(vectors, pool)
+            return SearchResult(idx, rad, exact.sum())
     index = torch.empty(num, dtype=torch.int64, device=vectors.device)
     radius = torch.empty(num, dtype=torch.float64, device=vectors.device)
     if num == 0:

@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m nwsconvert.demo
+	$(PY) -m nwsconvert.cli.demo
 
 test: $(STAMP)
 	$(PY) -m pytest

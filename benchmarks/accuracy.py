@@ -40,10 +40,10 @@ import time
 import torch
 
 from baselines import METHODS, fit  # benchmarks/ is on sys.path when this script runs
-from nwsconvert.atomic import atomic_write_bytes
-from nwsconvert.cli import resolve_job, run_job, _train_config
-from nwsconvert.specs import build_model
-from nwsconvert.summary import run_summary
+from nwsconvert.formats.atomic import atomic_write_bytes
+from nwsconvert.cli.train import resolve_job, run_job, _train_config
+from nwsconvert.train.specs import build_model
+from nwsconvert.analysis.summary import run_summary
 from nwsconvert.zoo import get_suite
 
 

@@ -3,7 +3,7 @@
 Every method starts from the same pretrained model, trains with the same
 recipe (:class:`nwsconvert.TrainConfig`: optimiser, learning rate, schedule,
 batch size, epochs, data-order seeds), stores each task in safetensors files
-(:func:`nwsconvert.storage.write_tensors`: atomic, hashed, no pickle) and
+(:func:`nwsconvert.formats.storage.write_tensors`: atomic, hashed, no pickle) and
 evaluates a task by rebuilding the model from those files only, so the memory
 a method reports is what it stored and the accuracy is what a reload gives.
 
@@ -50,9 +50,9 @@ from torch.nn.utils import parametrize
 from torch.utils.data import DataLoader, RandomSampler
 
 from nwsconvert import evaluate, resize_head
-from nwsconvert.config import TrainConfig, lr_factor
-from nwsconvert.heads import find_head
-from nwsconvert.storage import read_tensors, write_tensors
+from nwsconvert.train.config import TrainConfig, lr_factor
+from nwsconvert.train.heads import find_head
+from nwsconvert.formats.storage import read_tensors, write_tensors
 
 __all__ = ["fit", "Method", "DenseFinetune", "BNHead", "PackNet", "Piggyback", "LoRA4", "LoRA16", "METHODS"]
 

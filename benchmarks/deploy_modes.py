@@ -37,7 +37,7 @@ from nwsconvert.export import Runtime
 from nwsconvert.export.bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256
 from nwsconvert.export.onnx_graph import export_onnx
 from nwsconvert.export.switch import SWITCH_FILE, export_switch
-from nwsconvert.heads import resize_head
+from nwsconvert.train.heads import resize_head
 
 from deploy import converted_model  # benchmarks/ is on sys.path when this script runs
 

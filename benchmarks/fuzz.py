@@ -173,7 +173,7 @@ def train_runs(work: Path, python: str, lib: str) -> dict[str, Path]:
             shutil.rmtree(d, ignore_errors=True)
             d.parent.mkdir(parents=True, exist_ok=True)
             print(f"setup: training run {name} (seed {seed}) in {d}", flush=True)
-            cmd = [python, "-m", "nwsconvert.cli", "model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1",
+            cmd = [python, "-m", "nwsconvert.cli.train", "model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1",
                    f"tasks={len(TASKS)}", "progress=false", f"seed={seed}", f"out={d}"]
             subprocess.run(cmd, check=True, cwd=work, stdout=subprocess.DEVNULL)
             subprocess.run([python, "-c", EXPORT_SNIPPET, str(d), "--task", "all", "--onnx"], check=True, cwd=work, stdout=subprocess.DEVNULL)
@@ -948,10 +948,10 @@ class Readers:
         import torch
 
         import nwsconvert
-        from nwsconvert.analysis import analyse_run
+        from nwsconvert.analysis.selection import analyse_run
         from nwsconvert.export import Runtime, export_bundle
         from nwsconvert.export.bundlefile import read_bundle
-        from nwsconvert.summary import run_summary
+        from nwsconvert.analysis.summary import run_summary
 
         self.np, self.torch, self.nws = np, torch, nwsconvert
         self.analyse_run, self.Runtime, self.export_bundle, self.read_bundle, self.run_summary = analyse_run, Runtime, export_bundle, read_bundle, run_summary
@@ -1111,7 +1111,7 @@ def lib_roots() -> list[tuple[str, str]]:
 
 def lib_frames(tb) -> tuple[str | None, str | None]:
     """(innermost frame in nwsconvert's code, innermost frame overall) as ``file:line (function)``;
-    library files are named as in the repository (``nwsconvert/specs.py``, ``export/runtime.py``)."""
+    library files are named as in the repository (``nwsconvert/train/specs.py``, ``export/runtime.py``)."""
     site = raised = None
     for fs in traceback.extract_tb(tb):
         name = next((label + fs.filename[len(root):] for root, label in LIB_ROOTS if fs.filename.startswith(root)), None)
@@ -1153,7 +1153,7 @@ class Worker:
         import onnxruntime
 
         onnxruntime.set_default_logger_severity(4)  # graphs refused on purpose would log C++ errors on every case
-        import nwsconvert.packs
+        import nwsconvert.formats.packs
 
         global LIB_ROOTS
         LIB_ROOTS = lib_roots()
@@ -1163,7 +1163,7 @@ class Worker:
         self.roots = {name: self.scratch / name for name in runs}
         self.stats: dict = {}
         self.sentinel = self.work / SENTINEL_NAME
-        self.clear_cache = nwsconvert.packs._load_base.cache_clear
+        self.clear_cache = nwsconvert.formats.packs._load_base.cache_clear
         self.subjects = {name: Subject(name, run) for name, run in runs.items()}
         x = np.random.default_rng(0).standard_normal((4, 1, 28, 28)).astype(np.float32)
         self.readers = Readers(self.scratch, x)

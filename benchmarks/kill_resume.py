@@ -7,7 +7,7 @@
 What it does
 ------------
 1. Reference: the job (``--job``, default a small split-mnist run of ``timm:test_resnet``)
-   runs uninterrupted ``--ref-runs`` times (default 2) through ``python -m nwsconvert.cli``;
+   runs uninterrupted ``--ref-runs`` times (default 2) through ``python -m nwsconvert.cli.train``;
    the runs must agree with each other (else the job is not deterministic and nothing
    below could be compared: the script stops). Recorded from ``manifest.json``: the pool
    set's, the base pack's and every task pack's content SHA-256 and every task's
@@ -184,8 +184,8 @@ class Checker:
     def __init__(self):
         sys.path.insert(0, str(SRC))
         import nwsconvert
-        from nwsconvert.packs import TaskPack
-        from nwsconvert.pools import PoolSet
+        from nwsconvert.formats.packs import TaskPack
+        from nwsconvert.core.pools import PoolSet
 
         self.nws, self.TaskPack, self.PoolSet = nwsconvert, TaskPack, PoolSet
 
@@ -305,7 +305,7 @@ class Life:
 
     def __init__(self, args: list[str], d: Path, logs: Path, tag: str):
         self.args, self.d, self.tag = args, d, tag
-        self.cmd = [str(PY), "-m", "nwsconvert.cli", *args]
+        self.cmd = [str(PY), "-m", "nwsconvert.cli.train", *args]
         self.out_path, self.err_path = logs / f"{tag}.out", logs / f"{tag}.err"
         env = {k: v for k, v in os.environ.items() if k not in ("NWS_DEBUG",)}
         self.manifest_at_start = (d / "manifest.json").is_file()
@@ -744,7 +744,7 @@ def main(argv=None) -> int:
         SRC = snapshot(args.source, work)
     source = {"requested": args.source, "path": str(SRC), "rev": None if args.source == "worktree" else SRC.name.split("_", 1)[1], "head_at_start": head}
     probe = subprocess.run(
-        [str(PY), "-c", "import nwsconvert, nwsconvert.zoo, nwsconvert.cli; print(nwsconvert.__file__, nwsconvert.zoo.__file__)"],
+        [str(PY), "-c", "import nwsconvert, nwsconvert.zoo, nwsconvert.cli.train; print(nwsconvert.__file__, nwsconvert.zoo.__file__)"],
         cwd=SRC, capture_output=True, text=True,
     )
     source["imports"] = probe.stdout.strip()

@@ -8,7 +8,7 @@ statistics, the head's bias). Dense finetune keeps one float32 model per task.
 The paper's reported totals are printed beside ours.
 
 ``--run RUN`` adds a trained run's real packs: their bytes as stored (the
-smallest index coding per layer, see ``nwsconvert.indexcode``) beside the same
+smallest index coding per layer, see ``nwsconvert.formats.indexcode``) beside the same
 packs at 9 bits, and the order-0 entropy of their indices.
 
     python benchmarks/memory.py --run runs/demo --json memory.json
@@ -29,10 +29,10 @@ import torchvision
 from torch import nn
 
 import nwsconvert as nc
-from nwsconvert.bitpack import packed_size
-from nwsconvert.entropy import entropy_bits
-from nwsconvert.report import format_bytes
-from nwsconvert.summary import shared_base_bytes
+from nwsconvert.formats.bitpack import packed_size
+from nwsconvert.formats.entropy import entropy_bits
+from nwsconvert.conversion.report import format_bytes
+from nwsconvert.analysis.summary import shared_base_bytes
 
 MB = 1e6  # the paper's MB
 

@@ -21,8 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from nwsconvert.atomic import atomic_write_bytes
-from nwsconvert.report_html import _byte_formatter, _figure, _png
+from nwsconvert.formats.atomic import atomic_write_bytes
+from nwsconvert.analysis.html import _byte_formatter, _figure, _png
 
 #: method key -> (label, colour); NWS stands out, the rest in muted colours.
 STYLE = {

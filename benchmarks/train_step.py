@@ -14,7 +14,7 @@ The NWS step fuses the commitment gradient into the backward
 (``nwsconvert.set_commitment(model, 1.0)``); ``--unfused`` adds
 ``commitment_loss(model)`` to the loss instead (same gradient, autograd MSE).
 ``--search`` picks how the indices are kept exact, as ``nws-train search=`` does:
-``engine`` (one update for the whole model, :class:`nwsconvert.engine.SearchEngine`),
+``engine`` (one update for the whole model, :class:`nwsconvert.core.engine.SearchEngine`),
 ``layer`` (each layer's own lazy search), ``auto`` (engine on CUDA, layer on CPU).
 
 On CUDA it also counts, over one NWS step and one dense step, the host-device
@@ -50,7 +50,7 @@ def build(args, nws: bool):
     torch.manual_seed(0)
     model = timm.create_model(args.model, num_classes=10).to(args.device)
     if nws:
-        from nwsconvert.engine import search_engine
+        from nwsconvert.core.engine import search_engine
 
         nwsconvert.convert(model, pool_size=args.pool_size, init="kmeans")
         if not args.unfused:
@@ -209,7 +209,7 @@ def main():
     for name, h in host.items():
         print(f"per {name} step: {h['syncs']} host syncs, {h['kernels']} kernel launches")
     if args.json:
-        from nwsconvert.atomic import atomic_write_bytes
+        from nwsconvert.formats.atomic import atomic_write_bytes
 
         atomic_write_bytes(args.json, json.dumps({
             "args": vars(args), "torch": torch.__version__, "device": device_name,

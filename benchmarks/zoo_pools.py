@@ -183,7 +183,7 @@ def _task_kwargs(suite) -> dict:
 
 
 def train_nws(cfg: dict, suite, recipe: str, seed: int, kmeans_iters: int | None) -> dict:
-    from nwsconvert.summary import run_summary
+    from nwsconvert.analysis.summary import run_summary
     from nwsconvert.zoo import get_recipe
 
     entry = get_pretrained(ENTRY)
@@ -225,7 +225,7 @@ def train_dense(suite, recipe: str, seed: int, tasks: int | None = None) -> dict
 
     from accuracy import method_run, pretrained_model
 
-    from nwsconvert.cli import resolve_job
+    from nwsconvert.cli.train import resolve_job
 
     entry = get_pretrained(ENTRY)
     items = [f"suite={suite.name}", f"model={entry.spec}", f"recipe={recipe}", "learn_pools=false", f"tasks={tasks or 'null'}"]

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from nwsconvert import PoolSet, RunDir
 from nwsconvert.errors import FormatError, NWSError
-from nwsconvert.loading import build_run_model, load_run_pools, load_task_files
-from nwsconvert.storage import atomic_write_bytes
+from nwsconvert.train.loading import build_run_model, load_run_pools, load_task_files
+from nwsconvert.formats.storage import atomic_write_bytes
 
 from .bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256, read_bundle
 from .onnx_graph import export_onnx

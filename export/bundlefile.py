@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from nwsconvert.errors import FormatError
-from nwsconvert.rundir import check_data_info
-from nwsconvert.schema import Fields
+from nwsconvert.train.rundir import check_data_info
+from nwsconvert.formats.schema import Fields
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "read_bundle", "check_bundle", "file_sha256"]
 

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from nwsconvert.cliutil import run_cli
+from nwsconvert.cli.common import run_cli
 from nwsconvert.errors import UsageError
 
 __all__ = ["export_main", "infer_main"]
@@ -56,7 +56,7 @@ def _export(argv: list[str] | None) -> int:
     if args.run_dir is not None and args.run is not None and args.run_dir != args.run:
         p.error(f"two run directories given: {args.run_dir} and --run {args.run}")
     args.run = args.run_dir or args.run or "."
-    from nwsconvert.rundir import RunDir
+    from nwsconvert.train.rundir import RunDir
 
     try:
         manifest = RunDir(args.run).read()
@@ -67,7 +67,7 @@ def _export(argv: list[str] | None) -> int:
         raise UsageError(f"--task {args.task}: run {args.run} has no finished task {args.task}; finished tasks: {done or 'none'}")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} is a file, not a folder")
-    from nwsconvert.report import format_bytes
+    from nwsconvert.conversion.report import format_bytes
 
     from .bundle import export_bundle
 

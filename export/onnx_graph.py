@@ -44,8 +44,8 @@ from torch.nn.utils import parametrize
 
 from nwsconvert import nws_layers
 from nwsconvert.errors import NWSError
-from nwsconvert.stfile import read_header
-from nwsconvert.storage import atomic_write_bytes
+from nwsconvert.formats.stfile import read_header
+from nwsconvert.formats.storage import atomic_write_bytes
 
 from .indexplanes import pack_index_planes
 

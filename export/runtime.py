@@ -16,7 +16,7 @@ Two modes (measured side by side in ``benchmarks/RESULTS.md``, "Runtime modes"):
 ``switch``
     one session for the bundle (``switch.onnx``) whose indices and state are graph
     inputs. Each task's values come from its pack (``task_<t>.nwspack``, decoded
-    without torch by :func:`nwsconvert.packfile.read_pack_arrays`, so a task costs
+    without torch by :func:`nwsconvert.formats.packfile.read_pack_arrays`, so a task costs
     its pack's bytes on disk) and are uploaded once as OrtValues on the device and
     bound with IOBinding: a switch is a re-bind (microseconds), and a cached task
     costs its indices and state only. The weights are gathered at every run,
@@ -51,8 +51,8 @@ import numpy as np
 
 from nwsconvert.devices import cuda_device_count
 from nwsconvert.errors import FormatError, TaskNotFoundError
-from nwsconvert.packfile import read_pack_arrays
-from nwsconvert.stfile import nws_header, raw_digest, read_header
+from nwsconvert.formats.packfile import read_pack_arrays
+from nwsconvert.formats.stfile import nws_header, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle
 

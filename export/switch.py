@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from nwsconvert import nws_layers
-from nwsconvert.packs import _nws_keys
+from nwsconvert.formats.packs import _nws_keys
 
 from .onnx_graph import _link_pools, _same_folder, _trace, _write, export_mode
 

@@ -8,7 +8,7 @@ import torch
 
 import nwsconvert
 from nwsconvert import Trainer, extract_task, nws_layers
-from nwsconvert.storage import tensor_digest
+from nwsconvert.formats.storage import tensor_digest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model  # noqa: E402

@@ -15,14 +15,15 @@ import torch
 
 import nwsconvert
 from nwsconvert import RunDir, TaskPack
-from nwsconvert.cli import info_main, resolve_job, train_main
+from nwsconvert.cli.info import info_main
+from nwsconvert.cli.train import resolve_job, train_main
 from nwsconvert.errors import UsageError
 
 FAST = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "progress=false"]
 
 
 def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "nwsconvert.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "nwsconvert.cli.train", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_help_lists_every_key(capsys):
@@ -65,7 +66,7 @@ def test_clear_errors(tmp_path, capsys):
 def test_killed_run_resumes_without_losing_tasks(tmp_path):
     out = tmp_path / "run"
     args = [*FAST, "epochs=4", "tasks=3", f"out={out}"]
-    proc = subprocess.Popen([sys.executable, "-m", "nwsconvert.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "nwsconvert.cli.train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = RunDir(out)
     deadline = time.time() + 300
     try:
@@ -95,7 +96,7 @@ def test_killed_run_resumes_without_losing_tasks(tmp_path):
     for t in range(3):
         nwsconvert.load(out, task=t)
 
-    info = subprocess.run([sys.executable, "-c", "from nwsconvert.cli import info_main; info_main()", str(out), "--json"], capture_output=True, text=True)
+    info = subprocess.run([sys.executable, "-c", "from nwsconvert.cli.info import info_main; info_main()", str(out), "--json"], capture_output=True, text=True)
     summary = json.loads(info.stdout)
     assert [r["id"] for r in summary["tasks"]] == [0, 1, 2]
     pack = TaskPack.load(out / manifest["tasks"][1]["file"])

@@ -4,7 +4,8 @@ import numpy as np
 import torch
 
 import nwsconvert
-from nwsconvert import RunDir, demo
+from nwsconvert import RunDir
+from nwsconvert.cli import demo
 from nwsconvert.export import Runtime, export_bundle
 from nwsconvert.zoo import get_suite
 

@@ -13,10 +13,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nwsconvert
-from nwsconvert import fused_search
-from nwsconvert.engine import SearchEngine, search_engine
-from nwsconvert.nwsmodel import distillation_loss, ema_update, nws_layers, set_commitment, set_mode
-from nwsconvert.search import brute_force
+from nwsconvert.core import fused_search
+from nwsconvert.core.engine import SearchEngine, search_engine
+from nwsconvert.core.nwsmodel import distillation_loss, ema_update, nws_layers, set_commitment, set_mode
+from nwsconvert.core.search import brute_force
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KERNELS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
@@ -195,8 +195,8 @@ def test_trainer_with_search_engine_writes_the_packs_of_the_layer_search(tmp_pat
     pack is the one ``search=layer`` writes, index for index, and the stage leaves no engine behind."""
     from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
-    from nwsconvert.packs import TaskPack
-    from nwsconvert.trainer import Trainer
+    from nwsconvert.formats.packs import TaskPack
+    from nwsconvert.train.trainer import Trainer
 
     packs = {}
     for search in ("layer", "engine"):

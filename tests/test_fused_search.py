@@ -7,8 +7,8 @@ kernel; with CUDA the same tests run the compiled kernel on the GPU.
 import pytest
 import torch
 
-from nwsconvert import fused_search
-from nwsconvert.search import brute_force, nearest_two
+from nwsconvert.core import fused_search
+from nwsconvert.core.search import brute_force, nearest_two
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not fused_search.available(DEVICE),

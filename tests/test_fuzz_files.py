@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 import nwsconvert
 from nwsconvert import PoolSet, RunDir, TaskPack
 from nwsconvert.errors import NWSError
-from nwsconvert.loading import load_task_files
-from nwsconvert.storage import read_tensors, write_tensors
+from nwsconvert.train.loading import load_task_files
+from nwsconvert.formats.storage import read_tensors, write_tensors
 
 from trainer_utils import tiny_model
 

@@ -8,8 +8,9 @@ import torch
 import torchvision
 
 import nwsconvert
+from nwsconvert.core.search import brute_force
 from nwsconvert import find_head, nws_layers, resize_head
-from nwsconvert.heads import head_classes
+from nwsconvert.train.heads import head_classes
 
 
 def _head_layer(model):
@@ -34,7 +35,7 @@ def test_nws_head_resize_keeps_rows_and_indices(new):
     assert head.module.out_features == new and model.num_classes == new
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, new)
     # Every index is the exact nearest entry of its (new) weight.
-    assert torch.equal(head.nws.indices.long(), nwsconvert.brute_force(head.weight.reshape(-1, 1), head.nws.pool))
+    assert torch.equal(head.nws.indices.long(), brute_force(head.weight.reshape(-1, 1), head.nws.pool))
     if new > 5:  # new rows like a fresh nn.Linear: |w| <= 1/sqrt(fan_in)
         assert head.weight[5:].abs().max() <= 1 / w.shape[1] ** 0.5
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import nwsconvert as nc
-from nwsconvert.bitpack import pack_bits
-from nwsconvert.entropy import (
+from nwsconvert.formats.bitpack import pack_bits
+from nwsconvert.formats.entropy import (
     PRECISION,
     ans_decode,
     ans_encode,
@@ -27,9 +27,9 @@ from nwsconvert.entropy import (
     entropy_bits,
     quantize,
 )
-from nwsconvert.indexcode import CODINGS, decode_indices, encode_indices
-from nwsconvert.packs import PACK_FORMAT
-from nwsconvert.storage import write_tensors
+from nwsconvert.formats.indexcode import CODINGS, decode_indices, encode_indices
+from nwsconvert.formats.packs import PACK_FORMAT
+from nwsconvert.formats.storage import write_tensors
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 
@@ -225,7 +225,7 @@ def test_golden_files_decode():
 def test_numpy_reader_decodes_what_torch_reads(tmp_path):
     """The torch-free reader (used by the onnxruntime Runtime) gives exactly TaskPack.load's
     indices and state, for every coding (golden files) and a base found beside the pack."""
-    from nwsconvert.packfile import read_pack_arrays
+    from nwsconvert.formats.packfile import read_pack_arrays
 
     torch_pack = nc.TaskPack.load(GOLDEN / "task.nwspack")
     arrays = read_pack_arrays(GOLDEN / "task.nwspack")

@@ -2,8 +2,8 @@
 
 import torch
 
-from nwsconvert.kmeans import assign, kmeans
-from nwsconvert.search import brute_force
+from nwsconvert.core.kmeans import assign, kmeans
+from nwsconvert.core.search import brute_force
 
 
 def test_assign_matches_exact_search_on_separated_data():

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nwsconvert as nc
-from nwsconvert.search import brute_force
+from nwsconvert.core.search import brute_force
 
 
 def _small_net():

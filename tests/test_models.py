@@ -20,7 +20,7 @@ from model_zoo import TIMM_MODELS, build, export_input_size, input_size, torchvi
 import nwsconvert as nc
 from nwsconvert.export import export_onnx
 from nwsconvert.export.runtime import DISABLED_OPTIMIZERS
-from nwsconvert.graph import is_weight_layer
+from nwsconvert.conversion.graph import is_weight_layer
 
 MODELS = torchvision_models() + [f"timm:{m}" for m in TIMM_MODELS]
 POOL = 64  # small pools keep the sweep fast; pool-size behaviour is tested elsewhere

@@ -11,7 +11,7 @@ import torchvision
 from torch import nn
 
 import nwsconvert as nc
-from nwsconvert.bitpack import pack_bits, packed_size, unpack_bits
+from nwsconvert.formats.bitpack import pack_bits, packed_size, unpack_bits
 
 
 def _model(num_classes=5, seed=0):
@@ -127,7 +127,7 @@ def test_damaged_files_fail_clearly(saved):
         nc.TaskPack.load(tmp / "missing.nwspack")
     with pytest.raises(nc.FormatError):
         nc.PoolSet.load(tmp / "trunc")
-    from nwsconvert.storage import write_tensors
+    from nwsconvert.formats.storage import write_tensors
 
     write_tensors(tmp / "future", {"x": torch.zeros(1)}, "nwsconvert.taskpack", 99)
     with pytest.raises(nc.FormatError, match="version 99 is newer"):
@@ -137,7 +137,7 @@ def test_damaged_files_fail_clearly(saved):
 def test_writes_are_atomic(saved, monkeypatch):
     model, pack, tmp = saved
     before = (tmp / "t0.nwspack").read_bytes()
-    import nwsconvert.storage as storage
+    import nwsconvert.formats.storage as storage
 
     def boom(*a, **k):
         raise OSError("disk full")

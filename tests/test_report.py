@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from nwsconvert import PoolSet, RunDir, TaskPack, extract_task, pool_set
-from nwsconvert.analysis import analyse_run, index_entropy, layer_sparsity, layer_stats, selection_counts
-from nwsconvert.report_cli import report_main
-from nwsconvert.report_html import write_report
-from nwsconvert.summary import run_summary
+from nwsconvert.analysis.selection import analyse_run, index_entropy, layer_sparsity, layer_stats, selection_counts
+from nwsconvert.cli.report import report_main
+from nwsconvert.analysis.html import write_report
+from nwsconvert.analysis.summary import run_summary
 
 from trainer_utils import tiny_model
 

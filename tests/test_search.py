@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import nwsconvert as nc
-from nwsconvert.layers import NWSWeight, _rows_not_below
-from nwsconvert.search import (
+from nwsconvert.core.layers import NWSWeight, _rows_not_below
+from nwsconvert.core.search import (
     FLOAT64_ROWS,
     brute_force,
     flat_nonzero,

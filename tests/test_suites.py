@@ -12,7 +12,7 @@ import torch
 from fake_cifar import write_fake_cifar100
 
 from nwsconvert import TrainConfig
-from nwsconvert.config import lr_factor
+from nwsconvert.train.config import lr_factor
 from nwsconvert.zoo import get_recipe, get_suite, list_recipes, list_suites
 
 

@@ -9,9 +9,9 @@ import torch
 
 import nwsconvert
 from nwsconvert import RunDir, TaskPack, Trainer, evaluate, nws_layers
-from nwsconvert.checkpoint import load_checkpoint
-from nwsconvert.heads import head_classes
-from nwsconvert.rundir import model_sha256
+from nwsconvert.train.checkpoint import load_checkpoint
+from nwsconvert.train.heads import head_classes
+from nwsconvert.train.rundir import model_sha256
 
 from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
@@ -262,8 +262,8 @@ class DefaultNet(torch.nn.Sequential):
 
 
 def test_recorded_spec_of_a_plain_class_rebuilds_it_or_says_what_to_do():
-    from nwsconvert.packs import model_spec_of
-    from nwsconvert.specs import build_model
+    from nwsconvert.formats.packs import model_spec_of
+    from nwsconvert.train.specs import build_model
 
     spec = model_spec_of(DefaultNet())
     assert spec == f"{__name__}:DefaultNet"

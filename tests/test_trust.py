@@ -25,15 +25,15 @@ from torch import nn
 
 import nwsconvert
 from nwsconvert import Trainer
-from nwsconvert.cliutil import run_cli
+from nwsconvert.cli.common import run_cli
 from nwsconvert.errors import FormatError, NWSError, PackMismatchError, RunLockedError, UntrustedCodeError
 from nwsconvert.export import Runtime, export_bundle
 from nwsconvert.export.cli import infer_main
-from nwsconvert.packs import PACK_FORMAT, PACK_VERSION
-from nwsconvert.rundir import model_sha256
-from nwsconvert.runlock import RunLock
-from nwsconvert.stfile import read_header
-from nwsconvert.storage import atomic_write_bytes, read_tensors, write_tensors
+from nwsconvert.formats.packs import PACK_FORMAT, PACK_VERSION
+from nwsconvert.train.rundir import model_sha256
+from nwsconvert.train.runlock import RunLock
+from nwsconvert.formats.stfile import read_header
+from nwsconvert.formats.storage import atomic_write_bytes, read_tensors, write_tensors
 
 from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
@@ -92,7 +92,7 @@ def test_a_manifest_spec_never_runs_code(run_a, tmp_path):
     assert proc.returncode == 1 and "--trust-code" in proc.stderr and "Traceback" not in proc.stderr
     job = {"model": "subprocess:getoutput", "model_kwargs": {"cmd": f"touch {sentinel}"}, "out": str(run_a)}
     _edit_manifest(run_a, lambda m: m["data"].update(job=job))
-    resumed = subprocess.run([sys.executable, "-m", "nwsconvert.cli", "--resume", f"out={run_a}"], capture_output=True, text=True)
+    resumed = subprocess.run([sys.executable, "-m", "nwsconvert.cli.train", "--resume", f"out={run_a}"], capture_output=True, text=True)
     assert resumed.returncode != 0 and "--trust-code" in resumed.stderr and "Traceback" not in resumed.stderr
     assert not sentinel.exists()
 
@@ -137,7 +137,7 @@ def test_a_model_entry_that_cannot_be_built_names_the_manifest(run_a, edit, matc
 
 
 def test_null_and_mistyped_manifest_fields_are_read_or_named(run_a, tmp_path):
-    from nwsconvert.summary import format_summary, run_summary
+    from nwsconvert.analysis.summary import format_summary, run_summary
 
     _edit_manifest(run_a, lambda m: (m.update(data=None), m["tasks"][0]["metrics"].pop("val_acc"), m["pools"].update(bytes=None)))
     text = format_summary(run_summary(run_a))
@@ -407,7 +407,7 @@ def test_convert_refuses_torchscript_meta_and_empty_models():
 
 
 # ------------------------------------------------------------------ one writer per run
-_HOLD = "import sys, time; from nwsconvert.runlock import RunLock; RunLock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+_HOLD = "import sys, time; from nwsconvert.train.runlock import RunLock; RunLock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
 
 
 def test_one_writer_per_run_and_a_killed_holder_blocks_nothing(run_a, tmp_path, capsys):
@@ -418,7 +418,7 @@ def test_one_writer_per_run_and_a_killed_holder_blocks_nothing(run_a, tmp_path, 
             RunLock.acquire(run_a)
         with pytest.raises(RunLockedError):
             Trainer(tiny_model(), run_a, resume=True, progress=False)
-        from nwsconvert.cli import train_main
+        from nwsconvert.cli.train import train_main
 
         job = {"model": SPEC, "model_kwargs": KWARGS, "pool_size": 32, "out": str(run_a)}
         _edit_manifest(run_a, lambda m: m["data"].update(job=job))
@@ -439,7 +439,7 @@ def test_one_writer_per_run_and_a_killed_holder_blocks_nothing(run_a, tmp_path, 
 
 
 def test_resume_before_the_manifest_starts_the_run_and_cleans_temporaries(tmp_path, capsys):
-    from nwsconvert.cli import JOB_FILE, resolve_job, train_main
+    from nwsconvert.cli.train import JOB_FILE, resolve_job, train_main
 
     out = tmp_path / "r"
     out.mkdir()
@@ -487,14 +487,14 @@ def test_disk_full_on_a_small_tmpfs_then_resume(tmp_path):
         pytest.skip("no tmpfs can be mounted here (needs root on Linux)")
     try:
         args = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1", "tasks=1", "progress=false", f"out={mnt / 'r'}"]
-        full = subprocess.run([sys.executable, "-m", "nwsconvert.cli", *args], capture_output=True, text=True)
+        full = subprocess.run([sys.executable, "-m", "nwsconvert.cli.train", *args], capture_output=True, text=True)
         assert full.returncode == 1, full.stderr[-2000:]
         assert "disk full while writing" in full.stderr and "Traceback" not in full.stderr
         assert not [p for p in mnt.rglob("*.tmp")]
         if (mnt / "r" / "manifest.json").exists():
             nwsconvert.RunDir(mnt / "r").read()  # the manifest stayed valid
         subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
-        done = subprocess.run([sys.executable, "-m", "nwsconvert.cli", "--resume", f"out={mnt / 'r'}"], capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "nwsconvert.cli.train", "--resume", f"out={mnt / 'r'}"], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         assert [t["id"] for t in nwsconvert.RunDir(mnt / "r").read()["tasks"]] == [0]
     finally:
@@ -571,7 +571,7 @@ def test_other_commands_refuse_bad_paths_in_one_line(runs, tmp_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "nwsconvert.cli", "pool_size=abc", f"out={tmp_path}", "--debug"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "nwsconvert.cli.train", "pool_size=abc", f"out={tmp_path}", "--debug"], capture_output=True, text=True)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "UsageError" in proc.stderr
 
 

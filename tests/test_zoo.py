@@ -12,7 +12,7 @@ import torchvision
 from torch import nn
 
 import nwsconvert as nc
-from nwsconvert.specs import build_model
+from nwsconvert.train.specs import build_model
 from nwsconvert.zoo import (
     MissingPackageError,
     apply_preset,
@@ -235,8 +235,8 @@ def test_lite0_preset_keeps_depthwise_kernels_exact(lite0, lite0_nws):
 
 def test_lite0_kmeans_pools_are_close_to_the_real_kernels(lite0, lite0_nws):
     """Every layer's k-means pool reconstructs its real kernels better than the Gaussian init does."""
-    from nwsconvert.kmeans import assign
-    from nwsconvert.pools import init_pool
+    from nwsconvert.core.kmeans import assign
+    from nwsconvert.core.pools import init_pool
 
     model, _ = lite0_nws
     gen = torch.Generator().manual_seed(0)

@@ -58,8 +58,8 @@ from typing import Callable
 
 from torch import nn
 
-from nwsconvert.converter import convert
-from nwsconvert.graph import analyse, is_weight_layer, roles_by_name
+from nwsconvert.conversion.converter import convert
+from nwsconvert.conversion.graph import analyse, is_weight_layer, roles_by_name
 
 from .registry import Registry
 

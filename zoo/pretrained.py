@@ -16,7 +16,7 @@ Registered entries (``list_pretrained()``):
 The factories are also model specs for run directories and ``nws-train``:
 ``model=nwsconvert.zoo.pretrained:efficientnet_lite0`` (``model.in_chans=1``
 for grayscale suites) builds the same dense model, so a run can be rebuilt
-from its manifest (:func:`nwsconvert.specs.build_model`).
+from its manifest (:func:`nwsconvert.train.specs.build_model`).
 
 Remarks:
     The package's convolutions are ``Conv2dStaticSamePadding`` (TensorFlow
@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nwsconvert.converter import convert
-from nwsconvert.report import ConversionReport
+from nwsconvert.conversion.converter import convert
+from nwsconvert.conversion.report import ConversionReport
 
 from .presets import get_preset
 from .registry import Registry

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from nwsconvert.config import TrainConfig
+from nwsconvert.train.config import TrainConfig
 
 from .registry import Registry
 

@@ -34,7 +34,10 @@ ROOT = Path(__file__).resolve().parents[2]
 #: bundle and pack readers import; tests/test_runtime_dist.py runs the installed wheel with
 #: torch blocked, so a module missing here fails there.
 RUNTIME_MODULES = {
-    "nwsconvert": ("nwsconvert", ["__init__", "lazy", "errors", "atomic", "limits", "schema", "stfile", "bitpack", "entropy", "indexcode", "packfile", "rundir", "devices", "cliutil"]),
+    "nwsconvert": ("nwsconvert", ["__init__", "lazy", "errors", "devices"]),
+    "nwsconvert.formats": ("nwsconvert/formats", ["__init__", "atomic", "limits", "schema", "stfile", "bitpack", "entropy", "indexcode", "packfile"]),
+    "nwsconvert.train": ("nwsconvert/train", ["__init__", "rundir"]),
+    "nwsconvert.cli": ("nwsconvert/cli", ["__init__", "common"]),
     "nwsconvert.export": ("export", ["__init__", "bundlefile", "runtime", "cli"]),
 }
 #: the main distribution's dependencies the runtime keeps (by distribution name), plus Pillow for nws-infer's images.

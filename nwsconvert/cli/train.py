@@ -1,0 +1,418 @@
+"""Command line ``nws-train``: pool learning, then tasks, into a run directory.
+
+The CLI is an application on top of the library: it picks data and recipes
+from ``nwsconvert.zoo`` (imported here, never by the core modules).
+
+``nws-train`` checks the whole job (types, ranges, paths, the device, file
+kinds) before it imports torch, so a bad value is refused in a fraction of a
+second with one line and exit code 2; failures while training are one line
+and exit code 1 (``--debug`` shows the traceback; :mod:`nwsconvert.cli.common`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..formats.atomic import atomic_write_bytes
+from .common import run_cli
+from ..train.config import TrainConfig
+from ..devices import check_device
+from ..errors import FormatError, RunExistsError, UntrustedCodeError, UsageError
+from ..formats.limits import MAX_POOL_SIZE
+from ..train.rundir import RunDir
+from ..train.specs import LOADING_KWARGS, is_registry_spec
+
+__all__ = ["train_main", "run_job", "resolve_job", "validate_job", "launch", "DEFAULT_JOB"]
+
+JOB_FILE = "job.json"  # the job, written before anything else: --resume finds it even before the manifest exists
+
+#: Job keys of ``nws-train`` besides the TrainConfig fields.
+DEFAULT_JOB: dict = {
+    "suite": "split-mnist",  # nwsconvert.zoo.list_suites()
+    "suite_options": {},  # e.g. {"path": "~/data/cifar-100-python.tar.gz"}
+    "model": "timm:resnet18",  # timm:<name>, torchvision:<name>, module:factory
+    "model_kwargs": {},  # factory keyword arguments; in_chans follows the suite for timm
+    "pool_size": 512,
+    "group_size": 1,  # floats per pool vector for 1x1 convs and the FC layer
+    "preset": None,  # conversion preset: nwsconvert.zoo.list_presets() or "auto"
+    "init": "kmeans",  # kmeans | random | <pool file>
+    "recipe": "demo",  # nwsconvert.zoo.list_recipes()
+    "learn_pools": True,  # pool learning on the suite's pretraining data
+    "tasks": None,  # how many tasks to train (None: all)
+    "device": None,  # cuda / cpu (None: CUDA when present)
+    "out": None,  # run directory (default runs/<suite>-<model>)
+    "progress": True,
+}
+
+_HELP_KEYS = """\
+keys (key=value; values are YAML: 3, 0.01, true, [50, 80], {{a: 1}}):
+  suite=NAME              task suite: split-mnist (default, embedded), split-fashion-mnist,
+                          mixed-domain, split-cifar100, image-folders
+  suite.OPTION=VALUE      suite option, e.g. suite.path=~/cifar-100-python.tar.gz,
+                          suite.folders=[~/cub, ~/cars], suite.root=/usr/share/datasets/fashion-mnist,
+                          suite.pairs=hard, suite.classes_per_task=5, suite.train_per_class=50
+  model=SPEC              timm:resnet18 (default), torchvision:resnet18, package.module:factory
+  model.KW=VALUE          factory keyword argument, e.g. model.drop_rate=0.1
+  pool_size=N             pool entries per layer (512)
+  group_size=G            floats per pool vector of 1x1 convs and the FC layer (1)
+  preset=NAME|auto        conversion preset per architecture family (nwsconvert.zoo.list_presets();
+                          auto: guessed from the model); pool_size and group_size set its fields
+  init=kmeans|random|FILE pools before pool learning (kmeans of the initial weights)
+  recipe=NAME             demo (default), split-cifar100, cub-to-sketches, paper-adam
+  learn_pools=true|false  learn pools on the suite's pretraining data first
+  tasks=N                 train only the first N tasks
+  device=cuda|cpu         default: CUDA when present
+  out=DIR                 run directory (default runs/<suite>-<model>)
+  progress=true|false     progress bars
+training options (override the recipe): {fields}
+"""
+
+
+def _parse_value(text: str):
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _apply(job: dict, key: str, value, source: str) -> None:
+    train_fields = set(TrainConfig.__dataclass_fields__)
+    if key.startswith("suite."):
+        job["suite_options"] = {**job["suite_options"], key[6:]: value}
+    elif key.startswith("model."):
+        job["model_kwargs"] = {**job["model_kwargs"], key[6:]: value}
+    elif key in DEFAULT_JOB or key in train_fields:
+        job[key] = value
+    else:
+        known = sorted(set(DEFAULT_JOB) | train_fields)
+        raise UsageError(f"unknown key {key!r} in {source}; known keys: {', '.join(known)} (and suite.X, model.X)")
+
+
+def resolve_job(items: list[str], base: dict | None = None) -> dict:
+    """Defaults <- ``base`` <- YAML files <- ``key=value`` items, in the order given."""
+    import yaml
+
+    job = {**DEFAULT_JOB, **(base or {})}
+    for item in items:
+        if "=" in item:
+            key, _, value = item.partition("=")
+            _apply(job, key.strip(), _parse_value(value), f"argument {item!r}")
+            continue
+        path = Path(item)
+        if not path.is_file():
+            raise UsageError(f"{item!r} is neither key=value nor an existing YAML config file")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise UsageError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise UsageError(f"{path}: the YAML config must be a mapping of keys to values")
+        for key, value in data.items():
+            if key in ("suite_options", "model_kwargs") and isinstance(value, dict):
+                for k, v in value.items():
+                    _apply(job, f"{key.split('_')[0]}.{k}", v, str(path))
+            else:
+                _apply(job, key, value, str(path))
+    return job
+
+
+def _convert_options(job: dict, model, init, seed: int) -> dict:
+    """``convert`` keyword arguments of a job: its pool and group size, through its preset if it names one."""
+    options = {"pool_size": int(job["pool_size"]), "group_size": int(job["group_size"]), "init": init, "seed": seed}
+    if job["preset"] in (None, "none"):
+        return options
+    from nwsconvert.zoo import get_preset, preset_for
+
+    name = preset_for(model) if job["preset"] == "auto" else str(job["preset"])
+    try:
+        preset = get_preset(name)
+    except KeyError as e:
+        raise UsageError(f"{e.args[0]} (or preset=auto)") from None
+    print(f"conversion preset {name!r}", flush=True)
+    return preset.convert_kwargs(model, **options)
+
+
+def _train_config(job: dict) -> TrainConfig:
+    from nwsconvert.zoo import get_recipe
+
+    fields = {k: v for k, v in job.items() if k in TrainConfig.__dataclass_fields__}
+    try:
+        return get_recipe(job["recipe"], **fields)
+    except (KeyError, ValueError, TypeError) as e:
+        raise UsageError(e.args[0] if e.args else str(e)) from None
+
+
+def default_out(job: dict) -> str:
+    return job["out"] or f"runs/{job['suite']}-{str(job['model']).split(':')[-1]}"
+
+
+def validate_job(job: dict) -> None:
+    """Check every key of a resolved job before anything heavy is imported or built.
+
+    Raises:
+        UsageError: the first key of the wrong type, out of range, naming a missing
+            or wrong kind of file, or a device this machine lacks (the message names the key).
+    """
+    def expect(key, ok, what):
+        if not ok:
+            raise UsageError(f"{key}={job[key]!r}: expected {what}")
+
+    def whole(v, low):
+        return type(v) is int and v >= low
+
+    for key in ("suite", "recipe", "model"):
+        expect(key, isinstance(job[key], str) and job[key], "a name")
+    source, sep, name = job["model"].partition(":")
+    expect("model", sep and source and name, "timm:<name>, torchvision:<name> or package.module:factory")
+    for key in ("suite_options", "model_kwargs"):
+        if not isinstance(job[key], dict):
+            raise UsageError(f"{key}: expected a mapping, got {job[key]!r}")
+    loading = sorted(k for k in job["model_kwargs"] if k in LOADING_KWARGS)
+    if loading:
+        raise UsageError(f"model.{loading[0]}: runs never load weights or files through the model factory (pools and packs carry them)")
+    expect("pool_size", whole(job["pool_size"], 2) and job["pool_size"] <= MAX_POOL_SIZE, f"a whole number in [2, {MAX_POOL_SIZE}]")
+    expect("group_size", whole(job["group_size"], 1), "a whole number >= 1")
+    expect("tasks", job["tasks"] is None or whole(job["tasks"], 1), "a whole number >= 1 (or leave it out: every task)")
+    expect("preset", job["preset"] is None or isinstance(job["preset"], str), "a preset name or auto")
+    for key in ("learn_pools", "progress"):
+        expect(key, type(job[key]) is bool, "true or false")
+    expect("out", job["out"] is None or (isinstance(job["out"], str) and job["out"]), "a directory")
+    why = check_device(job["device"])
+    if why is not None:
+        raise UsageError(why)
+    init = job["init"]
+    expect("init", isinstance(init, str) and init, "kmeans, random or a pool file")
+    if init not in ("kmeans", "random"):
+        _check_pool_file(Path(init).expanduser())
+    out = Path(default_out(job)).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"out={str(out)!r} is a file, not a directory: choose another out=DIR")
+    fields = {k: v for k, v in job.items() if k in TrainConfig.__dataclass_fields__}
+    TrainConfig(**fields)  # types and ranges of the training options (the recipe's own values are known good)
+
+
+def _check_pool_file(path: Path) -> None:
+    from ..formats.stfile import file_kind
+
+    if not path.is_file():
+        raise UsageError(f"init={str(path)!r}: no such file (init takes kmeans, random or a pool file)")
+    try:
+        kind = file_kind(path)
+    except FormatError:
+        kind = None
+    if kind != "nwsconvert.poolset":
+        what = {"nwsconvert.taskpack": "a task pack", "nwsconvert.train.checkpoint": "a checkpoint"}.get(kind, "not an nwsconvert pool file")
+        raise UsageError(f"init={str(path)!r} is {what}; init takes a pool file (pools.safetensors of a run)")
+
+
+def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
+    """Run a resolved, validated job (see :data:`DEFAULT_JOB`, :func:`validate_job`); returns the run directory.
+
+    Args:
+        trust_code: let a ``package.module:factory`` model spec import its code (the
+            command line trusts specs the user typed; ``--trust-code`` one read from a run).
+    """
+    import torch
+
+    from nwsconvert.zoo import get_suite
+
+    from ..conversion.converter import convert
+    from ..train.specs import build_model
+    from ..analysis.summary import format_summary, run_summary
+    from ..train.trainer import Trainer
+
+    config = _train_config(job)
+    try:
+        suite = get_suite(job["suite"], **job["suite_options"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UsageError(e.args[0] if e.args else str(e)) from None
+    out = default_out(job)
+    run = RunDir(out)
+    if run.exists() and not resume:
+        raise RunExistsError(f"{out!r} already holds a run: add --resume to continue it, or out=OTHER_DIR")
+    kwargs = dict(job["model_kwargs"])
+    source = job["model"].split(":")[0]
+    if source == "timm" and suite.channels != 3:
+        kwargs.setdefault("in_chans", suite.channels)
+    elif source == "torchvision" and suite.channels != 3:
+        raise UsageError(
+            f"{job['suite']} has {suite.channels}-channel images and torchvision classifiers take 3; "
+            "use a timm model (model=timm:resnet18) or a factory that accepts them"
+        )
+    first = suite.pretrain_classes or suite.tasks[0].num_classes
+    torch.manual_seed(config.seed)  # the model's random init too: a seed reproduces the whole run
+    try:
+        model = build_model(job["model"], num_classes=first, trust_code=trust_code, **kwargs)
+    except UntrustedCodeError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    init = job["init"]
+    if run.exists() and run.pool_path.is_file():
+        init = str(run.pool_path)  # resuming: the run's own pools, no k-means again
+    elif init not in ("kmeans", "random"):
+        init = str(Path(init).expanduser())
+    convert(model, **_convert_options(job, model, init, config.seed))
+    print(model.nws_report.table().splitlines()[0] + f"; {model.nws_report.kernels:,} kernels", flush=True)
+    trainer = Trainer(
+        model,
+        out,
+        config,
+        model_spec=job["model"],
+        model_kwargs=kwargs,
+        data_info={**suite.info(), "job": job},
+        device=job["device"],
+        resume=resume,
+        progress=bool(job["progress"]),
+    )
+    with trainer:
+        main = trainer.dist.is_main
+        if job["learn_pools"] and suite.pretrain is not None:
+            m = trainer.fit_pools(suite.pretrain, suite.pretrain_test, num_classes=suite.pretrain_classes)
+            if main and m:
+                print(f"pools: val acc {100 * m.get('val_acc', 0):.2f}%  pool usage {100 * m.get('pool_usage', 0):.1f}%", flush=True)
+        tasks = suite.tasks[: job["tasks"]] if job["tasks"] else suite.tasks
+        for t, task in enumerate(tasks):
+            m = trainer.fit_task(t, task.train, task.test, task.num_classes, name=task.name, class_names=task.class_names)
+            if main:
+                print(f"task {t} ({task.name}): acc {100 * m['val_acc']:.2f}%  rebuilt from pack {100 * m['rebuilt_acc']:.2f}%", flush=True)
+    if main:
+        print(format_summary(run_summary(out)))
+    return out
+
+
+def _user_keys(items: list[str]) -> set[str]:
+    """The job keys the command line itself sets (key=value items and the keys of its YAML files)."""
+    import yaml
+
+    keys = set()
+    for item in items:
+        if "=" in item:
+            keys.add(item.partition("=")[0].strip())
+        elif Path(item).is_file():
+            try:
+                data = yaml.safe_load(Path(item).read_text()) or {}
+            except (yaml.YAMLError, UnicodeDecodeError):
+                continue
+            keys.update(data if isinstance(data, dict) else ())
+    return keys
+
+
+def _recorded_job(out: Path) -> tuple[dict | None, str]:
+    """The job a run directory recorded: from its manifest, else from ``job.json`` (a run stopped
+    before its manifest was written); ``(None, why)`` when it has neither."""
+    run = RunDir(out)
+    if run.exists():
+        job = (run.read().get("data") or {}).get("job")
+        if not isinstance(job, dict):
+            raise FormatError(f"{run.manifest_path}: field data.job: the run's job is missing; restate it with key=value items")
+        return job, "manifest"
+    path = out / JOB_FILE
+    if path.is_file():
+        try:
+            job = json.loads(path.read_bytes())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise FormatError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(job, dict):
+            raise FormatError(f"{path}: expected a JSON object of job keys")
+        return job, JOB_FILE
+    return None, "none"
+
+
+def _train(argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="nws-train",
+        description="Learn pools, then one task after another, into a run directory "
+        "(manifest.json, pools.safetensors, tasks/task_<t>.nwspack). Multi-process: torchrun --nproc_per_node N -m nwsconvert.cli.train ...",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_HELP_KEYS.format(fields=", ".join(TrainConfig.__dataclass_fields__))
+        + "\nexit codes: 0 done, 2 usage error (nothing started), 1 failure while training (one line; --debug: traceback)\n"
+        "\nexamples:\n  nws-train                                   split-mnist, timm ResNet-18, demo recipe\n"
+        "  nws-train job.yaml epochs=10 out=runs/a     YAML config with overrides\n"
+        "  nws-train --resume out=runs/a               continue a killed run\n",
+    )
+    parser.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value", help="YAML config files and key=value overrides, applied in order")
+    parser.add_argument("--resume", action="store_true", help="continue the run in out=DIR (its recorded job, then your overrides)")
+    parser.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="on --resume, let the run's recorded package.module:factory model spec import and run its code",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors (also NWS_DEBUG=1)")
+    args = parser.parse_args(argv)
+    user = resolve_job(args.items)
+    base = held = None
+    try:
+        resume = args.resume
+        if resume:
+            if user["out"] is None:
+                raise UsageError("--resume needs out=DIR (the run directory to continue)")
+            out = Path(user["out"]).expanduser()
+            if out.exists() and not out.is_dir():
+                raise UsageError(f"cannot resume: out={str(out)!r} is a file, not a run directory")
+            if out.is_dir() and os.environ.get("RANK", "0") == "0":
+                from ..train.runlock import RunLock
+
+                held = RunLock.acquire(out)  # refuse a second writer before saying anything; launch() re-enters it
+            base, source = _recorded_job(out)
+            if base is None:
+                print(f"nws-train: {out} holds no run yet (stopped before its manifest was written, or new): starting it", file=sys.stderr)
+                resume = False
+            elif source == JOB_FILE:
+                print(f"nws-train: {out} was stopped before its manifest was written: starting it again from {JOB_FILE}", file=sys.stderr)
+                resume = False
+        job = resolve_job(args.items, base)
+        validate_job(job)
+        trusted = True
+        if base is not None and "model" not in _user_keys(args.items) and not is_registry_spec(job["model"]):
+            trusted = args.trust_code  # the spec comes from the run directory, not from this command line
+            if not trusted:
+                raise UntrustedCodeError(
+                    f"the run's model spec {job['model']!r} would import and call code named by {out}: "
+                    "add --trust-code if you trust who wrote it, or restate model=... yourself"
+                )
+        launch(job, resume=resume, trust_code=trusted)
+    finally:
+        if held is not None:
+            held.release()
+    return 0
+
+
+def launch(job: dict, resume: bool = False, trust_code: bool = True) -> str:
+    """Lock the run directory, record the job in it, then :func:`run_job` (the job already validated).
+
+    Raises:
+        RunLockedError: another process writes the run. UsageError: ``out`` holds a run and ``resume`` is false.
+    """
+    job["out"] = default_out(job)
+    main_rank = os.environ.get("RANK", "0") == "0"
+    lock = None
+    if main_rank:
+        from ..train.runlock import RunLock
+
+        lock = RunLock.acquire(job["out"])
+    try:
+        run = RunDir(job["out"])
+        if main_rank and not resume and run.exists():
+            raise UsageError(f"{job['out']!r} already holds a run: add --resume to continue it, or out=OTHER_DIR")
+        if main_rank and not run.exists():
+            atomic_write_bytes(run.path / JOB_FILE, (json.dumps(job, indent=2) + "\n").encode())
+        return run_job(job, resume=resume, trust_code=trust_code)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """``nws-train``: returns the exit code (0 done, 2 usage error, 1 failure; see :mod:`nwsconvert.cli.common`)."""
+    return run_cli("nws-train", _train, argv, resume_hint="run the same command with --resume")
+
+
+if __name__ == "__main__":  # torchrun -m nwsconvert.cli.train ... runs nws-train
+    sys.exit(train_main())

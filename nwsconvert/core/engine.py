@@ -1,0 +1,366 @@
+"""One search update for the whole model: every NWS layer's lazy-search state in flat buffers.
+
+The per-layer lazy search (:class:`~nwsconvert.core.layers.NWSWeight`) does a few
+small steps per layer and reads their sizes back to the host: fine on a CPU,
+where those reads are free, but on a GPU a step then waits on the host about
+six times per layer. :class:`SearchEngine` keeps the same state (each kernel's
+W at its last search, its squared movement budget, its index) for all layers
+with the same vector size D side by side, and brings every index up to date in
+a fixed number of device operations per D, whatever the depth of the model:
+
+1. gather the temporary weights and the pools into flat ``(R, D)`` / ``(P, D)`` buffers
+   (one ``cat`` each; each layer's rows padded to a multiple of
+   :data:`~nwsconvert.core.fused_search.BLOCK_R`);
+2. shrink the budgets by each layer's largest pool-entry movement since the last update;
+3. flag the rows whose drift reached their budget;
+4. search the flagged rows, each against its own layer's pool
+   (:func:`~nwsconvert.core.fused_search.segmented_nearest_two`: one float32 pass, a
+   certification, one float64 pass for the uncertified rows);
+5. keep the new index, reference and budget where flagged, gather ``K = M[index]``
+   for every layer at once, and copy the indices back into the layers' buffers
+   (one ``_foreach_copy_``).
+
+Nothing is read back to the host: no ``.item()``, ``nonzero``, ``equal`` or
+branch on a tensor value. The result equals the per-layer search, which equals
+:func:`~nwsconvert.core.search.brute_force`, exactly.
+
+Use it for a training stage::
+
+    with SearchEngine(model):   # CUDA (Triton), or CPU under TRITON_INTERPRET=1
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)   # the update runs in a forward pre-hook
+            ...
+
+Leaving the block hands the state back to the layers (their own lazy search
+goes on from it).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from . import fused_search
+from .fused_search import row_blocks, segmented_nearest_two
+from .layers import _budget_sq
+from .search import PreparedPool, flat_nonzero, nearest_two, round_down_f32
+
+__all__ = ["SearchEngine", "search_engine"]
+
+
+class _TorchSearch:
+    """:func:`~nwsconvert.core.fused_search.segmented_nearest_two` through :func:`~nwsconvert.core.search.nearest_two`,
+    layer by layer over the flagged rows (CPU: reading their number back costs nothing there). Each
+    layer's :class:`~nwsconvert.core.search.PreparedPool` is kept while its pool's values stay the same."""
+
+    def __init__(self):
+        self.preps: dict[int, PreparedPool] = {}
+
+    def _prepared(self, off: int, pool: torch.Tensor) -> PreparedPool:
+        prep = self.preps.get(off)
+        if prep is None or prep.pool.shape != pool.shape or not torch.equal(prep.pool, pool):
+            prep = self.preps[off] = PreparedPool(pool)
+        return prep
+
+    def __call__(self, x, pools, blocks, need):
+        blk_row, blk_end, blk_off, blk_n = (t.tolist() for t in blocks)
+        index = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+        radius = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+        exact = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        done = set()
+        for start, end, off, n in zip(blk_row, blk_end, blk_off, blk_n):
+            if end in done:  # one layer = the blocks sharing an end; its first block starts at its first row
+                continue
+            done.add(end)
+            rows = flat_nonzero(need[start:end]) + start
+            if rows.numel():
+                res = nearest_two(x.index_select(0, rows), self._prepared(off, pools[off : off + n]))
+                index[rows] = res.index.to(x.device)
+                radius[rows] = res.radius.to(x.device)
+                exact[rows[: int(res.exact_rows)]] = True  # nearest_two counts them: the count is what is kept
+        return index, radius, exact
+
+
+class _FlatGatherSTE(torch.autograd.Function):
+    """All layers' ``K = M[index]`` at once, straight-through gradient to their flat W.
+
+    The forward value is exactly the gathered pool vectors. With per-row ``scale`` the backward
+    adds ``scale * (W - K)``, the gradient of every layer's commitment term (see
+    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group.
+    """
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, k: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if scale is not None:
+            ctx.save_for_backward(w, k, scale)
+        ctx.commit = scale is not None
+        return k.view_as(k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if not ctx.commit:
+            return grad, None, None
+        w, k, scale = ctx.saved_tensors
+        return torch.addcmul(grad, scale.to(grad.dtype), w.detach() - k.to(w.dtype)), None, None
+
+
+class _Group:
+    """The layers of one vector size D: flat layout and search state.
+
+    Layer ``i``'s kernels are rows ``rows[i][0] ..`` of every ``(R, D)`` / ``(R,)`` buffer, its pool
+    rows ``pools[i][0] ..`` of the flat ``(P, D)`` pool.
+
+    Attributes (device tensors unless said):
+        layers: the :class:`~nwsconvert.core.nwsmodel.NWSLayer` s, in model order.
+        rows, pools: per layer ``(offset, count)`` (Python ints).
+        blocks: the search kernel's block table (:func:`~nwsconvert.core.fused_search.row_blocks`).
+        row_pool: ``(R,)`` int64, the flat-pool offset of each row's layer.
+        row_layer: ``(R,)`` int64 layer number; pool_layer: ``(P,)`` int64.
+        ref: ``(R, D)`` float32 W at each row's last search. budget: ``(R,)`` float32 squared budget
+            (<= 0 or NaN: search again).
+        index: ``(R,)`` int64 pool-local index. seen: ``(P, D)`` float32 pools the budgets account for.
+        pieces: per layer, its gathered weight in W's shape (views of one buffer) from the last update.
+        searched, exact_rows: ``(L,)`` float32 counts of the last update.
+    """
+
+    def __init__(self, dim: int, layers: list, device: torch.device, search):
+        self.dim, self.layers, self.search = dim, layers, search
+        self.rows, self.pools = [], []
+        r = p = 0
+        for layer in layers:
+            self.rows.append((r, layer.nws.num_vectors))
+            self.pools.append((p, layer.nws.pool_size))
+            r += layer.nws.num_vectors
+            p += layer.nws.pool_size
+        self.sizes = [count * dim for _, count in self.rows]
+        self.blocks = row_blocks([(count, size) for (_, count), (_, size) in zip(self.rows, self.pools)], device)
+        counts = torch.tensor([count for _, count in self.rows], device=device)
+        self.row_layer = torch.repeat_interleave(torch.arange(len(layers), device=device), counts)
+        self.row_pool = torch.tensor([off for off, _ in self.pools], device=device).index_select(0, self.row_layer)
+        self.pool_layer = torch.repeat_interleave(torch.arange(len(layers), device=device),
+                                                  torch.tensor([n for _, n in self.pools], device=device))
+        self.ones = torch.ones(dim, device=device)
+        self.ref = torch.zeros(r, dim, device=device)
+        self.budget = torch.full((r,), -1.0, device=device)  # no state: searched at the first update
+        self.index = torch.zeros(r, dtype=torch.int64, device=device)
+        seen = []  # the pools each layer's budgets were measured against
+        for layer, (off, count) in zip(layers, self.rows):
+            nws = layer.nws
+            self.index[off : off + count] = nws.indices.to(device)
+            prep = nws._prep
+            state = nws._ref is not None and nws._budget_sq is not None and nws._ref.shape[0] == count
+            if state and prep is not None and prep.pool.shape == nws.pool.shape and prep.pool.device == device:
+                self.ref[off : off + count] = nws._ref.to(device=device, dtype=torch.float32)
+                self.budget[off : off + count] = nws._budget_sq.to(device)
+                seen.append(prep.pool)
+            else:
+                seen.append(nws.pool.detach().float())
+        self.seen = torch.cat(seen)
+        self.cells = None
+        if dim == 1:
+            # Scalar pools: each entry's exact interval (PreparedPool.lo32 / hi32). A kernel strictly
+            # inside its entry's interval keeps it, however far it moved: the per-layer path's test,
+            # which searches far fewer kernels than the radius budget. Valid while the pools are the
+            # ones the intervals were cut from; a layer whose pool moves goes back to its budgets.
+            preps = [PreparedPool(layer.nws.pool.detach()) for layer in layers]
+            self.cells = (torch.cat([p.lo32 for p in preps]).to(device), torch.cat([p.hi32 for p in preps]).to(device),
+                          torch.cat([p.pool for p in preps]).to(device))
+        self.pieces = None
+        self._scales = None
+        self.searched = torch.zeros(len(layers), device=device)
+        self.exact_rows = torch.zeros(len(layers), device=device)
+
+    def _scale(self) -> torch.Tensor | None:
+        """Per-row commitment-gradient scale ``(R, 1)``, None when every layer's is 0."""
+        scales = tuple(layer.nws._fused_scale() for layer in self.layers)
+        if not any(scales):
+            return None
+        if self._scales is None or self._scales[0] != scales:  # built once per commitment setting
+            self._scales = (scales, torch.tensor(scales, device=self.ref.device).index_select(0, self.row_layer)[:, None])
+        return self._scales[1]
+
+    def update(self) -> None:
+        """Search what drifted, then gather every layer's weight (differentiable in W while grad is on)."""
+        w = torch.cat([layer.weight.reshape(-1, self.dim) for layer in self.layers])  # (R, D), W's dtype
+        with torch.no_grad():
+            x = w.detach().float()
+            pools = torch.cat([layer.nws.pool.detach().float() for layer in self.layers])
+            # Budgets shrink by their layer's largest pool-entry movement (float64, 1e-5 slack, rounded down).
+            entry_move = (pools - self.seen).norm(dim=1).double()
+            layer_move = torch.zeros(len(self.layers), dtype=torch.float64, device=x.device)
+            layer_move = layer_move.scatter_reduce(0, self.pool_layer, entry_move, reduce="amax", include_self=True)
+            move = layer_move.index_select(0, self.row_layer)
+            left = (self.budget.double().clamp_min(0).sqrt() - move * (1 + 1e-5)).clamp_min(0)
+            shrunk = torch.where(self.budget > 0, round_down_f32(left.square()), self.budget.clamp_max(0))
+            budget = torch.where(move != 0, shrunk, self.budget)  # NaN movement gives NaN: searched
+            # State is updated in place (copy_): a CUDA graph replaying the step then carries it over.
+            self.seen.copy_(pools)
+            drift = torch.mv((x - self.ref).square_(), self.ones)
+            need = ~(drift < budget)  # NaN counts as drifted
+            if self.cells is not None:
+                lo, hi, cut_from = self.cells
+                entry = self.index + self.row_pool
+                value = x[:, 0]
+                inside = (lo.index_select(0, entry) < value) & (value < hi.index_select(0, entry))
+                changed = (~(pools == cut_from)).any(dim=1).to(torch.int64)  # NaN counts as changed
+                stale = torch.zeros(len(self.layers), dtype=torch.int64, device=x.device)
+                stale = stale.index_add_(0, self.pool_layer, changed).index_select(0, self.row_layer) > 0
+                need = torch.where(stale, need, ~inside)
+            index, radius, exact = self.search(x, pools, self.blocks, need)
+            self.index.copy_(torch.where(need, index, self.index))
+            self.ref.copy_(torch.where(need[:, None], x, self.ref))
+            self.budget.copy_(torch.where(need, _budget_sq(radius, x, x), budget))
+            self.searched.zero_().index_add_(0, self.row_layer, need.float())
+            self.exact_rows.zero_().index_add_(0, self.row_layer, exact.float())
+            native = [layer.nws.pool.detach() for layer in self.layers]
+            flat = pools if all(p.dtype == torch.float32 for p in native) else torch.cat(native)
+            k = flat.index_select(0, self.index + self.row_pool)
+            torch._foreach_copy_([layer.nws.indices for layer in self.layers],
+                                 list(self.index.split([count for _, count in self.rows])))
+        if w.requires_grad:
+            k = _FlatGatherSTE.apply(w, k, self._scale())
+        self.pieces = [piece.view(layer.nws.weight_shape) for piece, layer in zip(k.view(-1).split(self.sizes), self.layers)]
+
+    @torch.no_grad()
+    def hand_back(self) -> None:
+        """Give every layer the state the engine kept, so that its own lazy search goes on from it."""
+        for i, layer in enumerate(self.layers):
+            nws = layer.nws
+            (off, count), (poff, size) = self.rows[i], self.pools[i]
+            nws.stats = {"searched": int(self.searched[i]), "total": count, "exact_rows": int(self.exact_rows[i])}
+            if self.dim == 1:
+                nws._scalar_ready = True  # scalar pools need no state beyond the indices
+                continue
+            nws._ref = self.ref[off : off + count].clone()
+            nws._budget_sq = self.budget[off : off + count].clone()
+            nws._prep = PreparedPool(self.seen[poff : poff + size].to(nws.pool.dtype))
+
+
+class SearchEngine:
+    """Model-level lazy exact search (see the module docstring).
+
+    Args:
+        model: a converted model; its NWS layers must not change (shape, pool size) while the engine runs.
+        kernel: the search of the flagged rows. ``triton``: the fused kernel
+            (:func:`~nwsconvert.core.fused_search.segmented_nearest_two`; on CPU only under
+            ``TRITON_INTERPRET=1``, which CI uses to see the CUDA path's host work); ``torch``: the
+            layers' BLAS + NumPy search over the flagged rows (reads their number: fine on CPU);
+            ``auto``: ``triton`` on CUDA with Triton, else ``torch``.
+
+    Raises:
+        RuntimeError: ``kernel='triton'`` where it cannot run.
+    """
+
+    def __init__(self, model: nn.Module, kernel: str = "auto"):
+        from .nwsmodel import _require
+
+        layers = _require(model)
+        device = layers[0].weight.device
+        if kernel == "auto":
+            kernel = "triton" if device.type == "cuda" and fused_search.available(device) else "torch"
+        if kernel == "triton" and not fused_search.available(device):
+            raise RuntimeError(f"SearchEngine(kernel='triton') on {device} needs Triton, and on CPU "
+                               "TRITON_INTERPRET=1; kernel='torch' runs everywhere")
+        if kernel not in ("triton", "torch"):
+            raise ValueError(f"kernel={kernel!r}: choose auto, triton or torch")
+        self.kernel = kernel
+        dims: dict[int, list] = {}
+        for layer in layers:
+            dims.setdefault(layer.nws.vector_size, []).append(layer)
+        self.groups = [_Group(d, members, device, segmented_nearest_two if kernel == "triton" else _TorchSearch())
+                       for d, members in sorted(dims.items())]
+        self.total = sum(count for g in self.groups for _, count in g.rows)  # kernels of every layer
+        self._place = {}
+        for g in self.groups:
+            for i, layer in enumerate(g.layers):
+                self._place[id(layer.nws)] = (g, i)
+                layer.nws._engine = weakref.ref(self)
+        self._stamp = None
+        self._used = {}
+        self._hook = model.register_forward_pre_hook(self._pre_forward)
+
+    # ------------------------------------------------------------------ use
+    def __enter__(self) -> "SearchEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        if module.training:
+            self.update()
+
+    @staticmethod
+    def _state(layer) -> tuple:
+        """What an update read of a layer, checkable without touching device memory: W's and the pool's identity and version."""
+        return (id(layer.weight), layer.weight._version, id(layer.nws.pool), layer.nws.pool._version)
+
+    def update(self) -> None:
+        """Bring every layer's indices up to date with its temporary weights and pool, and gather the
+        weights the next forward uses (differentiable in W when grad is enabled, as in a forward)."""
+        for g in self.groups:
+            g.update()
+        self._stamp = {id(layer.nws): self._state(layer) for g in self.groups for layer in g.layers}
+        self._used = dict.fromkeys(self._stamp, False)
+
+    def weight(self, nws) -> torch.Tensor | None:
+        """The gathered weight of layer ``nws`` (an :class:`~nwsconvert.core.layers.NWSWeight`) for a training forward.
+
+        Updates first when a weight or pool changed since the last update (a forward that did
+        not go through the model's own, e.g. a submodule called on its own). None for a layer
+        the engine does not manage."""
+        place = self._place.get(id(nws))
+        if place is None or place[0].layers[place[1]].nws is not nws:
+            return None  # not one of this engine's layers (e.g. a deep copy of the model)
+        g, i = place
+        if self._stamp is None or self._stamp[id(nws)] != self._state(g.layers[i]) or self._used[id(nws)]:
+            self.update()  # W or a pool changed, or this layer's weight already went into a forward
+        self._used[id(nws)] = True
+        return g.pieces[i]
+
+    def manages(self, layers) -> bool:
+        """Whether this engine keeps the search state of every one of ``layers`` (NWSLayer s)."""
+        return all(id(layer.nws) in self._place for layer in layers) and len(layers) == len(self._place)
+
+    def searched_fraction(self) -> torch.Tensor:
+        """Fraction of kernels the last update re-searched, a 0-dim device tensor (no host sync)."""
+        return sum(g.searched.sum() for g in self.groups) / max(self.total, 1)
+
+    def stats(self) -> dict:
+        """Kernels re-searched by the last update, as :func:`~nwsconvert.core.nwsmodel.search_stats` reports them
+        (reading them back is one host sync)."""
+        total = self.total
+        if self._stamp is None:
+            return {"searched": 0, "total": total, "fraction": 0.0, "exact_rows": 0}
+        counts = torch.stack([torch.stack([g.searched.sum(), g.exact_rows.sum()]) for g in self.groups]).sum(0)
+        searched, exact = (int(v) for v in counts.tolist())
+        return {"searched": searched, "total": total, "fraction": searched / max(total, 1), "exact_rows": exact}
+
+    def close(self) -> None:
+        """Remove the hook and hand the search state back to the layers."""
+        if self._hook is None:
+            return
+        self._hook.remove()
+        self._hook = None
+        for g in self.groups:
+            if g.pieces is not None:
+                g.hand_back()
+            for layer in g.layers:
+                layer.nws._engine = None
+
+
+def search_engine(model: nn.Module, search: str = "auto") -> SearchEngine | None:
+    """The engine a training stage runs with ``search`` (``TrainConfig.search``), or None for the layers' own search.
+
+    ``auto``: an engine on CUDA where Triton is installed; ``engine``: always (an error where the
+    fused search cannot run); ``layer``: never."""
+    if search == "layer":
+        return None
+    from .nwsmodel import _require
+
+    device = _require(model)[0].weight.device
+    if search == "auto" and not (device.type == "cuda" and fused_search.available(device)):
+        return None
+    return SearchEngine(model)  # its kernel: Triton on CUDA, the BLAS + NumPy search on CPU

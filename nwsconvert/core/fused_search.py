@@ -1,0 +1,170 @@
+"""Fused exact nearest-two search (Triton): the CUDA path of :func:`~nwsconvert.core.search.nearest_two`.
+
+One kernel walks the pool in tiles and keeps, per row, the nearest entry, its
+distance and the runner-up's distance in registers: the ``N x n`` distance
+matrix is never written to memory, and nothing is read back to the host.
+
+1. **float32 pass** over every row: squared distances from direct differences,
+   ``sum_k (x_k - m_k)^2`` (no ``||x||^2 - 2 x.m + ||m||^2`` cancellation).
+2. **Certification** on the device: the computed distances are within a
+   relative ``2 (D + 2) 2^-24`` (plus a subnormal term) of the true ones, so a
+   winner whose runner-up is farther than both error bounds is the exact
+   argmin; its safe radius is half the certified gap.
+3. **float64 pass**, the same kernel launched over every row block but only
+   looping over the pool for blocks that hold an uncertified row (near-ties,
+   exact ties, NaN or infinite rows or pool entries). Compiled without
+   floating-point contraction, so every difference, square and sum is
+   correctly rounded in the order ``k = 0 .. D-1``: the same numbers as
+   :func:`~nwsconvert.core.search.brute_force`, hence the same argmin, lowest index
+   on ties and the first NaN winning as NumPy's ``argmin`` has it.
+
+No ``.item()``, ``nonzero`` or branch on a tensor value: the result is ready
+when the device is, so the search can sit inside a training step without host
+syncs. On a CPU the kernel runs under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported), which is how CI
+checks it; elsewhere on CPU :func:`~nwsconvert.core.search.nearest_two` keeps its
+BLAS + NumPy path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from .search import _RADIUS_SHRINK, _U32
+
+__all__ = ["BLOCK_R", "available", "fused_nearest_two", "row_blocks", "segmented_nearest_two"]
+
+#: Triton is imported on first search (0.3 s), from :mod:`nwsconvert.core.triton_kernels`. CPU-only torch
+#: wheels come without it.
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+#: The smallest subnormal float32 (unit roundoff and radius shrink: the BLAS path's, from search.py).
+_TINY32 = 2.0**-149
+#: Rows per kernel program (a block never holds two layers' rows).
+BLOCK_R = 32
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether :func:`fused_nearest_two` runs on ``device``: CUDA with Triton, or any device under the interpreter."""
+    if not _HAVE_TRITON:
+        return False
+    return torch.device(device).type == "cuda" or _interpreting()
+
+
+def _launch(x, pool, blocks, active, idx, d1, d2, acc: str) -> None:
+    """One kernel pass: ``acc`` ``'float32'`` (with FMA) or ``'float64'`` (correctly rounded, as brute force)
+    over the rows whose ``active`` flag is set (every row when ``active`` is None)."""
+    import triton.language as tl
+
+    from .triton_kernels import nearest_two_kernel
+
+    interp = _interpreting()
+    block_p = 1024 if interp else 64  # the interpreter pays per tile, the GPU per register
+    exact = acc == "float64"
+    extra = {} if interp else {"enable_fp_fusion": not exact}
+    gated = active is not None
+    blk_row, blk_end, blk_off, blk_n = blocks
+    nearest_two_kernel[(blk_n.numel(),)](
+        x, pool, blk_row, blk_end, blk_off, blk_n, active if gated else blk_n, idx, d1, d2,
+        D=x.shape[1], ACC=tl.float64 if exact else tl.float32, GATED=gated, BLOCK_R=BLOCK_R, BLOCK_P=block_p, **extra)
+
+
+def segmented_nearest_two(x: torch.Tensor, pool: torch.Tensor, blocks: tuple, active: torch.Tensor | None = None):
+    """:func:`fused_nearest_two` of many layers at once, each row block against its own pool.
+
+    Args:
+        x: ``(R, D)`` float32 contiguous: the layers' rows one after another.
+        pool: ``(P, D)`` float32 contiguous: the layers' pools one after another.
+        blocks: ``(blk_row, blk_end, blk_off, blk_n)``, each ``(B,)`` int32 (see :func:`row_blocks`):
+            block ``b`` is rows ``blk_row[b] .. min(blk_row[b] + BLOCK_R, blk_end[b])``, searched
+            against pool rows ``blk_off[b] .. blk_off[b] + blk_n[b]``.
+        active: ``(R,)`` bool, the rows to search (None: all). Other rows' outputs are unspecified.
+
+    Returns:
+        ``(index, radius, exact)`` as :func:`fused_nearest_two`, indices local to each block's pool;
+        ``exact`` is False outside ``active``.
+    """
+    n_rows, dim = x.shape
+    idx = torch.empty(n_rows, dtype=torch.int64, device=x.device)
+    d1 = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    d2 = torch.empty_like(d1)
+    flags = None if active is None else active.to(torch.int8)
+    _launch(x, pool, blocks, flags, idx, d1, d2, "float32")
+
+    # Certify: true distances lie within gamma (relative) + tiny (subnormal rounding) of the computed ones.
+    gamma = 2.0 * (dim + 2) * _U32
+    tiny = (2 * dim + 2) * _TINY32
+    a, b = d1.double(), d2.double()
+    upper1 = a * (1 + gamma) + tiny
+    lower2 = b * (1 - gamma) - tiny
+    exact = ~(torch.isfinite(a) & (lower2 > upper1))  # NaN compares false: uncertified
+    if active is not None:
+        exact &= active
+    radius = ((lower2.clamp_min(0).sqrt() - upper1.sqrt()) * (0.5 * _RADIUS_SHRINK)).clamp_min(0)
+
+    e1 = torch.empty(n_rows, dtype=torch.float64, device=x.device)
+    e2 = torch.empty_like(e1)
+    _launch(x, pool, blocks, exact, idx, e1, e2, "float64")
+    r1, r2 = e1.sqrt(), e2.sqrt()
+    half_gap = (r2 - r1) * 0.5
+    # float64 distances are ~1e-16 relative: a gap below 1e-12 of their scale is a tie (radius 0).
+    exact_radius = torch.where(half_gap > 1e-12 * (r2 + 1e-30), half_gap * _RADIUS_SHRINK, 0.0)
+    return idx, torch.where(exact, exact_radius, radius), exact
+
+
+def fused_nearest_two(vectors: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact nearest pool entry of every row, its safe radius, and which rows needed float64.
+
+    Args:
+        vectors: ``(N, D)``, cast to float32 (as :func:`~nwsconvert.core.search.nearest_two` does).
+        pool: ``(n, D)`` on the same device, ``n >= 1``.
+
+    Returns:
+        ``(index, radius, exact)``: ``(N,)`` int64 equal to :func:`~nwsconvert.core.search.brute_force`
+        of the float32 rows, ``(N,)`` float64 radii (how far a row may move, together with any
+        pool-entry movement, before its nearest entry can change; 0 on ties), ``(N,)`` bool rows
+        resolved in float64. All on ``vectors``' device; no host sync.
+    """
+    if not available(vectors.device):
+        raise RuntimeError(f"fused search needs CUDA and Triton (device {vectors.device}; Triton "
+                           f"{'present' if _HAVE_TRITON else 'missing'}; TRITON_INTERPRET=1 runs it on CPU)")
+    if vectors.ndim != 2 or pool.ndim != 2 or vectors.shape[1] != pool.shape[1] or pool.shape[0] < 1:
+        raise ValueError(f"vectors {tuple(vectors.shape)} and pool {tuple(pool.shape)} must be (N, D) and (n >= 1, D)")
+    x = vectors.detach().to(torch.float32).contiguous()
+    m = pool.detach().to(device=x.device, dtype=torch.float32).contiguous()
+    n_rows = x.shape[0]
+    if n_rows == 0:
+        empty = torch.empty(0, dtype=torch.float64, device=x.device)
+        return torch.empty(0, dtype=torch.int64, device=x.device), empty, torch.zeros(0, dtype=torch.bool, device=x.device)
+    # One pool: the block table made on the device (a table built on the host would be a blocking copy).
+    starts = torch.arange(0, n_rows, BLOCK_R, dtype=torch.int32, device=x.device)
+    blocks = (starts, torch.full_like(starts, n_rows), torch.zeros_like(starts), torch.full_like(starts, m.shape[0]))
+    return segmented_nearest_two(x, m, blocks)
+
+
+def row_blocks(segments: list[tuple[int, int]], device) -> tuple[torch.Tensor, ...]:
+    """The kernel's block table for layers laid out one after another.
+
+    Args:
+        segments: per layer ``(rows, pool size)``, in the order of the flat row and pool buffers.
+
+    Returns:
+        ``(blk_row, blk_end, blk_off, blk_n)``, ``(B,)`` int32 each on ``device``: every layer's rows in
+        blocks of :data:`BLOCK_R` that never cross into the next layer.
+    """
+    cols = [[], [], [], []]
+    row = off = 0
+    for count, size in segments:
+        for start in range(row, row + count, BLOCK_R):
+            for c, v in zip(cols, (start, row + count, off, size)):
+                c.append(v)
+        row += count
+        off += size
+    return tuple(torch.tensor(c, dtype=torch.int32, device=device) for c in cols)

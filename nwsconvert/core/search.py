@@ -1,0 +1,415 @@
+"""Exact nearest-pool-vector search (paper Eq. 1), chunked and certified.
+
+The hot path of NWS: every temporary kernel ``w`` (a row of ``vectors``) is
+replaced by its nearest pool vector in L2. Two entry points:
+
+* :func:`brute_force` is the definition: float64 distances accumulated in a
+  fixed order, ``argmin`` taking the lowest index on ties.
+* :func:`nearest_two` gives the same answer fast. It computes float32
+  distances with one ``addmm`` per chunk (so no ``N x n`` matrix is ever
+  materialised), takes the two smallest, and certifies the winner with a
+  rounding-error bound. Rows whose top-2 gap is inside the bound (near-ties,
+  exact ties) are recomputed with the float64 definition, so the result equals
+  :func:`brute_force` exactly. Small CPU batches (the rows a lazy update
+  re-searches) take the same steps in float64, in NumPy.
+
+It also returns each row's *safe radius*: half the gap between the nearest and
+second-nearest distance, shrunk by the error bound. While a row moves less
+than its radius (plus the largest pool-entry movement), no other pool vector
+can become its nearest, so it need not be searched again. The lazy update of
+:class:`~nwsconvert.core.layers.NWSWeight` uses that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["SearchResult", "PreparedPool", "brute_force", "nearest_two", "nearest_scalar", "scalar_cells", "DEFAULT_CHUNK"]
+
+#: Rows per ``addmm`` block. 2048 x 512 float32 distances = 4 MiB: fits in L2/L3
+#: caches on CPUs and is large enough to keep a GPU busy.
+DEFAULT_CHUNK = 2048
+
+# Unit roundoff of float32.
+_U32 = 2.0**-24
+# Relative shrink applied to every radius, so that the float32 drift test made
+# by the caller (error << 1e-5 relative for vectors of <= 1024 elements) never
+# lets a row through that exact arithmetic would re-search.
+_RADIUS_SHRINK = 1.0 - 1e-4
+
+
+class PreparedPool:
+    """What the searches derive from a pool: built once, reused until the pool's values change.
+
+    Args:
+        pool: ``(n, D)``.
+
+    Attributes:
+        pool: ``(n, D)`` float32. pool_t: ``(D, n)`` contiguous. pool_sq: ``(n,)``
+        squared norms. max_pool_sq: their maximum (a Python float). pool64_t:
+        ``(D, n)`` float64 NumPy array for the exact fallback. pool64_tt,
+        pool64_sq, max_pool64_sq: the float64 twins of pool_t, pool_sq and
+        max_pool_sq, for the float64 search of small batches. For D = 1 also
+        ``uniq`` (sorted distinct values, float64), ``rep`` (the lowest index
+        holding each), the Voronoi cells ``lo``, ``hi`` (float64, ``(n,)``) and
+        ``lo32``, ``hi32``: the same cells for float32 values.
+    """
+
+    def __init__(self, pool: torch.Tensor):
+        self.pool = pool.detach().to(torch.float32, copy=True)  # a snapshot, never an alias
+        self.pool_t = self.pool.t().contiguous()
+        self.pool_sq = (self.pool * self.pool).sum(dim=1)
+        self.max_pool_sq = float(self.pool_sq.max())
+        self.pool64_t = np.ascontiguousarray(self.pool.double().cpu().numpy().T)  # (D, n), for the float64 fallback
+        self.pool64_tt = torch.from_numpy(self.pool64_t)  # the same memory, as a CPU tensor
+        self.pool64_sq = (self.pool64_tt * self.pool64_tt).sum(dim=0)
+        self.max_pool64_sq = float(self.pool64_sq.max())
+        if self.pool.shape[1] == 1:
+            p = self.pool.reshape(-1).double()
+            order = torch.argsort(p, stable=True)  # equal values keep index order
+            sp = p[order]
+            first = torch.ones_like(sp, dtype=torch.bool)
+            first[1:] = sp[1:] != sp[:-1]
+            self.uniq, self.rep = sp[first], order[first]
+            inf = torch.full((1,), float("inf"), dtype=torch.float64, device=p.device)
+            mids = (self.uniq[1:] + self.uniq[:-1]) * 0.5  # exact for float32 neighbours
+            self.lo = torch.full_like(p, float("inf"))
+            self.hi = torch.full_like(p, float("-inf"))
+            self.lo[self.rep] = torch.cat([-inf, mids])
+            self.hi[self.rep] = torch.cat([mids, inf])
+            # The same cells for float32 values: x > lo iff x > lo rounded down to
+            # float32, x < hi iff x < hi rounded up (x itself being a float32).
+            self.lo32 = round_f32(self.lo, up=False)
+            self.hi32 = round_f32(self.hi, up=True)
+
+
+def round_f32(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float64 -> float32, rounded toward +inf (``up``) or -inf instead of to nearest."""
+    r32 = x.float()
+    bad = r32.double() < x if up else r32.double() > x
+    toward = torch.tensor(float("inf") if up else float("-inf"), device=x.device)
+    return torch.where(bad, torch.nextafter(r32, toward), r32)
+
+
+def round_down_f32(x: torch.Tensor) -> torch.Tensor:
+    """float64 ``x >= 0`` -> float32 never above it, in three cheap ops (:func:`round_f32` takes six).
+
+    ``x * (1 - 2^-22) - 2^-149`` rounds to a float32 below ``x``: the relative
+    rounding of a normal float32 (at most 2^-24) is covered by the first term, the
+    absolute rounding of a subnormal one (at most 2^-150) by the second. Costs
+    ``x`` 2^-22 of its value; 0 maps to a negative number, NaN to NaN, values
+    beyond float32's range to +inf (which a float32 drift, finite or not,
+    compares with as with the true value or more cautiously).
+    """
+    return (x * (1.0 - 2.0**-22) - 2.0**-149).float()
+
+
+def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of the ``True`` elements of a 1-D bool tensor, ``(k,)`` int64, ascending.
+
+    On CPU NumPy's ``flatnonzero`` is about 3x faster than ``torch.nonzero``
+    (0.13 against 0.40 ms for 262,144 elements), and the lazy update calls this
+    for every layer at every training step.
+    """
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().squeeze(1)
+
+
+def _prepared(pool) -> PreparedPool:
+    return pool if isinstance(pool, PreparedPool) else PreparedPool(pool)
+
+
+@dataclass
+class SearchResult:
+    """Nearest pool entries of a batch of vectors.
+
+    Attributes:
+        index: ``(N,)`` int64, the nearest pool entry of each row (lowest index on ties).
+        radius: ``(N,)`` float64, how far (L2) the row may move, together with
+            any pool-entry movement, before its nearest entry can change. ``0`` on ties.
+        exact_rows: how many rows needed the float64 fallback (near-ties); a 0-dim device
+            tensor on the fused CUDA path, so that reading it is the caller's (one) sync.
+    """
+
+    index: torch.Tensor
+    radius: torch.Tensor
+    exact_rows: int | torch.Tensor = 0
+
+
+def _exact_sq_dist(x: torch.Tensor, pool) -> np.ndarray:
+    """Float64 squared distances, each computed from its own row and entry alone.
+
+    Args:
+        x: ``(b, D)`` vectors. pool: ``(n, D)`` tensor, or the ``(D, n)`` float64
+            array ``PreparedPool.pool64_t``.
+
+    Returns:
+        ``(b, n)`` float64 NumPy array. Element ``(i, j)`` is
+        ``sum_k (x[i, k] - m[j, k])^2`` with every difference and square correctly
+        rounded and the sum accumulated over ``k = 0 .. D-1`` in that order, so its
+        value does not depend on which other rows or entries are computed
+        alongside it. (NumPy also has a far smaller per-call cost than torch for
+        the few rows this sees.)
+    """
+    x = x.detach()
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        xa = x.numpy().astype(np.float64)  # 2 us instead of 40 for a torch cast, on each call
+    else:
+        xa = x.to(torch.float64).cpu().numpy()
+    pt = pool if isinstance(pool, np.ndarray) else np.ascontiguousarray(pool.detach().to(torch.float64).cpu().numpy().T)
+    acc = np.subtract.outer(xa[:, 0], pt[0])
+    np.square(acc, out=acc)
+    term = np.empty_like(acc)
+    for k in range(1, xa.shape[1]):  # one (b, n) pass per coordinate: no (b, n, D) temporary
+        np.subtract.outer(xa[:, k], pt[k], out=term)
+        np.square(term, out=term)
+        acc += term
+    return acc
+
+
+def brute_force(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Reference nearest-neighbour search (the definition the fast path must equal).
+
+    Args:
+        vectors: ``(N, D)`` floating point.
+        pool: ``(n, D)`` floating point.
+        chunk: rows per block (bounds memory to ``chunk x n`` float64).
+
+    Returns:
+        ``(N,)`` int64 index of the nearest pool row; the lowest index wins ties.
+    """
+    out = torch.empty(vectors.shape[0], dtype=torch.int64, device=vectors.device)
+    for s in range(0, vectors.shape[0], chunk):
+        out[s : s + chunk] = torch.from_numpy(_exact_sq_dist(vectors[s : s + chunk], pool).argmin(axis=1))
+    return out
+
+
+def _exact_two(x: torch.Tensor, pool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 search of a few rows: the definition itself, used where float32 cannot certify.
+
+    Args:
+        x: ``(b, D)``. pool: ``(n, D)`` tensor or ``PreparedPool.pool64_t``.
+
+    Returns:
+        ``(index, radius)``: ``(b,)`` int64 nearest entries and ``(b,)`` float64 radii,
+        on ``x``'s device.
+    """
+    d1, d2, idx = _two_smallest_np(_exact_sq_dist(x, pool))
+    r1, r2 = np.sqrt(d1), np.sqrt(d2)
+    radius = (r2 - r1) * 0.5
+    # Float64 rounding of the distances is ~1e-16 relative: below 1e-12 of the
+    # distance scale we call it a tie and always re-search.
+    radius = np.where(radius > 1e-12 * (r2 + 1e-30), radius * _RADIUS_SHRINK, 0.0)
+    return torch.from_numpy(idx).to(x.device), torch.from_numpy(radius).to(x.device)
+
+
+#: Up to this many rows (on CPU) the distances are computed in float64
+#: (``||m||^2 - 2 x.m + ||x||^2`` with one float64 ``addmm``), whose error bound is
+#: 2^29 times smaller than float32's: the near-border rows a lazy update
+#: re-searches are certified there, where about one in ten needed the float64
+#: definition after a float32 search. D = 9, 512 entries: 54 us for 10 rows
+#: against 99 us in float32, even at 300 rows; float32 wins from ~1000 rows
+#: (full searches).
+FLOAT64_ROWS = 1024
+
+# Unit roundoff of float64.
+_U64 = 2.0**-53
+
+
+def _two_smallest_np(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Smallest and second-smallest value of every row of ``a`` ``(b, n)``, and the smallest one's column.
+
+    NumPy's SIMD ``argmin`` / ``min`` are several times faster than ``torch.topk``
+    on CPU: the winner is taken with ``argmin`` (its first minimum: the lowest
+    column on ties), masked in place (``a`` is overwritten), and the runner-up
+    with ``min``; ``inf`` when n = 1.
+
+    Returns:
+        ``(v1, v2, idx)``: ``(b,)`` values and ``(b,)`` int64 columns.
+    """
+    idx = a.argmin(axis=1)
+    rows = np.arange(a.shape[0])
+    v1 = a[rows, idx]
+    if a.shape[1] > 1:
+        a[rows, idx] = np.inf
+        v2 = a.min(axis=1)
+    else:
+        v2 = np.full_like(v1, np.inf)
+    return v1, v2, idx.astype(np.int64, copy=False)
+
+
+def _two_smallest(dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Smallest and second-smallest value of every row, and the smallest one's column.
+
+    Args:
+        dist: ``(b, n)``, n >= 2, a temporary the caller owns (on CPU it is overwritten).
+
+    Returns:
+        ``(v1, v2, idx)``: ``(b,)`` values and ``(b,)`` int64 columns. Which column wins
+        an exact tie is unspecified (the caller never certifies ties).
+    """
+    if dist.device.type != "cpu":
+        top = dist.topk(2, dim=1, largest=False, sorted=True)
+        return top.values[:, 0], top.values[:, 1], top.indices[:, 0]
+    v1, v2, idx = _two_smallest_np(dist.numpy())
+    return torch.from_numpy(v1), torch.from_numpy(v2), torch.from_numpy(idx)
+
+
+def _radius(d1, d2, tol):
+    """Safe radius from the certified distances: ``(sqrt(d2 - tol) - sqrt(d1 + tol)) / 2``, shrunk, >= 0.
+
+    Args:
+        d1, d2, tol: ``(b,)`` float64 NumPy arrays.
+    """
+    r1 = np.sqrt(np.maximum(d1 + tol, 0.0))
+    r2 = np.sqrt(np.maximum(d2 - tol, 0.0))
+    return np.maximum((r2 - r1) * (0.5 * _RADIUS_SHRINK), 0.0)
+
+
+def _nearest_two_f64(vectors: torch.Tensor, prep: PreparedPool) -> tuple[np.ndarray, np.ndarray, int]:
+    """:func:`nearest_two` of a small CPU batch: float64 distances, certified, in NumPy.
+
+    The same certification as the float32 path with float64's unit roundoff, so
+    only true near-ties (margin below ~1e-15 of the distances) reach the
+    float64 definition. NumPy instead of torch: a lazy update calls this once
+    per layer for ~10-300 rows, where torch's per-op cost (~5-10 us for each of
+    ~25 ops) would outweigh the arithmetic.
+
+    Args:
+        vectors: ``(b, D)`` float32 CPU tensor, ``b >= 1``.
+
+    Returns:
+        ``(index, radius, exact_rows)``: ``(b,)`` int64 and float64 arrays, and how
+        many rows needed the definition.
+    """
+    xa = vectors.numpy().astype(np.float64)
+    # ||m||^2 - 2 x.m through torch's BLAS (NumPy's would start its own threads).
+    dist = torch.addmm(prep.pool64_sq, torch.from_numpy(xa), prep.pool64_tt, alpha=-2.0).numpy()
+    x_sq = np.einsum("ij,ij->i", xa, xa)
+    tol = ((xa.shape[1] + 4) * _U64 * 2.0) * (x_sq + prep.max_pool64_sq)
+    v1, v2, idx = _two_smallest_np(dist)
+    d1, d2 = v1 + x_sq, v2 + x_sq
+    rad = _radius(d1, d2, tol)
+    unsure = np.flatnonzero(~((d2 - d1) > 2 * tol))
+    if unsure.size:
+        ex_idx, ex_rad = _exact_two(torch.from_numpy(xa[unsure]), prep.pool64_t)
+        idx[unsure] = ex_idx.numpy()
+        rad[unsure] = ex_rad.numpy()
+    return idx, rad, int(unsure.size)
+
+
+def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> SearchResult:
+    """Exact nearest pool entry of every row, with a safe re-search radius.
+
+    Args:
+        vectors: ``(N, D)`` float32 (other float dtypes are cast to float32).
+        pool: ``(n, D)`` tensor on ``vectors``' device, or its :class:`PreparedPool`.
+        chunk: rows per ``addmm`` block; memory is ``chunk x n`` floats.
+
+    Returns:
+        :class:`SearchResult` whose ``index`` equals :func:`brute_force` exactly.
+
+    Remarks:
+        float32 ``||m||^2 - 2 x.m + ||x||^2`` has absolute error at most
+        ``(D + 4) * u * 2 * (||x||^2 + max ||m||^2)`` (u = 2^-24, standard dot
+        product bound, with a factor 2 of slack for BLAS blocking). A winner
+        whose margin over the runner-up exceeds twice that is the true argmin;
+        the rest go to the float64 fallback. On CPU, batches of up to
+        :data:`FLOAT64_ROWS` rows use the same bound in float64 (u = 2^-53). CUDA
+        tensors take :func:`~nwsconvert.core.fused_search.fused_nearest_two` (Triton) when
+        Triton is installed: the same answer without the distance matrix or a host sync.
+    """
+    prep = _prepared(pool)
+    pool = prep.pool
+    if vectors.ndim != 2 or vectors.shape[1] != pool.shape[1]:
+        raise ValueError(f"vectors {tuple(vectors.shape)} and pool {tuple(pool.shape)} must be (N, D) and (n, D)")
+    n, dim = pool.shape
+    vectors = vectors.detach().float()
+    num = vectors.shape[0]
+    if 0 < num <= FLOAT64_ROWS and vectors.device.type == "cpu":
+        idx, rad, exact_rows = _nearest_two_f64(vectors, prep)
+        return SearchResult(torch.from_numpy(idx), torch.from_numpy(rad), exact_rows)
+    if vectors.device.type == "cuda":
+        from . import fused_search  # it imports this module's constants: not at the top
+
+        if fused_search.available(vectors.device):
+            # One fused kernel pass, certified and resolved on the device (no N x n matrix, no host sync).
+            idx, rad, exact = fused_search.fused_nearest_two(vectors, pool)
+            return SearchResult(idx, rad, exact.sum())
+    index = torch.empty(num, dtype=torch.int64, device=vectors.device)
+    radius = torch.empty(num, dtype=torch.float64, device=vectors.device)
+    if num == 0:
+        return SearchResult(index, radius)
+    pool_sq, pool_t, max_pool_sq = prep.pool_sq, prep.pool_t, prep.max_pool_sq
+    err_scale = (dim + 4) * _U32 * 2.0
+    exact_rows = 0
+    for s in range(0, num, chunk):
+        x = vectors[s : s + chunk]
+        dist = torch.addmm(pool_sq, x, pool_t, alpha=-2.0)  # ||m||^2 - 2 x.m, (b, n)
+        x_sq = (x * x).sum(dim=1)
+        tol = err_scale * (x_sq + max_pool_sq)
+        if n > 1:
+            v1, v2, idx = _two_smallest(dist)
+            d1 = v1 + x_sq
+            d2 = v2 + x_sq
+        else:
+            idx = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+            d1 = dist[:, 0] + x_sq
+            d2 = torch.full_like(d1, float("inf"))
+        certain = (d2 - d1) > 2 * tol
+        d1_hi = (d1 + tol).double().clamp_min(0).sqrt()
+        d2_lo = (d2 - tol).double().clamp_min(0).sqrt()
+        rad = ((d2_lo - d1_hi) * 0.5 * _RADIUS_SHRINK).clamp_min(0)
+        index[s : s + x.shape[0]] = idx
+        radius[s : s + x.shape[0]] = rad
+        if not bool(certain.all()):
+            rows = flat_nonzero(~certain)
+            ex_idx, ex_rad = _exact_two(x[rows], prep.pool64_t)
+            index[s + rows] = ex_idx
+            radius[s + rows] = ex_rad
+            exact_rows += rows.numel()
+    return SearchResult(index, radius, exact_rows)
+
+
+def nearest_scalar(values: torch.Tensor, pool) -> torch.Tensor:
+    """Exact nearest entry of a scalar pool (D = 1), by sorting: ``O(N log n)``.
+
+    Args:
+        values: ``(N,)`` or ``(N, 1)``.
+        pool: ``(n,)`` / ``(n, 1)`` tensor, or its :class:`PreparedPool`.
+
+    Returns:
+        ``(N,)`` int64, equal to :func:`brute_force`: each value's two sorted
+        neighbours are compared with the same float64 squared distance, and
+        ties (equal pool values, or a value exactly midway) go to the lowest index.
+    """
+    prep = _prepared(pool if isinstance(pool, PreparedPool) else pool.reshape(-1, 1))
+    uniq, uidx = prep.uniq, prep.rep
+    x = values.detach().reshape(-1).to(torch.float64)
+    m = uniq.numel()
+    right = torch.searchsorted(uniq, x).clamp_(max=m - 1)
+    left = (right - 1).clamp_(min=0)
+    dl = (x - uniq.index_select(0, left)).square_()
+    dr = (x - uniq.index_select(0, right)).square_()
+    il, ir = uidx.index_select(0, left), uidx.index_select(0, right)
+    take_right = (dr < dl) | ((dr == dl) & (ir < il))
+    return torch.where(take_right, ir, il)
+
+
+def scalar_cells(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Voronoi cells of a scalar pool: entry j is the unique nearest of x iff ``lo[j] < x < hi[j]``.
+
+    Args:
+        pool: ``(n,)`` or ``(n, 1)``.
+
+    Returns:
+        ``(lo, hi)``, each ``(n,)`` float64. Midpoints of float32 neighbours are
+        exact in float64, so the test is exact. Duplicate entries other than the
+        lowest-index one get an empty cell (``lo = +inf``).
+    """
+    prep = _prepared(pool.reshape(-1, 1))
+    return prep.lo, prep.hi

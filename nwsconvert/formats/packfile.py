@@ -1,0 +1,304 @@
+"""The task-pack file (``.nwspack``) without torch: its header checks, index decoding and a numpy reader.
+
+:class:`nwsconvert.TaskPack` (torch) and the onnxruntime ``Runtime`` (numpy, on
+a robot without torch) read packs through the same checks and the same
+decoder, so both see exactly the same indices. The format is described in
+:mod:`nwsconvert.formats.packs`; this module holds what does not need torch:
+
+* :func:`check_header`: types, ranges and sizes of every header field against
+  the file's tensors, before anything is decoded;
+* :func:`decode_layers`: every layer's indices from its coding
+  (:mod:`nwsconvert.formats.indexcode`), against the base's where delta-coded;
+* :func:`read_pack_arrays`: a whole pack as :class:`PackArrays` (numpy), with
+  its base found and verified as :meth:`TaskPack.load` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .bitpack import packed_size
+from ..errors import FormatError, PackMismatchError
+from .indexcode import CODINGS, EncodedLayer, decode_indices
+from .limits import MAX_KERNELS, MAX_POOL_SIZE, MAX_VECTOR_SIZE
+from .schema import Fields
+from .stfile import read_arrays
+
+__all__ = ["PACK_FORMAT", "PACK_VERSION", "BASE_FILE", "STANDALONE", "PackArrays", "check_header", "decode_layers", "expect", "base_candidates", "resolve_base", "read_pack_arrays"]
+
+PACK_FORMAT = "nwsconvert.taskpack"
+PACK_VERSION = 3  # 3: header_sha256 and the pack's identity (run, task); versions 1 and 2 still load
+HASHED_SINCE = 3
+BASE_FILE = "base.nwspack"  # the base's file name when it was never saved under another
+SUFFIXES = ("indices", "table", "values", "values_table")
+ROLES = ("stem", "body", "shortcut", "head")
+
+
+@dataclass
+class PackArrays:
+    """A pack as numpy arrays (what :func:`read_pack_arrays` returns).
+
+    Attributes:
+        header: the checked JSON header.
+        layers: layer table rows (as :attr:`TaskPack.layers`).
+        indices: layer name -> ``(count,)`` int64.
+        state: state key -> array, in the file's dtype.
+        encoded: layer name -> the layer's stored coding.
+        base: the decoded base of a delta-coded pack, else ``None``.
+        source: the file read.
+    """
+
+    header: dict
+    layers: list
+    indices: dict
+    state: dict
+    encoded: dict
+    base: "PackArrays | None" = field(default=None, repr=False)
+    source: Path | None = None
+
+    @property
+    def sha256(self) -> str:
+        return self.header["sha256"]
+
+    @property
+    def pool_sha256(self) -> str:
+        return self.header["pool_sha256"]
+
+    @property
+    def base_sha256(self) -> str | None:
+        return (self.header.get("base") or {}).get("sha256")
+
+
+def expect(path: Path, header: dict, **want) -> None:
+    """Refuse a pack that is not the one the caller expects (each expectation given is checked).
+
+    Raises:
+        PackMismatchError: naming the field (content hash, pool set, run, task).
+    """
+    names = {"sha256": "content SHA-256", "pool_sha256": "pool set", "run_id": "run", "task": "task"}
+    for key, value in want.items():
+        if value is None:
+            continue
+        have = header.get(key)
+        if key in ("run_id", "task") and have is None:
+            continue  # a pack that names no run or task (version <= 2, or made outside a run): its hash pins it
+        if have != value:
+            show = (lambda v: f"{v[:12]}..." if isinstance(v, str) and len(v) > 16 else repr(v))
+            raise PackMismatchError(
+                f"{path}: the pack's {names[key]} is {show(have)}, expected {show(value)} "
+                "(a pack swapped for another task's or another run's, or read against the wrong pool set)"
+            )
+
+
+def check_header(header: dict, layout, path) -> None:
+    """Types, ranges and cross-field sizes of a pack header against the file's tensors, before decoding.
+
+    Raises:
+        FormatError: naming the file and the field.
+    """
+    f = Fields(header, path)
+    f.sha("pool_sha256")
+    f.str("model_spec", optional=True)
+    f.dict("meta", optional=True)
+    f.str("run_id", optional=True)
+    f.int("task", lo=0, optional=True)
+    num_classes = f.int("num_classes", lo=1, optional=True)
+    base = f.obj_fields("base", optional=True)
+    if base is not None:
+        base.sha("sha256")
+        base.filename("file", optional=True)
+    state_keys = f.strs("state_keys")
+    if len(set(state_keys)) != len(state_keys):
+        raise f.fail("state_keys", "unique names", state_keys)
+    expected = {f"state/{k}" for k in state_keys}
+    names, heads, delta = set(), [], False
+    for i, row in enumerate(f.list("layers")):
+        r = f.sub(row, f"layers[{i}]")
+        name = r.str("name")
+        if not name or name in names:
+            raise r.fail("name", "a unique, non-empty layer name", name)
+        names.add(name)
+        r.str("pool")
+        r.str("role", choices=ROLES)
+        shape = r.ints("shape", lo=1, max_len=6)
+        r.int("groups", lo=1)
+        d = r.int("vector_size", lo=1, hi=MAX_VECTOR_SIZE)
+        n = r.int("pool_size", lo=1, hi=MAX_POOL_SIZE)
+        bits = r.int("bits", lo=1, hi=32)
+        count = r.int("count", lo=0, hi=MAX_KERNELS)
+        if bits != max(1, (n - 1).bit_length()):
+            raise r.fail("bits", f"{max(1, (n - 1).bit_length())} (ceil(log2 pool_size))", bits)
+        if math.prod(shape) != count * d:
+            raise r.fail("count", f"{math.prod(shape) // d} (the weight shape {shape} over vectors of {d})", count)
+        if row["role"] == "head":
+            heads.append(shape[0])
+        coding = r.str("coding", choices=CODINGS, optional=True, default="bits") or "bits"
+        want = _coded_tensors(r, coding, count, bits, layout, name)
+        delta = delta or coding.startswith("delta")
+        expected |= {f"{s}/{name}" for s in want}
+    if delta and base is None:
+        raise FormatError(f"{path}: field base is missing, but some layers are stored as changes against a base")
+    if heads and num_classes != heads[-1]:
+        raise f.fail("num_classes", f"{heads[-1]} (the head layer's rows)", num_classes)
+    extra = sorted(set(layout.tensors) - expected)
+    missing = sorted(expected - set(layout.tensors))
+    if missing or extra:
+        raise FormatError(f"{path}: tensors do not match the header: missing {missing[:3]}, not described {extra[:3]}")
+
+
+def _coded_tensors(r: Fields, coding: str, count: int, bits: int, layout, name: str) -> set[str]:
+    """The suffixes a layer's coding stores, with the sizes that follow from the header checked."""
+    def u8(suffix, size=None, words=False):
+        info = layout.tensors.get(f"{suffix}/{name}")
+        if info is None:
+            raise FormatError(f"{r.file}: layer {name!r} ({coding}) has no tensor {suffix}/{name}")
+        if info.dtype != "U8" or len(info.shape) != 1 or (size is not None and info.shape[0] != size) or (words and info.shape[0] % 4):
+            expect = f"{size} bytes" if size is not None else "whole 32-bit words" if words else "bytes"
+            raise FormatError(f"{r.file}: tensor {suffix}/{name} is {info.dtype} {list(info.shape)}, the header's {coding} coding needs uint8 {expect}")
+
+    if coding == "bits":
+        u8("indices", packed_size(count, bits))
+        return {"indices"}
+    if coding == "ans":
+        u8("indices", words=True)
+        u8("table")
+        return {"indices", "table"}
+    changes = r.int("changes", lo=0, hi=count)
+    u8("indices", 0 if changes in (0, count) else None, words=True)
+    if changes == 0:
+        return {"indices"}
+    if coding == "delta+bits":
+        u8("values", packed_size(changes, bits))
+        return {"indices", "values"}
+    u8("values", words=True)
+    u8("values_table")
+    return {"indices", "values", "values_table"}
+
+
+def same_layer(row: dict, base_layers: list) -> bool:
+    """Whether ``base_layers`` has the layer of ``row`` with the same index count and pool size."""
+    other = next((r for r in base_layers if r["name"] == row["name"]), None)
+    return other is not None and other["count"] == row["count"] and other["pool_size"] == row["pool_size"]
+
+
+def decode_layers(header: dict, u8: dict, path, base_layers: list | None = None, base_indices: dict | None = None):
+    """Every layer's indices of a checked header: ``(layers, indices, encoded)``.
+
+    Args:
+        header: checked by :func:`check_header`.
+        u8: tensor name (``indices/<layer>``...) -> uint8 array (or CPU tensor) of the file.
+        base_layers, base_indices: the base pack's layer table and indices, for delta codings.
+
+    Returns:
+        ``layers`` (rows without their coding fields), ``indices`` (name -> ``(count,)`` int64),
+        ``encoded`` (name -> :class:`EncodedLayer`).
+
+    Raises:
+        FormatError: data inconsistent with the header (naming ``path``).
+    """
+    try:
+        layers, indices, encoded = [], {}, {}
+        for row in header["layers"]:
+            r = {k: v for k, v in row.items() if k not in ("coding", "changes")}
+            name = r["name"]
+            e = EncodedLayer(row.get("coding", "bits"), {s: np.asarray(u8[f"{s}/{name}"]) for s in SUFFIXES if f"{s}/{name}" in u8}, row.get("changes"))
+            ref = base_indices.get(name) if base_indices is not None and same_layer(r, base_layers) else None
+            indices[name] = decode_indices(e, r["count"], r["pool_size"], r["bits"], ref)
+            layers.append(r)
+            encoded[name] = e
+    except (KeyError, ValueError, TypeError, IndexError, OverflowError, RuntimeError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"{path}: inconsistent task pack ({type(e).__name__}: {e})") from None
+    return layers, indices, encoded
+
+
+def base_candidates(path: Path, info: dict) -> list[Path]:
+    """Where a delta-coded pack's base is looked up: its recorded name next to the pack, then one folder up."""
+    name = info.get("file") or BASE_FILE
+    return [path.parent / name, path.parent.parent / name]
+
+
+STANDALONE = object()  # the ``base`` of a pack read *as* a base: it must not be delta-coded itself
+
+
+def resolve_base(path: Path, header: dict, given, *, kind: type, load):
+    """The base a checked pack header is delta-coded against, verified; ``None`` when it is standalone.
+
+    Shared by :meth:`nwsconvert.TaskPack.load` (``kind=TaskPack``) and :func:`read_pack_arrays`
+    (``kind=PackArrays``).
+
+    Args:
+        given: a decoded base (an instance of ``kind``), a path, ``None`` (look it up as
+            :func:`base_candidates` says) or :data:`STANDALONE` (the file must not need a base).
+        load: ``load(resolved path, mtime_ns, size) -> kind``, reading a base file (cached by the caller).
+
+    Raises:
+        FormatError: a base is needed but missing, not the one recorded, or of another pool set.
+    """
+    info = header.get("base")
+    if not info:
+        return None
+    if given is STANDALONE:
+        raise FormatError(f"{path}: is delta-coded itself, so it cannot serve as a base pack (a task pack in place of {BASE_FILE}?)")
+    want = info["sha256"]
+    base = None
+    if isinstance(given, kind):
+        if given.sha256 != want:
+            raise FormatError(f"{path}: coded against base pack {want[:12]}..., the base given is {str(given.sha256)[:12]}...")
+        base = given
+    else:
+        candidates = [Path(given)] if given is not None else base_candidates(path, info)
+        seen = []
+        for c in candidates:
+            if c.is_file():
+                st = c.stat()
+                found = load(str(c.resolve()), st.st_mtime_ns, st.st_size)
+                if found.sha256 == want:
+                    base = found
+                    break
+                seen.append(f"{c} is {str(found.sha256)[:12]}...")
+        if base is None:
+            where = "; ".join(seen) if seen else f"no {info.get('file') or BASE_FILE} at {' or '.join(str(c) for c in candidates)}"
+            raise FormatError(f"{path}: indices are stored as changes against base pack {want[:12]}... ({where}); pass base= or keep the base beside the pack")
+    if base.pool_sha256 != header["pool_sha256"]:
+        raise FormatError(f"{path}: its base {base.source} is on pool set {base.pool_sha256[:12]}..., the pack on {header['pool_sha256'][:12]}...")
+    return base
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_base(path: str, mtime_ns: int, size: int) -> PackArrays:
+    """Bases are shared by many packs: decode each file version once (read-only use)."""
+    return read_pack_arrays(path, base=STANDALONE)
+
+
+def read_pack_arrays(
+    path: str | os.PathLike, base: "PackArrays | str | os.PathLike | None" = None, *, sha256: str | None = None, pool_sha256: str | None = None, task: int | None = None
+) -> PackArrays:
+    """Read and verify a ``.nwspack`` without torch (every check :meth:`TaskPack.load` makes).
+
+    Args:
+        path: the pack file.
+        base: for a delta-coded pack, its base (decoded, or a path); by default looked up
+            as :func:`base_candidates` says and checked against the hash the pack records.
+        sha256, pool_sha256, task: what the pack must be, when given.
+
+    Raises:
+        FileNotFoundError: no such file. FormatError: damaged, foreign, or its base missing
+            or not the one it was coded against. PackMismatchError: not the pack expected.
+    """
+    path = Path(path)
+    header, arrays = read_arrays(path, PACK_FORMAT, PACK_VERSION, hashed_since=HASHED_SINCE, check=check_header)
+    expect(path, header, sha256=sha256, pool_sha256=pool_sha256, task=task)
+    base_pack = resolve_base(path, header, base, kind=PackArrays, load=_cached_base)
+    layers, indices, encoded = decode_layers(
+        header, arrays, path, base_pack.layers if base_pack else None, base_pack.indices if base_pack else None
+    )
+    state = {k: arrays[f"state/{k}"] for k in header["state_keys"]}
+    return PackArrays(header, layers, indices, state, encoded, base_pack, path)

@@ -1,0 +1,183 @@
+"""Training hyperparameters: :class:`TrainConfig` and its learning-rate schedule.
+
+Named recipes with the paper's settings live in ``nwsconvert.zoo.recipes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+
+__all__ = ["TrainConfig", "lr_factor"]
+
+# field -> (kind, lower bound, upper bound); None bounds are open. "float" accepts integers too.
+_RANGES = {
+    "lr": ("float", 0.0, None),
+    "momentum": ("float", 0.0, 1.0),
+    "nesterov": ("bool", None, None),
+    "weight_decay": ("float", 0.0, None),
+    "epochs": ("int", 1, None),
+    "milestones": ("ints", 0, None),
+    "gamma": ("float", 0.0, None),
+    "batch_size": ("int", 1, None),
+    "commitment": ("float", 0.0, None),
+    "beta": ("float", 0.0, None),
+    "ema_decay": ("float", 0.0, 1.0),
+    "pool_epochs": ("int?", 1, None),
+    "pool_lr": ("float?", 0.0, None),
+    "reseed_every": ("int", 0, None),
+    "seed": ("int", 0, 2**63 - 1),
+    "deterministic": ("bool", None, None),
+    "num_workers": ("int", 0, None),
+    "checkpoint_every": ("int", 1, None),
+}
+_POSITIVE = ("lr", "gamma", "pool_lr")  # strictly above their lower bound
+
+
+def _check_types(config) -> None:
+    """Every field of the right type and in range, with a message a command-line user can act on."""
+    for key, (kind, lo, hi) in _RANGES.items():
+        value = getattr(config, key)
+        if kind.endswith("?"):
+            if value is None:
+                continue
+            kind = kind[:-1]
+        if kind == "ints":
+            if isinstance(value, int) and not isinstance(value, bool):
+                raise UsageError(f"{key}={value!r}: give a list of epochs, e.g. {key}=[{value}]")
+            ok = isinstance(value, (list, tuple)) and all(type(v) is int and v >= lo for v in value)
+            what = "a list of whole epochs >= 0, e.g. [50, 80]"
+        elif kind == "bool":
+            ok, what = type(value) is bool, "true or false"
+        elif kind == "int":
+            ok = type(value) is int and (lo is None or value >= lo) and (hi is None or value <= hi)
+            what = f"a whole number >= {lo}" if hi is None or hi > 2**62 else f"a whole number in [{lo}, {hi}]"
+        else:
+            ok = type(value) in (int, float) and math.isfinite(value)
+            ok = ok and (value > lo if key in _POSITIVE else value >= lo) and (hi is None or value <= hi)
+            what = f"a number {'>' if key in _POSITIVE else '>='} {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+        if not ok:
+            raise UsageError(f"{key}={value!r}: expected {what}")
+
+
+@dataclass
+class TrainConfig:
+    """Hyperparameters of pool learning and task learning.
+
+    Attributes:
+        optimizer: ``sgd`` or ``adam``.
+        lr: learning rate of task learning.
+        momentum, nesterov, weight_decay: SGD / Adam options.
+        epochs: epochs per task.
+        schedule: ``step`` (÷``gamma`` at each milestone), ``cosine`` or ``constant``.
+        milestones: epochs at which ``step`` divides the learning rate.
+        gamma: factor applied at each milestone (0.1: ÷10).
+        batch_size: per process.
+        commitment: weight of the commitment loss ``||W - sg[K]||²`` (paper Eq. 2: 1).
+        beta: weight of the weight-distillation loss (paper Eq. 4: 0.5 CIFAR, 0.1 CUB).
+        pool_update: ``gradient`` (β-weighted distillation loss) or ``ema`` (the official code's update).
+        ema_decay: decay of the EMA update.
+        pool_epochs: epochs of pool learning (``None``: ``epochs``).
+        pool_lr: learning rate of pool learning (``None``: ``lr``).
+        reseed_every: reseed unused pool entries every this many pool-learning epochs (0: never).
+        task_init: temporary weights of task t start from ``previous`` (task t-1's chosen kernels,
+            the paper's choice), ``original`` (the weights after pool learning) or ``random``.
+        pack_base: what a task pack's indices may be stored as changes against (the smaller of
+            that and a standalone coding is kept, per layer): ``pools`` (``base.nwspack``, the
+            model at the end of pool learning, shared like the pool file: every task is small
+            and independent of the others), ``task0`` (task 0's pack, for tasks 1, 2, ...: the
+            smallest total when every task is kept, but every pack then needs task 0) or
+            ``none`` (every pack standalone).
+        state_dtype: what a task pack stores its float32 non-pool state in (BatchNorm
+            affine parameters and statistics, the head's bias, the weights of layers left
+            dense, LayerNorm...): ``float16`` (half the
+            bytes; the model is rounded to it before the evaluation the pack's accuracy
+            is recorded from) or ``float32``.
+        amp: ``auto`` (bfloat16/float16 autocast on CUDA, off on CPU), ``off``, ``bf16``, ``fp16``.
+        search: how training keeps indices exact. ``engine``: one update for the whole model
+            (:class:`~nwsconvert.core.engine.SearchEngine`: flat buffers, fused Triton search, no host
+            sync); ``layer``: each layer's own lazy search (BLAS + NumPy, fastest on CPU);
+            ``auto``: ``engine`` on CUDA with Triton, else ``layer``. Both give the same indices.
+        seed: seeds model init, data order and head rows.
+        deterministic: ``torch.use_deterministic_algorithms(True)`` (slower on GPU).
+        num_workers: DataLoader workers.
+        checkpoint_every: write a resumable checkpoint every this many epochs.
+    """
+
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    epochs: int = 100
+    schedule: str = "step"
+    milestones: list[int] = field(default_factory=lambda: [50, 80])
+    gamma: float = 0.1
+    batch_size: int = 32
+    commitment: float = 1.0
+    beta: float = 0.5
+    pool_update: str = "gradient"
+    ema_decay: float = 0.99
+    pool_epochs: int | None = None
+    pool_lr: float | None = None
+    reseed_every: int = 1
+    task_init: str = "previous"
+    pack_base: str = "pools"
+    state_dtype: str = "float16"
+    amp: str = "auto"
+    search: str = "auto"
+    seed: int = 1993
+    deterministic: bool = False
+    num_workers: int = 0
+    checkpoint_every: int = 1
+
+    def __post_init__(self):
+        _check_types(self)
+        choices = {
+            "optimizer": ("sgd", "adam"),
+            "schedule": ("step", "cosine", "constant"),
+            "pool_update": ("gradient", "ema"),
+            "task_init": ("previous", "original", "random"),
+            "pack_base": ("pools", "task0", "none"),
+            "state_dtype": ("float16", "float32"),
+            "amp": ("auto", "off", "bf16", "fp16"),
+            "search": ("auto", "engine", "layer"),
+        }
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise UsageError(f"{key}={getattr(self, key)!r}: choose one of {', '.join(allowed)}")
+        self.milestones = [int(m) for m in self.milestones]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def for_pools(self) -> "TrainConfig":
+        """The configuration of the pool-learning stage."""
+        epochs = self.pool_epochs or self.epochs
+        scale = epochs / self.epochs
+        return self.replace(
+            epochs=epochs, lr=self.pool_lr or self.lr, milestones=[max(1, round(m * scale)) for m in self.milestones]
+        )
+
+
+def lr_factor(config: TrainConfig, epoch: int) -> float:
+    """Multiplier of the base learning rate during ``epoch`` (0-based)."""
+    if config.schedule == "constant":
+        return 1.0
+    if config.schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * epoch / config.epochs))
+    return config.gamma ** sum(epoch >= m for m in config.milestones)

@@ -16,6 +16,10 @@ _EXPORTS = {
     "TrainConfig": "train.config",
     "ConversionError": "conversion.converter",
     "NWSConverter": "conversion.converter",
+    "NWSConfig": "conversion.config",
+    "LayerConfig": "conversion.config",
+    "LayerPlan": "conversion.planner",
+    "plan": "conversion.planner",
     "convert": "conversion.converter",
     "find_head": "train.heads",
     "resize_head": "train.heads",
@@ -66,7 +70,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "convert",
+    "NWSConfig",
+    "LayerConfig",
     "NWSConverter",
+    "LayerPlan",
+    "plan",
     "ConversionError",
     "ConversionReport",
     "NWSWeight",

@@ -134,9 +134,10 @@ def test_preset_key_converts_with_the_family_preset_and_the_run_reloads(tmp_path
     options = manifest["model"]["convert"]
     assert manifest["data"]["job"]["preset"] == "auto"
     # The preset capped the small layers' pools at their kernel count: recorded, and load() rebuilds them.
-    assert options["layer_pool_size"] and all(n < 32 for n in options["layer_pool_size"].values())
+    capped = {name: e["pool_size"] for name, e in options["layers"].items() if e and "pool_size" in e}
+    assert capped and all(n < 32 for n in capped.values()) and options["version"] == 1
     model = nwsconvert.load(out, task=0)
     sizes = {l.name: l.nws.pool_size for l in nwsconvert.nws_layers(model)}
-    assert all(sizes[name] == n for name, n in options["layer_pool_size"].items())
+    assert all(sizes[name] == n for name, n in capped.items())
     assert train_main([*FAST, "preset=nope", f"out={tmp_path / 'q'}"]) == 2
     assert re.search("unknown preset 'nope'.*preset=auto", capsys.readouterr().err)

@@ -109,7 +109,7 @@ def test_loading_kwargs_are_refused_whatever_the_trust(run_a):
         lambda m: m["model"]["kwargs"].update(act_layer="gelu"),  # builds, but another model
         lambda m: m["model"]["kwargs"].update(drop_rate="x"),  # builds, fails only at forward
         lambda m: m["model"].update(spec="timm:resnet10t"),
-        lambda m: m["model"]["convert"].update(skip=["fc"]),
+        lambda m: m["model"]["convert"]["layers"].update(fc=None),
     ],
     ids=["act_layer", "drop_rate", "spec", "convert"],
 )
@@ -120,11 +120,30 @@ def test_an_edited_model_entry_is_refused_by_its_hash(run_a, edit):
         nwsconvert.load(run_a, task=0)
 
 
+def test_a_manifest_from_before_conversion_configs_still_loads(run_a):
+    """Version 2 recorded loose converter options; it reads as the same NWSConfig and rebuilds the same model."""
+    x = torch.randn(2, 1, 16, 16)
+    with torch.no_grad():
+        want = nwsconvert.load(run_a, task=0)(x)
+
+    def to_v2(m):
+        conv = m["model"]["convert"]
+        m["version"] = 2
+        m["model"]["convert"] = {"pool_size": conv["pool_size"], "group_size": conv["group_size"], "skip": [], "layer_pool_size": {}, "layer_group_size": {}}
+
+    _edit_manifest(run_a, to_v2)
+    with torch.no_grad():
+        assert torch.equal(nwsconvert.load(run_a, task=0)(x), want)
+    _edit_manifest(run_a, lambda m: m["model"]["convert"].update(layer_pool_size={"*": "x"}))
+    with pytest.raises(FormatError, match=r"manifest.json: field model.convert: pool_size must be an integer"):
+        nwsconvert.load(run_a, task=0)
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [
         (lambda m: m["model"]["kwargs"].update(in_chans=-1), "in_chans"),  # the factory raises RuntimeError
-        (lambda m: m["model"]["convert"].update(skip=["*"]), "cannot be converted as recorded"),
+        (lambda m: m["model"]["convert"]["layers"].update({"*": None}), "cannot be converted as recorded"),
         (lambda m: m["model"].update(kwargs=None), "pack weight shape"),  # default in_chans: not the packs' model
     ],
     ids=["factory-error", "convert-error", "kwargs-null"],
@@ -543,7 +562,7 @@ def _bad_values(tmp_path: Path):
 
 def test_every_bad_value_is_one_line_exit_2_before_torch_loads(tmp_path):
     for arg, message in _bad_values(tmp_path):
-        proc = _probe("cli", "train_main", [arg] if arg.startswith("out=") else [arg, f"out={tmp_path / 'run'}"])
+        proc = _probe("cli.train", "train_main", [arg] if arg.startswith("out=") else [arg, f"out={tmp_path / 'run'}"])
         lines = proc.stderr.splitlines()
         assert proc.returncode == 2, (arg, proc.stderr)
         assert len(lines) == 2 and lines[0].startswith("nws-train: ") and message in lines[0], (arg, proc.stderr)
@@ -556,10 +575,10 @@ def test_other_commands_refuse_bad_paths_in_one_line(runs, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
     for mod, fn, args, message in (
-        ("cli", "info_main", [str(afile)], "is a file, not a run directory"),
+        ("cli.info", "info_main", [str(afile)], "is a file, not a run directory"),
         ("export.cli", "export_main", [str(afile), "--task", "0"], "is a file, not a run directory"),
         ("export.cli", "export_main", [str(a), "--task", "9"], "no finished task 9"),
-        ("report_cli", "report_main", [str(tmp_path / "none")], "does not exist"),
+        ("cli.report", "report_main", [str(tmp_path / "none")], "does not exist"),
         ("export.cli", "infer_main", ["--bundle", str(a / "export"), "--task", "0", str(afile)], "cannot read it as an image"),
         ("export.cli", "infer_main", ["--bundle", str(a / "export"), "--task", "0", str(tmp_path / "none.png")], "no such image file"),
         ("export.cli", "infer_main", ["--bundle", str(afile), "--task", "0"], "is a file, not a bundle folder"),

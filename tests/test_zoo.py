@@ -12,6 +12,7 @@ import torchvision
 from torch import nn
 
 import nwsconvert as nc
+from nwsconvert import LayerConfig
 from nwsconvert.train.specs import build_model
 from nwsconvert.zoo import (
     MissingPackageError,
@@ -94,9 +95,9 @@ def test_inverted_residual_preset_on_mobilenet():
     body = [r for r in rec.values() if r.role != "head" and r.kind.split()[0] in ("1x1", "linear")]
     assert body and all(r.vector_size == (1 if r.note else 4) for r in body)  # note: width not a multiple of 4
     assert all(r.pool_size <= 16 for r in rec.values() if not r.kind.endswith(" dw"))
-    # The options are plain convert options, recorded in the report (and so in a run manifest).
+    # The preset's choices are an ordinary NWSConfig, recorded in the report (and so in a run manifest).
     opts = model.nws_report.options
-    assert opts["group_size"] == 4 and opts["layer_group_size"] == {"classifier.3": 1}
+    assert opts["group_size"] == 4 and opts["layers"]["classifier.3"] == {"group_size": 1}
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert torch.equal(nc.materialize(model)(x), model(x))
@@ -106,11 +107,11 @@ def test_resnet_basic_preset_caps_the_stem_and_keeps_the_rest():
     model = torchvision.models.resnet18(num_classes=5).eval()
     stem = model.conv1.weight.detach().clone()
     preset = get_preset("resnet-basic")
-    assert preset.convert_kwargs(model, pool_size=32)["layer_pool_size"] == {}  # 192 stem kernels > 32 entries
-    assert preset.convert_kwargs(model)["layer_pool_size"] == {"conv1": 192}
-    kwargs = preset.convert_kwargs(model, pool_size=200, skip=["layer[234].*", "layer1.[1-9].*"], seed=3)
-    assert kwargs["layer_pool_size"] == {"conv1": 192} and kwargs["seed"] == 3
-    nc.convert(model, **kwargs)
+    assert preset.config(model, pool_size=32).layers == {}  # 192 stem kernels > 32 entries
+    assert preset.config(model).layers == {"conv1": LayerConfig(pool_size=192)}
+    config = preset.config(model, pool_size=200, skip=["layer[234].*", "layer1.[1-9].*"], seed=3)
+    assert config.layers["conv1"] == LayerConfig(pool_size=192) and config.seed == 3
+    nc.convert(model, config)
     rec = _records(model)
     assert (rec["conv1"].pool_size, rec["conv1"].bits) == (192, 8)
     assert torch.equal(_layers(model)["conv1"].nws.gather().reshape(stem.shape), stem)  # k-means keeps every kernel
@@ -119,12 +120,12 @@ def test_resnet_basic_preset_caps_the_stem_and_keeps_the_rest():
 
 def test_preset_options_merge_user_overrides():
     model = torchvision.models.resnet18(num_classes=5)
-    kwargs = get_preset("resnet-basic", skip_roles=("stem",)).convert_kwargs(
+    config = get_preset("resnet-basic", skip_roles=("stem",)).config(
         model, pool_size=16, skip=["layer4.*"], layer_pool_size={"layer1.*": 8}, layer_group_size={"fc": 2}
     )
-    assert kwargs["skip"][0] == "conv1" and "layer4.*" in kwargs["skip"]
-    assert list(kwargs["layer_pool_size"]) == ["layer1.*"]  # user's pattern first: it wins
-    nc.convert(model, init="random", **kwargs)
+    assert list(config.layers)[:3] == ["layer4.*", "layer1.*", "fc"]  # the user's entries first: they win
+    assert config.layers["conv1"] is None and config.layers["layer4.*"] is None
+    nc.convert(model, config, init="random")
     rec = _records(model)
     assert "conv1" not in rec and not any(n.startswith("layer4.") for n in rec)
     assert {s.name for s in model.nws_report.skipped} >= {"conv1", "layer4.0.conv1"}

@@ -1,16 +1,17 @@
 """Conversion presets per architecture family: which layers, vector sizes and pool sizes.
 
     preset = nwsconvert.zoo.get_preset("inverted-residual")
-    kwargs = preset.convert_kwargs(model)          # for nwsconvert.convert(model, **kwargs)
+    config = preset.config(model)                  # an NWSConfig: nwsconvert.convert(model, config)
     model = preset.apply(model)                    # the same, converted in place
     model = nwsconvert.zoo.apply_preset(model)     # family guessed by preset_for(model)
 
-A preset states its rules by layer *kind* and *role*, not by module name, so
-one preset serves timm, torchvision and other implementations of a family;
-:meth:`Preset.convert_kwargs` resolves the rules for one model into the
-ordinary :func:`nwsconvert.convert` options (``pool_size``, ``group_size``,
-``skip``, and ``layer_pool_size`` / ``layer_group_size`` keyed by exact module
-names), which are JSON-able and recorded in the run manifest like any others.
+A preset states its rules by layer *family* and *role*, not by module name, so
+one preset serves timm, torchvision and other implementations of a family.
+It decides nothing the planner decides (:mod:`nwsconvert.conversion.planner`):
+:meth:`Preset.edit` only changes the planner's :class:`LayerPlan` s, and
+:meth:`Preset.config` turns the edited plans into an ordinary
+:class:`~nwsconvert.NWSConfig` whose ``layers`` name the layers it changed,
+which is JSON-able and recorded in the run manifest like any other.
 
 Rules every preset shares (see :class:`Preset` for the switches):
 
@@ -52,14 +53,15 @@ Rules every preset shares (see :class:`Preset` for the switches):
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
 
+from nwsconvert.conversion.config import NWSConfig
 from nwsconvert.conversion.converter import convert
-from nwsconvert.conversion.graph import analyse, is_weight_layer, roles_by_name
+from nwsconvert.conversion.graph import is_weight_layer
+from nwsconvert.conversion.planner import LayerPlan, Plans, config_from_plans, layer_family, plan
 
 from .registry import Registry
 
@@ -75,43 +77,8 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class LayerPlan:
-    """What a preset decides for one layer (see :meth:`Preset.plan`).
-
-    Attributes:
-        name: module name. role: ``stem`` / ``body`` / ``shortcut`` / ``head``.
-        kind: ``kxk``, ``depthwise``, ``1x1`` (1x1 convs and linear layers).
-        kernels: d, pool vectors that build the layer. vector_size: D.
-        group_size: g for 1x1 / linear layers (1 otherwise).
-        pool_size: n for this layer (0 when skipped). skipped: left dense.
-    """
-
-    name: str
-    role: str
-    kind: str
-    kernels: int
-    vector_size: int
-    group_size: int
-    pool_size: int
-    skipped: bool = False
-
-
-def _kind_and_area(module: nn.Module) -> tuple[str, int, int]:
-    """``(kind, kernel area, input weights per output)`` of a weight layer."""
-    if isinstance(module, nn.Linear):
-        return "1x1", 1, module.in_features
-    ks = module.kernel_size if isinstance(module.kernel_size, (tuple, list)) else (module.kernel_size,) * 2
-    area = math.prod(ks)
-    groups = getattr(module, "groups", 1)
-    fan_in = module.in_channels // groups
-    if groups > 1 and groups == module.in_channels and area > 1:
-        return "depthwise", area, fan_in
-    return ("1x1" if area == 1 else "kxk"), area, fan_in
-
-
-@dataclass(frozen=True)
 class Preset:
-    """A family's conversion choices, as rules over layer kinds and roles.
+    """A family's conversion choices, as rules over layer families and roles.
 
     Args:
         name: registry name.
@@ -142,77 +109,67 @@ class Preset:
         """A copy with some fields changed (``pool_size=256``, ``group_size=4``...)."""
         return dataclasses.replace(self, **changes)
 
-    def plan(self, model: nn.Module) -> list[LayerPlan]:
-        """The per-layer decisions for ``model`` (traces it once; converts nothing)."""
-        import fnmatch
+    def base_config(self) -> NWSConfig:
+        """The model-wide part of this preset: pool size, group size, k-means iterations, skip patterns."""
+        return NWSConfig(self.pool_size, self.group_size, kmeans_iters=self.kmeans_iters, layers=dict.fromkeys(self.skip))
 
-        modules = [(n, m) for n, m in model.named_modules() if is_weight_layer(m)]
-        roles = dict(analyse(model).roles)
-        roles.update(roles_by_name(model, [n for n, _ in modules], roles))
-        out, seen = [], set()
-        for name, module in modules:
-            weight = getattr(module, "weight", None)
-            role = roles.get(name, "body")
-            kind, area, fan_in = _kind_and_area(module)
-            if not isinstance(weight, nn.Parameter) or isinstance(weight, nn.parameter.UninitializedParameter):
-                continue  # the converter reports why (lazy, hook-based weight norm...)
-            if id(weight) in seen:
-                continue  # shared weight: converted where first seen
-            seen.add(id(weight))
-            g = 1
-            if area == 1:
-                g = self.head_group_size if role == "head" else self.group_size
-                if fan_in % g:
-                    g = 1  # as the converter does (noted in its report)
-            dim = area if area > 1 else g
-            d = weight.numel() // dim
-            if role in self.skip_roles or any(fnmatch.fnmatchcase(name, p) for p in self.skip):
-                out.append(LayerPlan(name, role, kind, d, dim, g, 0, skipped=True))
+    def edit(self, plans: list[LayerPlan]) -> Plans:
+        """The planner's plans (made with :meth:`base_config`) with this preset's rules applied.
+
+        Rules, per converted layer: ``skip_roles`` leave it dense; 1x1 / linear layers get
+        ``head_group_size`` (the head) or ``group_size``; depthwise convs get ``min(d,
+        depthwise_pool_size)`` entries; with ``cap_to_layer`` a non-head layer of d < n kernels
+        gets n = d. Layers the planner left dense stay so.
+        """
+        out = Plans()
+        out.trace = getattr(plans, "trace", Plans.trace)
+        for p in plans:
+            if p.skipped:
+                out.append(p)
                 continue
+            if p.role in self.skip_roles:
+                out.append(p.dense(f"skipped by preset {self.name!r} (role {p.role})"))
+                continue
+            if p.family == "1x1":
+                p = p.with_group_size(self.head_group_size if p.role == "head" else self.group_size)
             n = self.pool_size
-            if kind == "depthwise" and self.depthwise_pool_size is not None:
-                n = min(d, self.depthwise_pool_size)
-            elif self.cap_to_layer and role != "head" and d < n:
-                n = d
-            out.append(LayerPlan(name, role, kind, d, dim, g, max(2, n)))
+            if p.family == "depthwise" and self.depthwise_pool_size is not None:
+                n = min(p.kernels, self.depthwise_pool_size)
+            elif self.cap_to_layer and p.role != "head" and p.kernels < n:
+                n = p.kernels
+            out.append(p.with_pool_size(n))
         return out
 
-    def convert_kwargs(self, model: nn.Module, **options) -> dict:
-        """:func:`nwsconvert.convert` keyword arguments for ``model``.
+    def config(self, model: nn.Module, **options) -> NWSConfig:
+        """The :class:`~nwsconvert.NWSConfig` that converts ``model`` with this preset (traces it once).
 
         Args:
-            **options: preset fields to change first (``pool_size``,
-                ``group_size``, ``depthwise_pool_size``...), then any other
-                convert option (``init``, ``seed``, ``skip``,
-                ``layer_pool_size``, ``layer_group_size``); a user's
-                ``layer_*`` patterns win over the preset's (first match wins),
-                ``skip`` patterns are added to the preset's.
+            **options: preset fields to change first (``pool_size``, ``group_size``,
+                ``depthwise_pool_size``...), then any other config field (``seed``, ``init``
+                as a string, ``layers``, ``skip``, ``layer_pool_size``, ``layer_group_size``).
+                The user's per-layer entries come first in ``layers``, so they win over the
+                preset's (first match per field), and ``skip`` patterns add to the preset's.
 
         Returns:
-            ``pool_size``, ``group_size``, ``skip``, ``layer_pool_size``,
-            ``layer_group_size``, ``kmeans_iters`` (+ the other options given).
+            The preset's model-wide values with one exact-name ``layers`` entry per layer the
+            preset changed, after the user's entries.
         """
         fields = {f.name for f in dataclasses.fields(self)} - {"name", "doc", "skip"}
         preset = self.replace(**{k: options.pop(k) for k in list(options) if k in fields})
-        plan = preset.plan(model)
-        pools = {p.name: p.pool_size for p in plan if not p.skipped and p.pool_size != preset.pool_size}
-        groups = {p.name: p.group_size for p in plan if not p.skipped and p.kind == "1x1" and p.group_size != preset.group_size}
-        user_skip = options.pop("skip", ())
-        user_skip = (user_skip,) if isinstance(user_skip, str) else tuple(user_skip)
-        kwargs = {
-            "pool_size": preset.pool_size,
-            "group_size": preset.group_size,
-            "skip": [p.name for p in plan if p.skipped] + list(user_skip),
-            "layer_pool_size": {**dict(options.pop("layer_pool_size", None) or {}), **pools},
-            "layer_group_size": {**dict(options.pop("layer_group_size", None) or {}), **groups},
-            "kmeans_iters": preset.kmeans_iters,
-        }
-        kwargs.update(options)
-        return kwargs
+        user = NWSConfig().replace(**options)
+        base = preset.base_config()
+        edited = config_from_plans(preset.edit(plan(model, base)), base)
+        return dataclasses.replace(edited, init=user.init, seed=user.seed, layers={**user.layers, **edited.layers})
 
     def apply(self, model: nn.Module, **options) -> nn.Module:
-        """Convert ``model`` in place with this preset (``options`` as in :meth:`convert_kwargs`)."""
-        return convert(model, **self.convert_kwargs(model, **options))
+        """Convert ``model`` in place with this preset (``options`` as in :meth:`config`; ``init`` may
+        also be a :class:`~nwsconvert.PoolSet` or a pool file)."""
+        init = options.pop("init", None)
+        if isinstance(init, str) and init in ("kmeans", "random"):
+            options["init"] = init
+            init = None
+        config = self.config(model, **options)
+        return convert(model, config) if init is None else convert(model, config, init=init)
 
 
 _PRESETS: Registry = Registry("preset", "known presets")  # name -> factory () -> Preset
@@ -370,8 +327,7 @@ def preset_for(model: nn.Module) -> str:
     for m in model.modules():
         if not is_weight_layer(m) or not isinstance(getattr(m, "weight", None), nn.Parameter):
             continue
-        kind, _, _ = _kind_and_area(m)
-        depthwise |= kind == "depthwise"
+        depthwise |= layer_family(m) == "depthwise"
         total += m.weight.numel()
         linear += m.weight.numel() if isinstance(m, nn.Linear) else 0
     if depthwise:
@@ -385,6 +341,6 @@ def apply_preset(model: nn.Module, name: str | None = None, **options) -> nn.Mod
     """Convert ``model`` in place with preset ``name`` (default :func:`preset_for`).
 
     Args:
-        **options: preset field changes and convert options (see :meth:`Preset.convert_kwargs`).
+        **options: preset field changes and convert options (see :meth:`Preset.config`).
     """
     return get_preset(name or preset_for(model)).apply(model, **options)

@@ -286,10 +286,9 @@ def convert_pretrained(
     entry = get_pretrained(name)
     model = entry.build(num_classes=num_classes, in_chans=in_chans, **(model_kwargs or {}))
     if preset is not None:
-        kwargs = get_preset(preset).convert_kwargs(model, pool_size=pool_size, **options)
+        get_preset(preset).apply(model, pool_size=pool_size, **options)
     else:
-        kwargs = {"pool_size": pool_size, **options}
-    convert(model, **kwargs)
+        convert(model, pool_size=pool_size, **options)
     model.eval()
     return model, model.nws_report
 

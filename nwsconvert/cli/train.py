@@ -122,11 +122,14 @@ def resolve_job(items: list[str], base: dict | None = None) -> dict:
     return job
 
 
-def _convert_options(job: dict, model, init, seed: int) -> dict:
-    """``convert`` keyword arguments of a job: its pool and group size, through its preset if it names one."""
+def _convert_job(job: dict, model, init, seed: int) -> None:
+    """Convert ``model`` as the job says: its pool and group size, through its preset if it names one."""
+    from ..conversion.converter import convert
+
     options = {"pool_size": int(job["pool_size"]), "group_size": int(job["group_size"]), "init": init, "seed": seed}
     if job["preset"] in (None, "none"):
-        return options
+        convert(model, **options)
+        return
     from nwsconvert.zoo import get_preset, preset_for
 
     name = preset_for(model) if job["preset"] == "auto" else str(job["preset"])
@@ -135,7 +138,7 @@ def _convert_options(job: dict, model, init, seed: int) -> dict:
     except KeyError as e:
         raise UsageError(f"{e.args[0]} (or preset=auto)") from None
     print(f"conversion preset {name!r}", flush=True)
-    return preset.convert_kwargs(model, **options)
+    preset.apply(model, **options)
 
 
 def _train_config(job: dict) -> TrainConfig:
@@ -222,7 +225,6 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
 
     from nwsconvert.zoo import get_suite
 
-    from ..conversion.converter import convert
     from ..train.specs import build_model
     from ..analysis.summary import format_summary, run_summary
     from ..train.trainer import Trainer
@@ -258,7 +260,7 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
         init = str(run.pool_path)  # resuming: the run's own pools, no k-means again
     elif init not in ("kmeans", "random"):
         init = str(Path(init).expanduser())
-    convert(model, **_convert_options(job, model, init, config.seed))
+    _convert_job(job, model, init, config.seed)
     print(model.nws_report.table().splitlines()[0] + f"; {model.nws_report.kernels:,} kernels", flush=True)
     trainer = Trainer(
         model,

@@ -11,6 +11,7 @@ import os
 import torch
 from torch import nn
 
+from ..conversion.config import NWSConfig
 from ..conversion.converter import ConversionError, convert
 from ..errors import FormatError, NWSError, PackMismatchError, UntrustedCodeError
 from .heads import resize_head
@@ -57,7 +58,7 @@ def build_task_model(
     """A converted model holding ``pack``'s task.
 
     Args:
-        model_info: the manifest's ``model`` entry: ``spec``, ``kwargs``, ``convert`` (converter options).
+        model_info: the manifest's ``model`` entry: ``spec``, ``kwargs``, ``convert`` (the :class:`~nwsconvert.NWSConfig` as a dict).
         pools: the run's pool set.
         pack: the task pack.
         model: an unconverted instance of the architecture to use instead of building ``spec``.
@@ -71,8 +72,7 @@ def build_task_model(
             raise
         except Exception as e:  # a factory given recorded kwargs may raise anything (RuntimeError, AssertionError...)
             raise ValueError(f"model spec {model_info['spec']!r} cannot be built with kwargs {kwargs} ({type(e).__name__}: {e})") from None
-    options = {k: v for k, v in (model_info.get("convert") or {}).items() if k != "pool_size"}
-    convert(model, init=pools, **options)
+    convert(model, NWSConfig.from_dict(model_info.get("convert") or {}), init=pools)
     if pack.num_classes is not None:
         resize_head(model, pack.num_classes)
     apply_task(model, pack)

@@ -33,8 +33,9 @@ import platform
 import uuid
 from pathlib import Path
 
-from ..errors import FormatError, TaskNotFoundError
-from ..formats.limits import MAX_FACTORY_INT, MAX_POOL_SIZE, MAX_VECTOR_SIZE
+from ..conversion.config import NWSConfig
+from ..errors import FormatError, TaskNotFoundError, UsageError
+from ..formats.limits import MAX_FACTORY_INT
 from ..formats.schema import Fields, is_relative_inside
 from ..formats.atomic import atomic_write_bytes, disk_error
 
@@ -44,7 +45,9 @@ __all__ = [
 ]
 
 MANIFEST_FORMAT = "nwsconvert.run"
-MANIFEST_VERSION = 2  # 2: model_sha256 pins the model entry (spec, kwargs, conversion options); version 1 still reads
+# 2: model_sha256 pins the model entry (spec, kwargs, conversion options); 3: model.convert is a whole
+# NWSConfig (nwsconvert.conversion.config); versions 1 and 2 still read.
+MANIFEST_VERSION = 3
 
 
 def model_sha256(model: dict) -> str:
@@ -92,18 +95,12 @@ def check_manifest(manifest: dict, path) -> None:
     for key, value in kwargs.items():  # ints size layers: bounded so a factory cannot be made to allocate gigabytes
         if type(value) is int and abs(value) > MAX_FACTORY_INT:
             raise model.fail(f"kwargs.{key}", f"an integer of at most {MAX_FACTORY_INT} in size", value)
-    conv = model.obj_fields("convert", optional=True)
+    conv = model.dict("convert", optional=True)
     if conv is not None:
-        unknown = sorted(set(conv.obj) - {"pool_size", "group_size", "skip", "layer_pool_size", "layer_group_size"})
-        if unknown:
-            raise conv.fail(unknown[0], "no such converter option (pool_size, group_size, skip, layer_pool_size, layer_group_size)", conv.obj[unknown[0]])
-        conv.int("pool_size", lo=2, hi=MAX_POOL_SIZE, optional=True)
-        conv.int("group_size", lo=1, hi=MAX_VECTOR_SIZE, optional=True)
-        conv.strs("skip", optional=True)
-        for key, hi in (("layer_pool_size", MAX_POOL_SIZE), ("layer_group_size", MAX_VECTOR_SIZE)):
-            table = conv.obj_fields(key, optional=True)
-            for pattern in (table.obj if table is not None else ()):
-                table.int(pattern, lo=1, hi=hi)
+        try:
+            NWSConfig.from_dict(conv)
+        except UsageError as e:
+            raise FormatError(f"{path}: field model.convert: {e}") from None
     model.int("layers", lo=0, optional=True)
     if manifest.get("version", MANIFEST_VERSION) >= 2 and f.sha("model_sha256") != model_sha256(manifest["model"]):
         raise FormatError(

@@ -1,0 +1,272 @@
+"""The planner: one decision per weight layer, made once, before anything is converted.
+
+    plans = plan(model, NWSConfig(pool_size=256))   # traces the model once, changes nothing
+    plans = preset.edit(plans)                      # presets (nwsconvert.zoo) only edit plans
+    NWSConverter(config).apply(model, plans)        # converts exactly as planned
+
+A :class:`LayerPlan` says, for one ``nn.Conv2d`` / ``nn.Linear`` / ``CondConv2d``, its role,
+geometry, vector size, pool size, or why it stays dense. :meth:`NWSConfig.from_plans` turns
+edited plans back into a config whose ``layers`` name every layer that differs, which is what a
+run's manifest records and ``nwsconvert.load`` rebuilds from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ..core.layers import NWSWeight, index_bits
+from ..core.pools import PoolSet
+from ..errors import NWSError, UsageError
+from .config import LayerConfig, NWSConfig
+from .graph import analyse, is_weight_layer, roles_by_name
+
+__all__ = ["LayerPlan", "Plans", "plan", "layer_family", "config_from_plans", "check_convertible", "ConversionError"]
+
+
+class ConversionError(NWSError, ValueError):
+    """A model or layer cannot be converted as asked; the message names it."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What conversion does to one weight layer.
+
+    Attributes:
+        name: module name. module: its class name. role: ``stem`` / ``body`` / ``shortcut`` / ``head``.
+        family: ``kxk``, ``depthwise`` (k x k, groups == in_channels) or ``1x1`` (1x1 convs, linear layers).
+        kind: what the report prints (``3x3``, ``5x5 dw``, ``1x1 g4 vec4``, ``linear``...).
+        shape: the weight's shape. area: kernel area. fan_in: input weights per output.
+        group_size: g (1 unless ``family == "1x1"``). vector_size: D, floats per pool vector.
+        kernels: d, pool vectors that build the layer. pool_size: n.
+        found_by: ``torch.fx`` or ``module walk``. note: what the user should know (group fallback...).
+        skip: why the layer stays dense (``None``: it is converted).
+        forced: the layer cannot be converted (lazy, shared or non-float weight...), as opposed to
+            left dense by choice (``skip`` patterns, a preset's ``skip_roles``).
+    """
+
+    name: str
+    module: str
+    role: str
+    family: str
+    kind: str
+    shape: tuple[int, ...]
+    area: int
+    fan_in: int
+    group_size: int
+    vector_size: int
+    kernels: int
+    pool_size: int
+    found_by: str
+    note: str = ""
+    skip: str | None = None
+    forced: bool = False
+
+    @property
+    def skipped(self) -> bool:
+        return self.skip is not None
+
+    @property
+    def bits(self) -> int:
+        return index_bits(self.pool_size)
+
+    def with_group_size(self, g: int) -> LayerPlan:
+        """This plan with group size ``g`` (1x1 / linear layers; a width not a multiple of ``g`` falls back to 1)."""
+        if self.family != "1x1":
+            return self
+        note = ""
+        if self.fan_in % g:
+            note, g = f"input width {self.fan_in} is not a multiple of group size {g}: using 1", 1
+        base = self.kind.split(" vec")[0]
+        size = math.prod(self.shape)
+        return dataclasses.replace(
+            self, group_size=g, vector_size=g, kernels=size // g, note=note, kind=base + (f" vec{g}" if g > 1 else "")
+        )
+
+    def with_pool_size(self, n: int) -> LayerPlan:
+        return dataclasses.replace(self, pool_size=max(2, int(n)))
+
+    def dense(self, reason: str) -> LayerPlan:
+        """This layer left dense, for ``reason``."""
+        return dataclasses.replace(self, skip=reason)
+
+
+class Plans(list):
+    """The list of :class:`LayerPlan` that :func:`plan` returns, plus ``trace``: how roles were found
+    (``torch.fx``, or ``module walk (fx trace failed: ...)``)."""
+
+    trace: str = "torch.fx"
+
+
+def _geometry(module: nn.Module) -> tuple[int, int, str, str]:
+    """``(kernel area, input weights per output, family, kind)`` of a weight layer."""
+    if isinstance(module, nn.Linear):
+        return 1, module.in_features, "1x1", "linear"
+    ks = tuple(module.kernel_size) if isinstance(module.kernel_size, (tuple, list)) else (module.kernel_size,) * 2
+    area = math.prod(ks)
+    kind = "x".join(map(str, ks))
+    groups = getattr(module, "groups", 1)
+    in_ch = module.in_channels
+    depthwise = groups > 1 and groups == in_ch
+    if depthwise:
+        kind += " dw"
+    elif groups > 1:
+        kind += f" g{groups}"
+    dil = getattr(module, "dilation", 1)
+    dil = tuple(dil) if isinstance(dil, (tuple, list)) else (dil,)
+    if any(d != 1 for d in dil):
+        kind += f" dil{dil[0]}"
+    if getattr(module, "num_experts", None):
+        kind += f" x{module.num_experts} experts"
+    family = "1x1" if area == 1 else ("depthwise" if depthwise else "kxk")
+    return area, in_ch // groups, family, kind
+
+
+def layer_family(module: nn.Module) -> str:
+    """``kxk``, ``depthwise`` or ``1x1`` (1x1 convs and linear layers) for a weight layer."""
+    return _geometry(module)[2]
+
+
+def _why_dense(module: nn.Module, weight, owners: dict[int, str]) -> str | None:
+    """Why a weight layer cannot be converted at all (``None``: it can)."""
+    if parametrize.is_parametrized(module, "weight"):
+        return "weight already has a parametrization (weight norm, spectral norm...)"
+    if isinstance(weight, nn.parameter.UninitializedParameter):
+        return "lazy module not initialised yet: run one forward pass before converting"
+    if not isinstance(weight, nn.Parameter):
+        return "weight is not an nn.Parameter (hook-based weight norm?)"
+    if not weight.is_floating_point():
+        return f"weight dtype {weight.dtype} is not floating point"
+    if id(weight) in owners:
+        return f"shares its weight with {owners[id(weight)]} (converted there)"
+    return None
+
+
+def check_convertible(model: nn.Module) -> None:
+    """Refuse what no plan can convert: not a module, TorchScript, already converted, meta tensors.
+
+    Raises:
+        ConversionError: naming the module or tensor at fault.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConversionError(f"convert() takes an nn.Module, got {type(model).__name__}")
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            where = f" (submodule {name!r})" if name else ""
+            raise ConversionError(
+                f"{type(m).__name__}{where} is a TorchScript module (torch.jit.script / torch.jit.trace): its layers are "
+                "compiled and cannot be replaced; convert the eager nn.Module, then script or export it"
+            )
+        if isinstance(m, NWSWeight):
+            raise ConversionError(f"model is already converted (NWS layer at {name!r})")
+    meta = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    if meta is not None:
+        raise ConversionError(
+            f"{meta!r} is on the meta device: k-means pools need the real weights; materialise the model "
+            "(model.to_empty(device='cpu') and load its weights) before converting"
+        )
+
+
+def plan(model: nn.Module, config: NWSConfig | None = None, pools: PoolSet | None = None) -> Plans:
+    """One :class:`LayerPlan` per weight layer of ``model``, in module order (traces it once; converts nothing).
+
+    Args:
+        config: pool and group sizes, per-layer overrides (default :class:`NWSConfig`).
+        pools: a pool set to convert with: each converted layer's pool size and vector size
+            come from it, and it must hold a pool for exactly the converted layers.
+
+    Raises:
+        ConversionError: see :func:`check_convertible`; or ``pools`` does not fit (the message names the layer).
+    """
+    config = config or NWSConfig()
+    check_convertible(model)
+    info = analyse(model)
+    modules = [(n, m) for n, m in model.named_modules() if is_weight_layer(m)]
+    roles = dict(info.roles)
+    roles.update(roles_by_name(model, [n for n, _ in modules], info.roles))
+    owners: dict[int, str] = {}
+    out = Plans()
+    out.trace = info.path
+    for name, module in modules:
+        weight = getattr(module, "weight", None)
+        lazy = isinstance(weight, nn.parameter.UninitializedParameter)
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) and not lazy else ()
+        area, fan_in, family, kind = _geometry(module)
+        size = math.prod(shape) if shape else 0
+        base = LayerPlan(
+            name, type(module).__name__, roles.get(name, "body"), family, kind, shape, area, fan_in,
+            1, area, size // area if shape else 0, config.pool_size, "torch.fx" if name in info.roles else "module walk",
+        )  # fmt: skip
+        why = _why_dense(module, weight, owners)
+        if why is not None:
+            out.append(dataclasses.replace(base, skip=why, forced=True))
+            continue
+        pattern = config.skipped(name)
+        if pattern is not None:
+            out.append(base.dense(f"skipped by the skip option ({pattern!r})" if pattern != name else "skipped by the skip option"))
+            continue
+        owners[id(weight)] = name
+        layer: LayerConfig = config.resolve(name)
+        p = base.with_group_size(layer.group_size).with_pool_size(layer.pool_size)
+        if pools is not None:
+            p = _fit_pool(p, pools)
+        out.append(p)
+    if pools is not None:
+        extra = sorted(set(pools.pools) - {p.name for p in out if not p.skipped})
+        if extra:
+            raise ConversionError(f"pool set has pools for layers the model does not convert: {extra[:5]}")
+    if not any(not p.skipped for p in out):
+        first = next(iter(out), None)
+        why = (
+            f"all {len(out)} weight layers were skipped ({first.name}: {first.skip}...)"
+            if first is not None
+            else "it has no nn.Conv2d, nn.Linear or CondConv2d"
+        )
+        raise ConversionError(f"{type(model).__name__} has no layer to convert: {why}; NWS needs at least one")
+    return out
+
+
+def _fit_pool(p: LayerPlan, pools: PoolSet) -> LayerPlan:
+    """``p`` with the pool size of its pool in ``pools``; the pool must hold vectors of ``p``'s size."""
+    if p.name not in pools:
+        raise ConversionError(f"pool set has no pool for layer {p.name!r} ({p.module} {p.shape})")
+    pool = pools[p.name]
+    if pool.ndim != 2 or pool.shape[1] != p.vector_size:
+        raise ConversionError(
+            f"pool for layer {p.name!r} is {tuple(pool.shape)}, the layer needs vectors of {p.vector_size} "
+            f"({p.module} {p.shape}): was the pool set made with another group size or model?"
+        )
+    return dataclasses.replace(p, pool_size=int(pool.shape[0]))
+
+
+def config_from_plans(plans: list[LayerPlan], base: NWSConfig) -> NWSConfig:
+    """A config that plans ``model`` exactly as ``plans`` say: ``base`` plus one exact-name entry per layer that differs.
+
+    The names are fnmatch patterns too; ``[`` is the only character of a module name fnmatch reads
+    specially, and module names do not hold it.
+    """
+    layers: dict[str, LayerConfig | None] = {}
+    for p in plans:
+        default = base.resolve(p.name)
+        if p.skipped:
+            if not p.forced and base.skipped(p.name) is None:
+                layers[p.name] = None
+            continue
+        want_g = p.group_size if p.family == "1x1" else None
+        group = want_g if want_g is not None and want_g != _effective_group(p, default.group_size) else None
+        pool = p.pool_size if p.pool_size != default.pool_size else None
+        if pool is not None or group is not None:
+            layers[p.name] = LayerConfig(pool, group)
+    if any(any(c in name for c in "*?[") for name in layers):
+        raise UsageError(f"module names with fnmatch characters cannot be recorded exactly: {[n for n in layers if any(c in n for c in '*?[')][:3]}")
+    return base.replace(layers={**layers, **base.layers})
+
+
+def _effective_group(p: LayerPlan, g: int) -> int:
+    """The group size the planner gives ``p`` for a requested ``g`` (1 when the width is not a multiple)."""
+    return 1 if p.fan_in % g else g

@@ -38,12 +38,12 @@ import tempfile
 import time
 
 import torch
-
 from baselines import METHODS, fit  # benchmarks/ is on sys.path when this script runs
-from nwsconvert.formats.atomic import atomic_write_bytes
-from nwsconvert.cli.train import resolve_job, run_job, _train_config
-from nwsconvert.train.specs import build_model
+
 from nwsconvert.analysis.summary import run_summary
+from nwsconvert.cli.train import _train_config, resolve_job, run_job
+from nwsconvert.formats.atomic import atomic_write_bytes
+from nwsconvert.train.specs import build_model
 from nwsconvert.zoo import get_suite
 
 
@@ -70,7 +70,13 @@ def nws_run(job: dict, seed: int, folder: str) -> dict:
     seconds = time.perf_counter() - tic
     summary = run_summary(folder)
     accs = [r["acc"] for r in summary["tasks"]]
-    return {"accs": accs, "avg": sum(accs) / len(accs), "seconds": seconds, "disk_bytes": summary["total"]["nws_bytes"], "paper_bits": None}
+    return {
+        "accs": accs,
+        "avg": sum(accs) / len(accs),
+        "seconds": seconds,
+        "disk_bytes": summary["total"]["nws_bytes"],
+        "paper_bits": None,
+    }
 
 
 def method_run(name: str, pretrained: torch.nn.Module, job: dict, seed: int, folder: str) -> dict:
@@ -93,7 +99,13 @@ PAPER = {
     "split-cifar100": {
         "recipe": "split-cifar100",
         "source": "Jiang & Celiktutan, WACV, Table 1 (ResNet-18, ImageNet-pretrained, 20 tasks of 5 classes)",
-        "table": {"nws": (73.4, 33.9), "dense": (71.3, 892.0), "KSM": (71.5, 192.5), "packnet": (67.1, 55.2), "AQD": (69.9, 52.7)},
+        "table": {
+            "nws": (73.4, 33.9),
+            "dense": (71.3, 892.0),
+            "KSM": (71.5, 192.5),
+            "packnet": (67.1, 55.2),
+            "AQD": (69.9, 52.7),
+        },
     },
 }
 
@@ -101,11 +113,18 @@ PAPER = {
 def paper_table(suite: str, mean: dict, megabytes: dict) -> str:
     """The paper's figures for ``suite`` beside this run's (``mean``: method -> %, ``megabytes``: method -> MB)."""
     paper = PAPER[suite]
-    lines = [f"paper ({paper['source']}) beside this run:", f"  {'method':<10} {'paper acc':>9} {'paper MB':>9} {'ours acc':>9} {'ours MB':>9}"]
+    lines = [
+        f"paper ({paper['source']}) beside this run:",
+        f"  {'method':<10} {'paper acc':>9} {'paper MB':>9} {'ours acc':>9} {'ours MB':>9}",
+    ]
     for m in dict.fromkeys([*paper["table"], *mean]):
         acc, mb = paper["table"].get(m, (None, None))
-        cells = [f"{acc:.1f}" if acc is not None else "-", f"{mb:.1f}" if mb is not None else "-",
-                 f"{mean[m]:.2f}" if m in mean else "-", f"{megabytes[m]:.2f}" if m in megabytes else "-"]
+        cells = [
+            f"{acc:.1f}" if acc is not None else "-",
+            f"{mb:.1f}" if mb is not None else "-",
+            f"{mean[m]:.2f}" if m in mean else "-",
+            f"{megabytes[m]:.2f}" if m in megabytes else "-",
+        ]
         lines.append(f"  {m:<10} " + " ".join(f"{c:>9}" for c in cells))
     return "\n".join(lines)
 
@@ -118,19 +137,31 @@ def _machine() -> dict:
 
     try:
         import peft
+
         peft_version = peft.__version__
     except ImportError:
         peft_version = None
-    return {"torch": torch.__version__, "timm": timm.__version__, "peft": peft_version, "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return {
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "peft": peft_version,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
 
 
 def _commit() -> str | None:
     """The checkout's commit, recorded beside the figures (None outside a git checkout)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -138,16 +169,26 @@ def _commit() -> str | None:
 def _result(args, commit, job, names, variants, rows, partial=None) -> dict:
     """The JSON of a run so far: complete per-seed rows, mean and std (%) per method over them, and
     ``partial``, the seed in progress (the methods it has finished), for ``--resume``."""
+
     def ms(method):
         vals = [100 * r[method]["avg"] for r in rows]
         if not vals:
             return None, None
         return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
 
-    return {"suite": args.suite, "commit": commit, "machine": _machine(), "job": job, "methods": names, "rows": rows,
-            "variants": {name: v for name, v in zip(variants, args.nws_variants)}, "seeds": args.seeds,
-            "mean": {m: ms(m)[0] for m in names}, "std": {m: ms(m)[1] for m in names},
-            **({"partial": partial} if partial else {})}
+    return {
+        "suite": args.suite,
+        "commit": commit,
+        "machine": _machine(),
+        "job": job,
+        "methods": names,
+        "rows": rows,
+        "variants": {name: v for name, v in zip(variants, args.nws_variants)},
+        "seeds": args.seeds,
+        "mean": {m: ms(m)[0] for m in names},
+        "std": {m: ms(m)[1] for m in names},
+        **({"partial": partial} if partial else {}),
+    }
 
 
 def _write(path: str, result: dict) -> None:
@@ -172,8 +213,10 @@ def _resumed(path: str, suite: str, job: dict) -> dict:
     if old.get("suite") != suite:
         differ.insert(0, "--suite")
     if differ:
-        raise SystemExit(f"--resume: {path} holds another job's figures ({', '.join(differ)} differ); "
-                         "give another --json or the same keys")
+        raise SystemExit(
+            f"--resume: {path} holds another job's figures ({', '.join(differ)} differ); "
+            "give another --json or the same keys"
+        )
     done = {}
     for row in [*old.get("rows", []), *([old["partial"]] if old.get("partial") else [])]:
         done.setdefault(row["seed"], {}).update({k: v for k, v in row.items() if k != "seed"})
@@ -185,13 +228,26 @@ def main(argv=None) -> int:
     p.add_argument("items", nargs="*", help="nws-train keys (suite=..., suite.X=..., model=..., epochs=...)")
     p.add_argument("--suite", default="split-mnist")
     p.add_argument("--seeds", type=int, nargs="+", default=[1993, 1994, 1995])
-    p.add_argument("--methods", nargs="*", default=["dense"], choices=["all", *sorted(METHODS)],
-                   help="baselines beside NWS (default: dense; all: every one; none after the flag: NWS alone)")
-    p.add_argument("--nws-variants", nargs="*", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
-                   help="more NWS runs beside the first, each with these nws-train keys changed (e.g. task_init=original)")
+    p.add_argument(
+        "--methods",
+        nargs="*",
+        default=["dense"],
+        choices=["all", *sorted(METHODS)],
+        help="baselines beside NWS (default: dense; all: every one; none after the flag: NWS alone)",
+    )
+    p.add_argument(
+        "--nws-variants",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="more NWS runs beside the first, each with these nws-train keys changed (e.g. task_init=original)",
+    )
     p.add_argument("--json", default=None, help="write the results here (after every method of every seed)")
-    p.add_argument("--resume", action="store_true",
-                   help="keep what --json already holds for this job (its seeds join --seeds); run only what it lacks")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep what --json already holds for this job (its seeds join --seeds); run only what it lacks",
+    )
     args = p.parse_args(argv)
     if args.resume and not args.json:
         p.error("--resume needs --json, the file to resume")
@@ -206,15 +262,17 @@ def main(argv=None) -> int:
     args.seeds = list(dict.fromkeys([*done, *args.seeds]))  # resuming never drops a seed the file holds
     dropped = sorted({m for row in done.values() for m in row} - set(names))
     if dropped:  # nor a method: the file is rewritten with this command's methods
-        p.error(f"--resume: {args.json} holds {', '.join(dropped)}, which this command does not run; "
-                "add them to --methods / --nws-variants or give another --json")
+        p.error(
+            f"--resume: {args.json} holds {', '.join(dropped)}, which this command does not run; "
+            "add them to --methods / --nws-variants or give another --json"
+        )
     rows = []
     for seed in args.seeds:
         row = {"seed": seed, **{m: r for m, r in done.get(seed, {}).items() if m in names}}
         if len(row) > 1:
             print(f"seed {seed}: kept from {args.json}: {', '.join(m for m in names if m in row)}", flush=True)
 
-        def finished(name, figures):
+        def finished(name, figures, row=row):
             row[name] = {**figures, "commit": commit}
             if args.json:  # after every method: a killed run loses at most the one it was running
                 _write(args.json, _result(args, commit, job, names, variants, rows, partial=row))
@@ -233,16 +291,23 @@ def main(argv=None) -> int:
         rows.append(row)
         if args.json:
             _write(args.json, _result(args, commit, job, names, variants, rows))
-        print(f"seed {seed}: " + "  ".join(f"{m} {100 * row[m]['avg']:.2f}% ({row[m]['seconds']:.0f}s)" for m in names), flush=True)
+        print(
+            f"seed {seed}: " + "  ".join(f"{m} {100 * row[m]['avg']:.2f}% ({row[m]['seconds']:.0f}s)" for m in names),
+            flush=True,
+        )
 
     result = _result(args, commit, job, names, variants, rows)
     print(f"\n{args.suite}, {job['model']}, recipe {job['recipe']}, seeds {args.seeds}")
     for m in names:
         mean, std = result["mean"][m], result["std"][m]
-        print(f"  {m:<8} {mean:.2f} ± {std:.2f} %   ({rows[0][m]['disk_bytes'] / 1e6:.2f} MB on disk for {len(rows[0][m]['accs'])} tasks)")
+        print(
+            f"  {m:<8} {mean:.2f} ± {std:.2f} %   ({rows[0][m]['disk_bytes'] / 1e6:.2f} MB on disk for {len(rows[0][m]['accs'])} tasks)"
+        )
     if "dense" in args.methods:
         gaps = [100 * (r["dense"]["avg"] - r["nws"]["avg"]) for r in rows]
-        print(f"  gap (dense - NWS) per seed: {', '.join(f'{g:+.2f}' for g in gaps)} points; mean {statistics.mean(gaps):+.2f}")
+        print(
+            f"  gap (dense - NWS) per seed: {', '.join(f'{g:+.2f}' for g in gaps)} points; mean {statistics.mean(gaps):+.2f}"
+        )
     if args.suite in PAPER:
         megabytes = {m: rows[0][m]["disk_bytes"] / 1e6 for m in names}
         print(paper_table(args.suite, result["mean"], megabytes))

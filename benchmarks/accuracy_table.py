@@ -18,8 +18,15 @@ from pathlib import Path
 
 from plot_accuracy import points  # benchmarks/ is on sys.path when this script runs
 
-LABELS = {"nws": "**NWS**", "dense": "dense finetune", "bn_head": "BN + head", "packnet": "PackNet (prune 60 %)",
-          "piggyback": "Piggyback", "lora4": "LoRA r=4", "lora16": "LoRA r=16"}
+LABELS = {
+    "nws": "**NWS**",
+    "dense": "dense finetune",
+    "bn_head": "BN + head",
+    "packnet": "PackNet (prune 60 %)",
+    "piggyback": "Piggyback",
+    "lora4": "LoRA r=4",
+    "lora16": "LoRA r=16",
+}
 
 
 def table(result: dict) -> str:
@@ -27,8 +34,10 @@ def table(result: dict) -> str:
     rows = result["rows"]
     tasks = len(rows[0]["nws"]["accs"])
     dense = [100 * r["dense"]["avg"] for r in rows] if "dense" in result["methods"] else None
-    head = (f"| method | avg acc ({'mean ± std, ' if len(rows) > 1 else ''}{len(rows)} seed{'s' if len(rows) > 1 else ''}) | per task, mean (tasks 0–{tasks - 1}) "
-            "| memory, paper accounting | files on disk | training time / seed | method − dense, points |")
+    head = (
+        f"| method | avg acc ({'mean ± std, ' if len(rows) > 1 else ''}{len(rows)} seed{'s' if len(rows) > 1 else ''}) | per task, mean (tasks 0–{tasks - 1}) "
+        "| memory, paper accounting | files on disk | training time / seed | method − dense, points |"
+    )
     lines = [head, "|---|---|---|---|---|---|---|"]
     stats = {p["method"]: p for p in points(result)}  # mean ± std over seeds, as the figure draws them
     for m in result["methods"]:
@@ -37,12 +46,21 @@ def table(result: dict) -> str:
         per_task = " / ".join(f"{100 * statistics.mean(r[m]['accs'][t] for r in rows):.1f}" for t in range(tasks))
         disk = stats[m]["bytes"] / 1e6
         bits = [r[m].get("paper_bits") for r in rows]
-        paper = f"{statistics.mean(bits) / 8e6:.2f} MB" if all(b is not None for b in bits) else f"{disk:.2f} MB (nws-info)"
+        paper = (
+            f"{statistics.mean(bits) / 8e6:.2f} MB" if all(b is not None for b in bits) else f"{disk:.2f} MB (nws-info)"
+        )
         seconds = statistics.mean(r[m]["seconds"] for r in rows)
-        gap = f"{statistics.mean(100 * r[m]['avg'] - d for r, d in zip(rows, dense)):+.2f}" if dense is not None else "–"
+        gap = (
+            f"{statistics.mean(100 * r[m]['avg'] - d for r, d in zip(rows, dense)):+.2f}" if dense is not None else "–"
+        )
         spread = f" ± {std:.2f}" if len(rows) > 1 else ""  # one seed: no spread to show
-        lines.append(f"| {label} | {avg:.2f}{spread} % | {per_task} | {paper} | {disk:.2f} MB | {seconds:.0f} s | {gap} |")
-    per_seed = "; ".join(f"{LABELS.get(m, m).strip('*')} " + " / ".join(f"{100 * r[m]['avg']:.2f}" for r in rows) for m in result["methods"])
+        lines.append(
+            f"| {label} | {avg:.2f}{spread} % | {per_task} | {paper} | {disk:.2f} MB | {seconds:.0f} s | {gap} |"
+        )
+    per_seed = "; ".join(
+        f"{LABELS.get(m, m).strip('*')} " + " / ".join(f"{100 * r[m]['avg']:.2f}" for r in rows)
+        for m in result["methods"]
+    )
     return "\n".join(lines) + f"\n\nPer seed ({', '.join(str(r['seed']) for r in rows)}), avg %: {per_seed}."
 
 

@@ -50,9 +50,9 @@ from torch.nn.utils import parametrize
 from torch.utils.data import DataLoader, RandomSampler
 
 from nwsconvert import evaluate, resize_head
+from nwsconvert.formats.storage import read_tensors, write_tensors
 from nwsconvert.train.config import TrainConfig, lr_factor
 from nwsconvert.train.heads import find_head
-from nwsconvert.formats.storage import read_tensors, write_tensors
 
 __all__ = ["fit", "Method", "DenseFinetune", "BNHead", "PackNet", "Piggyback", "LoRA4", "LoRA16", "METHODS"]
 
@@ -61,7 +61,9 @@ VERSION = 1
 FREE = 255  # PackNet owner map: a weight no task owns yet
 
 
-def fit(model: nn.Module, data, cfg: TrainConfig, epochs: int, lr: float, seed: int, *, params=None, after_step=None) -> None:
+def fit(
+    model: nn.Module, data, cfg: TrainConfig, epochs: int, lr: float, seed: int, *, params=None, after_step=None
+) -> None:
     """Train ``model`` on ``data`` with the recipe of ``cfg`` (optimiser, schedule, batch size).
 
     Args:
@@ -135,7 +137,14 @@ class Method:
 
     # ------------------------------------------------------------- files
     def _write(self, name: str, tensors: dict, **fields) -> None:
-        write_tensors(self.folder / name, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, FORMAT, VERSION, method=self.name, **fields)
+        write_tensors(
+            self.folder / name,
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+            FORMAT,
+            VERSION,
+            method=self.name,
+            **fields,
+        )
         self.files.add(name)
 
     def _read(self, name: str) -> dict:
@@ -174,7 +183,10 @@ class Method:
 
     def memory(self) -> dict:
         """``{'disk_bytes': the files' sizes, 'paper_bits': the paper's accounting}`` for the tasks learnt so far."""
-        return {"disk_bytes": sum((self.folder / f).stat().st_size for f in self.files), "paper_bits": self._paper_bits()}
+        return {
+            "disk_bytes": sum((self.folder / f).stat().st_size for f in self.files),
+            "paper_bits": self._paper_bits(),
+        }
 
     def _paper_bits(self) -> int:
         raise NotImplementedError
@@ -225,7 +237,9 @@ class BNHead(Method):
         fit(self.model, task.train, self.cfg, self.cfg.epochs, self.cfg.lr, self.seed + 1 + t, params=trainable)
 
     def _store(self, t):
-        self._write(f"task_{t}.safetensors", {k: v for k, v in self.model.state_dict().items() if k in self.task_keys}, task=t)
+        self._write(
+            f"task_{t}.safetensors", {k: v for k, v in self.model.state_dict().items() if k in self.task_keys}, task=t
+        )
 
     def load(self, t):
         model = self._fresh(t)
@@ -233,7 +247,9 @@ class BNHead(Method):
         return model.eval()
 
     def _paper_bits(self):
-        return 32 * _numel(self._read("backbone.safetensors")) + sum(32 * _numel(self._read(f"task_{t}.safetensors")) for t in self.classes)
+        return 32 * _numel(self._read("backbone.safetensors")) + sum(
+            32 * _numel(self._read(f"task_{t}.safetensors")) for t in self.classes
+        )
 
 
 class PackNet(Method):
@@ -254,7 +270,9 @@ class PackNet(Method):
         self.retrain_epochs = retrain_epochs if retrain_epochs is not None else max(1, cfg.epochs // 2)
         head = _head_keys(self.skeleton)
         self.prunable = [n for n, p in self.model.named_parameters() if p.dim() >= 2 and n not in head]
-        self.owner = {n: torch.full_like(dict(self.model.named_parameters())[n], FREE, dtype=torch.uint8) for n in self.prunable}
+        self.owner = {
+            n: torch.full_like(dict(self.model.named_parameters())[n], FREE, dtype=torch.uint8) for n in self.prunable
+        }
 
     def _protect(self, trained: int | None = None):
         """``after_step``: put back every prunable weight the phase may not change: the weights earlier
@@ -277,7 +295,15 @@ class PackNet(Method):
         if len(self.classes) > FREE:
             raise ValueError(f"PackNet's owner map holds at most {FREE} tasks")
         # 1. train the free weights (and this task's BatchNorm, biases and head); earlier tasks' weights stay.
-        fit(self.model, task.train, self.cfg, self.cfg.epochs, self.cfg.lr, self.seed + 1 + t, after_step=self._protect())
+        fit(
+            self.model,
+            task.train,
+            self.cfg,
+            self.cfg.epochs,
+            self.cfg.lr,
+            self.seed + 1 + t,
+            after_step=self._protect(),
+        )
         # 2. keep the largest (1 - prune) of the free weights per layer for task t; release and zero the rest.
         params = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -290,7 +316,15 @@ class PackNet(Method):
                     self.owner[n].view(-1)[where[top]] = t
                 params[n].data[self.owner[n] == FREE] = 0.0
         # 3. retrain task t's weights only (earlier tasks' fixed, released ones at zero).
-        fit(self.model, task.train, self.cfg, self.retrain_epochs, self.cfg.lr, self.seed + 1 + t, after_step=self._protect(trained=t))
+        fit(
+            self.model,
+            task.train,
+            self.cfg,
+            self.retrain_epochs,
+            self.cfg.lr,
+            self.seed + 1 + t,
+            after_step=self._protect(trained=t),
+        )
 
     def _store(self, t):
         state = self.model.state_dict()
@@ -410,6 +444,7 @@ def _peft_constructible(module: nn.Module) -> None:
     if not isinstance(module, nn.Conv2d) or cls is nn.Conv2d or cls.__init__ is nn.Conv2d.__init__:
         return
     if cls not in _PEFT_SHIMS:
+
         def __init__(self, *args, **kwargs):
             nn.Conv2d.__init__(self, *args, **kwargs)
             self.static_padding = nn.Identity()
@@ -431,9 +466,15 @@ class LoRA(Method):
         self.head_name, _ = find_head(self.skeleton)
         # Grouped convolutions (depthwise) are left out: peft gives the up-projection the base layer's
         # groups, which the rank must divide.
-        self.targets = [n for n, m in self.skeleton.named_modules()
-                        if isinstance(m, (nn.Conv2d, nn.Linear)) and n != self.head_name and getattr(m, "groups", 1) == 1]
-        self._write("backbone.safetensors", {k: v for k, v in self.skeleton.state_dict().items() if k not in _head_keys(self.skeleton)})
+        self.targets = [
+            n
+            for n, m in self.skeleton.named_modules()
+            if isinstance(m, (nn.Conv2d, nn.Linear)) and n != self.head_name and getattr(m, "groups", 1) == 1
+        ]
+        self._write(
+            "backbone.safetensors",
+            {k: v for k, v in self.skeleton.state_dict().items() if k not in _head_keys(self.skeleton)},
+        )
 
     def _key(self, key: str) -> str:
         """The peft model's state-dict key of the plain model's ``key`` (adapted layers keep theirs in ``base_layer``)."""
@@ -446,7 +487,9 @@ class LoRA(Method):
 
         if seed is not None:
             torch.manual_seed(seed)  # peft draws lora_A from the global generator
-        config = LoraConfig(r=self.rank, lora_alpha=self.rank, lora_dropout=0.0, target_modules=self.targets, bias="none")
+        config = LoraConfig(
+            r=self.rank, lora_alpha=self.rank, lora_dropout=0.0, target_modules=self.targets, bias="none"
+        )
         for name in self.targets:
             _peft_constructible(model.get_submodule(name))
         model = get_peft_model(model, config)
@@ -455,7 +498,9 @@ class LoRA(Method):
             if isinstance(getattr(layer.base_layer, "static_padding", None), nn.Module):
                 for down in layer.lora_A.values():
                     down.static_padding = layer.base_layer.static_padding
-        own = {self._key(k) for k in _bn_keys(self.skeleton)} | {f"base_model.model.{k}" for k in _head_keys(self.skeleton)}
+        own = {self._key(k) for k in _bn_keys(self.skeleton)} | {
+            f"base_model.model.{k}" for k in _head_keys(self.skeleton)
+        }
         for n, p in model.named_parameters():
             if n in own:
                 p.requires_grad_(True)
@@ -467,13 +512,17 @@ class LoRA(Method):
         fit(self.model, task.train, self.cfg, self.cfg.epochs, self.cfg.lr, self.seed + 1 + t)
 
     def _store(self, t):
-        self._write(f"task_{t}.safetensors", {k: v for k, v in self.model.state_dict().items() if k in self.task_keys}, task=t)
+        self._write(
+            f"task_{t}.safetensors", {k: v for k, v in self.model.state_dict().items() if k in self.task_keys}, task=t
+        )
 
     def load(self, t):
         model, keys = self._adapted(self._fresh(t), None)
         stored = self._read(f"task_{t}.safetensors")
         if set(stored) != keys:
-            raise ValueError(f"{self.folder / f'task_{t}.safetensors'}: holds {len(stored)} tensors, the adapted model takes {len(keys)}")
+            raise ValueError(
+                f"{self.folder / f'task_{t}.safetensors'}: holds {len(stored)} tensors, the adapted model takes {len(keys)}"
+            )
         state = {self._key(k): v for k, v in self._read("backbone.safetensors").items()}
         state.update(stored)
         model.load_state_dict(state)

@@ -1,6 +1,6 @@
 """Deployment side by side: NWS ONNX (Gather from the shared pool file) vs dense ONNX, same model, same run.
 
-    python benchmarks/deploy.py --models resnet18 mobilenetv2_100 --threads 2 --rounds 30
+python benchmarks/deploy.py --models resnet18 mobilenetv2_100 --threads 2 --rounds 30
 """
 
 from __future__ import annotations
@@ -48,9 +48,18 @@ def main() -> None:
             d = Path(tmp)
             nwsconvert.pool_set(model).save(d / "pools.safetensors")
             nwsconvert.extract_task(model).save(d / "task.nwspack")
-            export_onnx(model, d / "nws.onnx", d / "pools.safetensors", input_shape=(3, args.size, args.size), metadata={})
-            torch.onnx.export(dense, (torch.zeros(1, 3, args.size, args.size),), str(d / "dense.onnx"), dynamo=False,
-                              input_names=["input"], output_names=["logits"], opset_version=17)
+            export_onnx(
+                model, d / "nws.onnx", d / "pools.safetensors", input_shape=(3, args.size, args.size), metadata={}
+            )
+            torch.onnx.export(
+                dense,
+                (torch.zeros(1, 3, args.size, args.size),),
+                str(d / "dense.onnx"),
+                dynamo=False,
+                input_names=["input"],
+                output_names=["logits"],
+                opset_version=17,
+            )
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = args.threads
             create = {"nws": [], "dense": []}
@@ -70,12 +79,26 @@ def main() -> None:
                     sess[k].run(None, {"input": x})
                     lat[k].append(time.perf_counter() - tic)
             diff = np.abs(sess["nws"].run(None, {"input": x})[0] - sess["dense"].run(None, {"input": x})[0]).max()
-            sizes = {k: (d / f).stat().st_size for k, f in (("nws", "nws.onnx"), ("dense", "dense.onnx"), ("pools", "pools.safetensors"), ("pack", "task.nwspack"))}
+            sizes = {
+                k: (d / f).stat().st_size
+                for k, f in (
+                    ("nws", "nws.onnx"),
+                    ("dense", "dense.onnx"),
+                    ("pools", "pools.safetensors"),
+                    ("pack", "task.nwspack"),
+                )
+            }
         med = {k: float(np.median(v)) for k, v in lat.items()}
         print(f"{name} {args.size}x{args.size}, {args.threads} threads, CPU provider")
-        print(f"  files per task: NWS .onnx {sizes['nws'] / 1e6:.2f} MB (+ shared pools {sizes['pools'] / 1e6:.2f} MB; pack {sizes['pack'] / 1e6:.2f} MB) vs dense .onnx {sizes['dense'] / 1e6:.2f} MB")
-        print(f"  session creation (= task switch): NWS {1e3 * np.median(create['nws']):.0f} ms, dense {1e3 * np.median(create['dense']):.0f} ms")
-        print(f"  latency batch 1: NWS {1e3 * med['nws']:.2f} ms, dense {1e3 * med['dense']:.2f} ms, ratio {med['nws'] / med['dense']:.3f} (median of {args.rounds} interleaved)")
+        print(
+            f"  files per task: NWS .onnx {sizes['nws'] / 1e6:.2f} MB (+ shared pools {sizes['pools'] / 1e6:.2f} MB; pack {sizes['pack'] / 1e6:.2f} MB) vs dense .onnx {sizes['dense'] / 1e6:.2f} MB"
+        )
+        print(
+            f"  session creation (= task switch): NWS {1e3 * np.median(create['nws']):.0f} ms, dense {1e3 * np.median(create['dense']):.0f} ms"
+        )
+        print(
+            f"  latency batch 1: NWS {1e3 * med['nws']:.2f} ms, dense {1e3 * med['dense']:.2f} ms, ratio {med['nws'] / med['dense']:.3f} (median of {args.rounds} interleaved)"
+        )
         print(f"  max |NWS - dense| logits: {diff:.2e}")
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from deploy import converted_model  # benchmarks/ is on sys.path when this script runs
 
 import nwsconvert
 from nwsconvert.export import Runtime
@@ -38,8 +39,6 @@ from nwsconvert.export.bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha
 from nwsconvert.export.onnx_graph import export_onnx
 from nwsconvert.export.switch import SWITCH_FILE, export_switch
 from nwsconvert.train.heads import resize_head
-
-from deploy import converted_model  # benchmarks/ is on sys.path when this script runs
 
 
 def rss() -> int:
@@ -70,16 +69,37 @@ def make_bundle(name: str, tasks: int, size: int, out: Path) -> None:
                 m.running_var.uniform_(0.5, 1.5, generator=g)
         pack = nwsconvert.extract_task(model, task=t)
         pack_sha = pack.save(out / f"task_{t}.nwspack")
-        info = export_onnx(model, out / f"task_{t}.onnx", out / "pools.safetensors", input_shape=shape, metadata={"nwsconvert.task": t, "nwsconvert.pool_sha256": pool_sha})
+        info = export_onnx(
+            model,
+            out / f"task_{t}.onnx",
+            out / "pools.safetensors",
+            input_shape=shape,
+            metadata={"nwsconvert.task": t, "nwsconvert.pool_sha256": pool_sha},
+        )
         rows[str(t)] = {
-            "name": f"t{t}", "num_classes": classes, "pack": f"task_{t}.nwspack", "pack_sha256": pack_sha,
-            "onnx": f"task_{t}.onnx", "onnx_sha256": file_sha256(out / f"task_{t}.onnx"), "onnx_bytes": info["bytes"],
+            "name": f"t{t}",
+            "num_classes": classes,
+            "pack": f"task_{t}.nwspack",
+            "pack_sha256": pack_sha,
+            "onnx": f"task_{t}.onnx",
+            "onnx_sha256": file_sha256(out / f"task_{t}.onnx"),
+            "onnx_bytes": info["bytes"],
         }
     # The last task has the widest head: the switch graph is exported from it.
-    export_switch(model, out / SWITCH_FILE, out / "pools.safetensors", input_shape=shape, metadata={"nwsconvert.pool_sha256": pool_sha})
+    export_switch(
+        model,
+        out / SWITCH_FILE,
+        out / "pools.safetensors",
+        input_shape=shape,
+        metadata={"nwsconvert.pool_sha256": pool_sha},
+    )
     desc = {
-        "format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "pool_sha256": pool_sha, "model": {"spec": f"timm:{name}"},
-        "data": {"channels": 3, "input_size": [size, size]}, "tasks": rows,
+        "format": BUNDLE_FORMAT,
+        "version": BUNDLE_VERSION,
+        "pool_sha256": pool_sha,
+        "model": {"spec": f"timm:{name}"},
+        "data": {"channels": 3, "input_size": [size, size]},
+        "tasks": rows,
         "switch": {"onnx": SWITCH_FILE, "onnx_sha256": file_sha256(out / SWITCH_FILE), "max_classes": 5 + tasks - 1},
     }
     (out / "bundle.json").write_text(json.dumps(desc))
@@ -87,18 +107,28 @@ def make_bundle(name: str, tasks: int, size: int, out: Path) -> None:
 
 def measure(bundle: Path, device: str, threads: int | None, rounds: int, cycles: int) -> dict:
     ntasks = len(json.loads((bundle / "bundle.json").read_text())["tasks"])
-    x1 = np.random.default_rng(0).standard_normal((1, 3, *json.loads((bundle / "bundle.json").read_text())["data"]["input_size"])).astype(np.float32)
+    x1 = (
+        np.random.default_rng(0)
+        .standard_normal((1, 3, *json.loads((bundle / "bundle.json").read_text())["data"]["input_size"]))
+        .astype(np.float32)
+    )
     x32 = np.repeat(x1, 32, 0)
     out = {}
     rts = {}
     for mode in ("session", "switch"):
         before = rss()
-        rt = Runtime(bundle, device=device, mode=mode, threads=threads, max_sessions=ntasks)  # all cached: memory per task
+        rt = Runtime(
+            bundle, device=device, mode=mode, threads=threads, max_sessions=ntasks
+        )  # all cached: memory per task
         first = []
         for t in rt.tasks:
             rt.run(t, x1)
             first.append(rt.last_switch_seconds)
-        out[mode] = {"rss_per_task": (rss() - before) / ntasks, "info": rt.info(), "first_use_ms": 1e3 * float(np.median(first[1:] or first))}
+        out[mode] = {
+            "rss_per_task": (rss() - before) / ntasks,
+            "info": rt.info(),
+            "first_use_ms": 1e3 * float(np.median(first[1:] or first)),
+        }
         del rt
         rts[mode] = Runtime(bundle, device=device, mode=mode, threads=threads)  # defaults: max_sessions=4
         rts[mode].run(0, x1)
@@ -150,8 +180,14 @@ def main() -> None:
     import onnxruntime as ort
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    results = {"command": "python benchmarks/deploy_modes.py " + " ".join(os.sys.argv[1:]), "commit": commit,
-               "onnxruntime": ort.__version__, "torch": torch.__version__, "cpus": os.cpu_count(), "models": {}}
+    results = {
+        "command": "python benchmarks/deploy_modes.py " + " ".join(os.sys.argv[1:]),
+        "commit": commit,
+        "onnxruntime": ort.__version__,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "models": {},
+    }
     for name in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             d = Path(tmp)
@@ -167,17 +203,31 @@ def main() -> None:
         results["models"][name] = r
         s, w = r["session"], r["switch"]
         print(f"{name} {args.size}x{args.size}, {args.tasks} tasks, {args.device} ({s['providers']})")
-        print(f"  latency b1: session {s['latency_b1_ms']:.2f} ms, switch {w['latency_b1_ms']:.2f} ms (x{w['latency_b1_ms'] / s['latency_b1_ms']:.2f})")
-        print(f"  latency b32: session {s['latency_b32_ms']:.1f} ms, switch {w['latency_b32_ms']:.1f} ms (x{w['latency_b32_ms'] / s['latency_b32_ms']:.2f})")
-        print(f"  call after a switch / same task again, {args.tasks} tasks (max_sessions=4): session {s['switch_call_ms']:.2f} / {s['same_call_ms']:.2f} ms, "
-              f"switch {w['switch_call_ms']:.2f} / {w['same_call_ms']:.2f} ms")
-        print(f"  switch cost (median paired difference [IQR]): session {s['switch_ms']:.2f} ms, switch {w['switch_ms']:.3f} ms "
-              f"[{w['switch_ms_iqr'][0]:.2f}, {w['switch_ms_iqr'][1]:.2f}]; "
-              f"Runtime.last_switch_seconds (switch mode, re-bind): {1e6 * w['last_switch_seconds']:.1f} us")
-        print(f"  first use of a task: session {s['first_use_ms']:.1f} ms (session creation), switch {w['first_use_ms']:.1f} ms (pack decoded, values uploaded)")
-        print(f"  memory per cached task (RSS growth): session {s['rss_per_task'] / 1e6:.1f} MB, switch {w['rss_per_task'] / 1e6:.2f} MB "
-              f"(bound inputs {np.mean(list(w['info']['bytes_per_task'].values())) / 1e6:.2f} MB)")
-        print(f"  files per task: .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB (session mode), .nwspack {sizes['pack_per_task'] / 1e6:.2f} MB (switch mode); shared: switch.onnx {sizes['switch_onnx'] / 1e6:.2f} MB, pools {sizes['pools'] / 1e6:.2f} MB")
+        print(
+            f"  latency b1: session {s['latency_b1_ms']:.2f} ms, switch {w['latency_b1_ms']:.2f} ms (x{w['latency_b1_ms'] / s['latency_b1_ms']:.2f})"
+        )
+        print(
+            f"  latency b32: session {s['latency_b32_ms']:.1f} ms, switch {w['latency_b32_ms']:.1f} ms (x{w['latency_b32_ms'] / s['latency_b32_ms']:.2f})"
+        )
+        print(
+            f"  call after a switch / same task again, {args.tasks} tasks (max_sessions=4): session {s['switch_call_ms']:.2f} / {s['same_call_ms']:.2f} ms, "
+            f"switch {w['switch_call_ms']:.2f} / {w['same_call_ms']:.2f} ms"
+        )
+        print(
+            f"  switch cost (median paired difference [IQR]): session {s['switch_ms']:.2f} ms, switch {w['switch_ms']:.3f} ms "
+            f"[{w['switch_ms_iqr'][0]:.2f}, {w['switch_ms_iqr'][1]:.2f}]; "
+            f"Runtime.last_switch_seconds (switch mode, re-bind): {1e6 * w['last_switch_seconds']:.1f} us"
+        )
+        print(
+            f"  first use of a task: session {s['first_use_ms']:.1f} ms (session creation), switch {w['first_use_ms']:.1f} ms (pack decoded, values uploaded)"
+        )
+        print(
+            f"  memory per cached task (RSS growth): session {s['rss_per_task'] / 1e6:.1f} MB, switch {w['rss_per_task'] / 1e6:.2f} MB "
+            f"(bound inputs {np.mean(list(w['info']['bytes_per_task'].values())) / 1e6:.2f} MB)"
+        )
+        print(
+            f"  files per task: .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB (session mode), .nwspack {sizes['pack_per_task'] / 1e6:.2f} MB (switch mode); shared: switch.onnx {sizes['switch_onnx'] / 1e6:.2f} MB, pools {sizes['pools'] / 1e6:.2f} MB"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -60,19 +60,28 @@ def onnx_parity(model: torch.nn.Module, size: int, exporter: str = "auto", batch
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         nwsconvert.pool_set(model).save(d / "pools.safetensors")
-        info = export_onnx(model, d / "m.onnx", d / "pools.safetensors", input_shape=(3, size, size), metadata={}, exporter=exporter)
+        info = export_onnx(
+            model, d / "m.onnx", d / "pools.safetensors", input_shape=(3, size, size), metadata={}, exporter=exporter
+        )
         x = torch.randn(batch, 3, size, size)
         with torch.no_grad():
             out = model(x)
         ref = (out[0] if isinstance(out, (tuple, list)) else out).numpy()
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        sess = ort.InferenceSession(str(d / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS)
+        sess = ort.InferenceSession(
+            str(d / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
+        )
         y = sess.run(None, {"input": x.numpy()})[0]
     err, scale = float(np.abs(y - ref).max()), float(np.abs(ref).max())
     return {
-        "rel": err / scale if scale else 0.0, "max_abs": err, "max_logit": scale, "top1_agree": bool((y.argmax(1) == ref.argmax(1)).all()),
-        "exporter": info["exporter"], "gather_nodes": info["gather_nodes"], "bytes": info["bytes"],
+        "rel": err / scale if scale else 0.0,
+        "max_abs": err,
+        "max_logit": scale,
+        "top1_agree": bool((y.argmax(1) == ref.argmax(1)).all()),
+        "exporter": info["exporter"],
+        "gather_nodes": info["gather_nodes"],
+        "bytes": info["bytes"],
     }
 
 
@@ -80,7 +89,10 @@ def probe(name: str, size: int, exporter: str) -> dict:
     torch.manual_seed(0)
     model = build(name).eval()
     for m in model.modules():  # trained-like: no zero-initialised head or norm scale
-        if isinstance(m, (torch.nn.BatchNorm2d, torch.nn.LayerNorm, torch.nn.GroupNorm)) and getattr(m, "weight", None) is not None:
+        if (
+            isinstance(m, (torch.nn.BatchNorm2d, torch.nn.LayerNorm, torch.nn.GroupNorm))
+            and getattr(m, "weight", None) is not None
+        ):
             torch.nn.init.uniform_(m.weight, 0.5, 1.5)
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, 0, 0.05)
@@ -111,8 +123,12 @@ def main() -> None:
     ok = [r for r in records if r["ok"]]
     summary = {
         "command": "python benchmarks/export_coverage.py --exporter " + args.exporter,
-        "commit": commit, "torch": torch.__version__, "timm": timm.__version__, "onnxruntime": ort.__version__,
-        "passed": len(ok), "models": len(records),
+        "commit": commit,
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "onnxruntime": ort.__version__,
+        "passed": len(ok),
+        "models": len(records),
         "by_exporter": {e: sum(r.get("exporter") == e for r in ok) for e in ("torchscript", "dynamo")},
         "largest_rel": max((r["rel"] for r in ok), default=None),
         "failed": {r["model"]: r.get("error", f"rel {r.get('rel')}") for r in records if not r["ok"]},

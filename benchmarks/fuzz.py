@@ -99,7 +99,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import platform
 import random
@@ -119,7 +118,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # (folder, label) of nwsconvert's own code, for naming raise sites; set from the imported package (see lib_roots)
 LIB_ROOTS: list[tuple[str, str]] = [(str(REPO / d) + os.sep, f"{d}/") for d in ("export", "zoo", "nwsconvert")]
-OUTCOMES = ("clear_error", "error_unnamed", "identical", "silently_different", "raw_exception", "resource", "crash", "harness_error")
+OUTCOMES = (
+    "clear_error",
+    "error_unnamed",
+    "identical",
+    "silently_different",
+    "raw_exception",
+    "resource",
+    "crash",
+    "harness_error",
+)
 RUN_SEEDS = {"a": 1, "b": 2}
 TASKS = (0, 1)
 EXPORT_SNIPPET = "from nwsconvert.export.cli import export_main; import sys; sys.exit(export_main(sys.argv[1:]))"
@@ -135,13 +143,17 @@ def pin_library(rev: str, work: Path) -> tuple[str, Path]:
     The repository maps ``export/`` and ``zoo/`` to ``nwsconvert.export`` and ``nwsconvert.zoo``; the overlay
     lays them out as subpackages, so the working tree can change while the benchmark runs.
     """
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", rev], capture_output=True, text=True, check=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", rev], capture_output=True, text=True, check=True
+    ).stdout.strip()
     root = work / "lib" / commit[:12]
     pkg = root / "pkg"
     if not (pkg / "nwsconvert" / "export" / "runtime.py").is_file():
         shutil.rmtree(root, ignore_errors=True)
         (root / "src").mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "nwsconvert", "export", "zoo"], capture_output=True, check=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", commit, "nwsconvert", "export", "zoo"], capture_output=True, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(root / "src")], input=archive, check=True)
         shutil.copytree(root / "src" / "nwsconvert", pkg / "nwsconvert")
         shutil.copytree(root / "src" / "export", pkg / "nwsconvert" / "export")
@@ -153,10 +165,12 @@ def pin_library(rev: str, work: Path) -> tuple[str, Path]:
 
 def library_digest(python: str) -> tuple[str, str]:
     """(folder of the nwsconvert a child process imports, SHA-256 of its .py files): a run whose library changes is flagged."""
-    code = ("import nwsconvert, nwsconvert.export, nwsconvert.zoo, os, hashlib, json; h = hashlib.sha256(); "
-            "dirs = sorted({os.path.dirname(m.__file__) for m in (nwsconvert, nwsconvert.export, nwsconvert.zoo)}); "
-            "[h.update(open(os.path.join(r, f), 'rb').read()) for d in dirs for r, _, fs in sorted(os.walk(d)) for f in sorted(fs) if f.endswith('.py')]; "
-            "print(json.dumps([dirs[0], h.hexdigest()]))")
+    code = (
+        "import nwsconvert, nwsconvert.export, nwsconvert.zoo, os, hashlib, json; h = hashlib.sha256(); "
+        "dirs = sorted({os.path.dirname(m.__file__) for m in (nwsconvert, nwsconvert.export, nwsconvert.zoo)}); "
+        "[h.update(open(os.path.join(r, f), 'rb').read()) for d in dirs for r, _, fs in sorted(os.walk(d)) for f in sorted(fs) if f.endswith('.py')]; "
+        "print(json.dumps([dirs[0], h.hexdigest()]))"
+    )
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout
     return tuple(json.loads(out))
 
@@ -169,14 +183,34 @@ def train_runs(work: Path, python: str, lib: str) -> dict[str, Path]:
         shutil.rmtree(work / "runs")  # runs of another library version
     for name, seed in RUN_SEEDS.items():
         d = work / "runs" / name
-        if not ((d / "manifest.json").is_file() and (d / "export" / "bundle.json").is_file() and (d / "export" / "task_1.onnx").is_file()):
+        if not (
+            (d / "manifest.json").is_file()
+            and (d / "export" / "bundle.json").is_file()
+            and (d / "export" / "task_1.onnx").is_file()
+        ):
             shutil.rmtree(d, ignore_errors=True)
             d.parent.mkdir(parents=True, exist_ok=True)
             print(f"setup: training run {name} (seed {seed}) in {d}", flush=True)
-            cmd = [python, "-m", "nwsconvert.cli.train", "model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1",
-                   f"tasks={len(TASKS)}", "progress=false", f"seed={seed}", f"out={d}"]
+            cmd = [
+                python,
+                "-m",
+                "nwsconvert.cli.train",
+                "model=timm:test_resnet",
+                "pool_size=32",
+                "pool_epochs=1",
+                "epochs=1",
+                f"tasks={len(TASKS)}",
+                "progress=false",
+                f"seed={seed}",
+                f"out={d}",
+            ]
             subprocess.run(cmd, check=True, cwd=work, stdout=subprocess.DEVNULL)
-            subprocess.run([python, "-c", EXPORT_SNIPPET, str(d), "--task", "all", "--onnx"], check=True, cwd=work, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [python, "-c", EXPORT_SNIPPET, str(d), "--task", "all", "--onnx"],
+                check=True,
+                cwd=work,
+                stdout=subprocess.DEVNULL,
+            )
         runs[name] = d
     marker.write_text(lib)
     return runs
@@ -196,9 +230,23 @@ def tree_digest(root: Path) -> dict[str, str]:
 # ------------------------------------------------------------------ file formats
 
 
-DTYPES = {"F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16", "BF16": "torch.bfloat16", "I64": "torch.int64",
-          "I32": "torch.int32", "I16": "torch.int16", "I8": "torch.int8", "U64": "torch.uint64", "U32": "torch.uint32",
-          "U16": "torch.uint16", "U8": "torch.uint8", "BOOL": "torch.bool", "F8_E4M3": "torch.float8_e4m3fn", "F8_E5M2": "torch.float8_e5m2"}
+DTYPES = {
+    "F64": "torch.float64",
+    "F32": "torch.float32",
+    "F16": "torch.float16",
+    "BF16": "torch.bfloat16",
+    "I64": "torch.int64",
+    "I32": "torch.int32",
+    "I16": "torch.int16",
+    "I8": "torch.int8",
+    "U64": "torch.uint64",
+    "U32": "torch.uint32",
+    "U16": "torch.uint16",
+    "U8": "torch.uint8",
+    "BOOL": "torch.bool",
+    "F8_E4M3": "torch.float8_e4m3fn",
+    "F8_E5M2": "torch.float8_e5m2",
+}
 
 
 def st_split(data: bytes) -> tuple[int, dict, bytes]:
@@ -396,9 +444,21 @@ class Case:
 TARGETS = {
     "run/manifest.json": (7, "json", {"manifest": 4, "load": 4, "summary": 1, "analyse": 1, "export": 1}),
     "run/pools.safetensors": (4, "pool", {"pool": 5, "load": 3, "summary": 1, "analyse": 1, "export": 1}),
-    "run/base.nwspack": (5, "pack", {"pack": 3, "pack_expect": 2, "pack_dep": 3, "load": 3, "summary": 1, "analyse": 1, "export": 1}),
-    "run/tasks/task_0.nwspack": (5, "pack", {"pack": 3, "pack_expect": 3, "load": 3, "summary": 1, "analyse": 1, "export": 1}),
-    "run/tasks/task_1.nwspack": (5, "pack", {"pack": 3, "pack_expect": 3, "load": 3, "summary": 1, "analyse": 1, "export": 1}),
+    "run/base.nwspack": (
+        5,
+        "pack",
+        {"pack": 3, "pack_expect": 2, "pack_dep": 3, "load": 3, "summary": 1, "analyse": 1, "export": 1},
+    ),
+    "run/tasks/task_0.nwspack": (
+        5,
+        "pack",
+        {"pack": 3, "pack_expect": 3, "load": 3, "summary": 1, "analyse": 1, "export": 1},
+    ),
+    "run/tasks/task_1.nwspack": (
+        5,
+        "pack",
+        {"pack": 3, "pack_expect": 3, "load": 3, "summary": 1, "analyse": 1, "export": 1},
+    ),
     "bundle/bundle.json": (4, "json", {"bundle": 3, "runtime": 3}),
     "bundle/pools.safetensors": (3, "pool", {"pool": 2, "runtime": 3}),
     "bundle/task_0.onnx": (2, "onnx", {"runtime": 1}),
@@ -408,18 +468,61 @@ TARGETS = {
     "bundle/base.nwspack": (2, "pack", {"pack": 1, "pack_expect": 1, "pack_dep": 2}),
 }
 ST_KINDS = {
-    "flip_any": 6, "flip_st_header": 4, "flip_json_header": 5, "flip_data": 5, "flip_data+rehash": 4, "truncate": 5, "append": 3,
-    "empty": 1, "random_bytes": 2, "header_len": 2, "st_repad": 2, "st_json_edit": 4, "st_json_edit+rehash": 3, "json_delete": 3, "json_rename": 2,
-    "json_set": 5, "json_targeted": 6, "json_delete+rehash": 3, "json_rename+rehash": 2, "json_set+rehash": 5, "json_targeted+rehash": 9,
-    "json_targeted+downgrade": 2, "swap:other_run": 3, "symlink:other_run": 1, "symlink:same_outside": 1, "symlink:dev_zero": 1,
-    "symlink:dangling": 1, "remove": 1,
+    "flip_any": 6,
+    "flip_st_header": 4,
+    "flip_json_header": 5,
+    "flip_data": 5,
+    "flip_data+rehash": 4,
+    "truncate": 5,
+    "append": 3,
+    "empty": 1,
+    "random_bytes": 2,
+    "header_len": 2,
+    "st_repad": 2,
+    "st_json_edit": 4,
+    "st_json_edit+rehash": 3,
+    "json_delete": 3,
+    "json_rename": 2,
+    "json_set": 5,
+    "json_targeted": 6,
+    "json_delete+rehash": 3,
+    "json_rename+rehash": 2,
+    "json_set+rehash": 5,
+    "json_targeted+rehash": 9,
+    "json_targeted+downgrade": 2,
+    "swap:other_run": 3,
+    "symlink:other_run": 1,
+    "symlink:same_outside": 1,
+    "symlink:dev_zero": 1,
+    "symlink:dangling": 1,
+    "remove": 1,
 }
 PACK_SWAPS = {"run/base.nwspack": {"swap:task": 3}, "bundle/base.nwspack": {"swap:task": 3}}
 JSON_KINDS = {
-    "flip_any": 5, "truncate": 3, "append": 2, "empty": 1, "random_bytes": 1, "json_delete": 5, "json_rename": 3, "json_set": 6,
-    "json_targeted": 14, "json_swap_rows": 3, "swap:other_run": 2, "symlink:dev_zero": 1, "remove": 1,
+    "flip_any": 5,
+    "truncate": 3,
+    "append": 2,
+    "empty": 1,
+    "random_bytes": 1,
+    "json_delete": 5,
+    "json_rename": 3,
+    "json_set": 6,
+    "json_targeted": 14,
+    "json_swap_rows": 3,
+    "swap:other_run": 2,
+    "symlink:dev_zero": 1,
+    "remove": 1,
 }
-ONNX_KINDS = {"flip_any": 5, "truncate": 3, "append": 2, "empty": 1, "random_bytes": 1, "swap:other_task": 2, "swap:other_run": 2, "remove": 1}
+ONNX_KINDS = {
+    "flip_any": 5,
+    "truncate": 3,
+    "append": 2,
+    "empty": 1,
+    "random_bytes": 1,
+    "swap:other_task": 2,
+    "swap:other_run": 2,
+    "remove": 1,
+}
 HEAVY = ("load", "runtime", "summary", "analyse", "export")
 
 
@@ -479,16 +582,45 @@ def targeted_pack(rng: random.Random, meta: dict, case: Case, subj: Subject, oth
         shape = row.get("shape") if isinstance(row.get("shape"), list) else [1]
         ch = row.get("changes") if type(row.get("changes")) is int else 0
         names = [r.get("name") for r in layers if isinstance(r, dict)]
-        field = rng.choice(["count", "changes", "pool_size", "shape", "coding", "bits", "vector_size", "name", "role", "groups", "pool"])
+        field = rng.choice(
+            [
+                "count",
+                "changes",
+                "pool_size",
+                "shape",
+                "coding",
+                "bits",
+                "vector_size",
+                "name",
+                "role",
+                "groups",
+                "pool",
+            ]
+        )
         values = {
             "count": [*rng.sample(HUGE, 3), -1, 0, cnt + 1, cnt - 1, cnt * 2, str(cnt), float(cnt), None],
             "changes": [0, cnt, cnt + 1, ch + 1, max(0, ch - 1), -1, 10**9, 2**62, None, "1"],
             "pool_size": [*rng.sample(HUGE, 2), 0, 1, 2, 17, 31, 33, 64, 2**24, 2**24 + 1, -32, None],
             "bits": [0, 1, 4, 6, 33, 64, -5, None],
             "vector_size": [0, 1, 3, 18, 2**16, 2**16 + 1, 10**9, None],
-            "shape": [[10**6], [2**62], [], [0], [shape[0] * 2, *shape[1:]], shape[::-1], [shape], [-1, *shape[1:]], "3x3", None,
-                      shape[:-1], [*shape, 1], [2**31] * 4, [1, 2, 3, 4, 5, 6, 7]],
-            "coding": [c for c in ("bits", "ans", "delta+bits", "delta+ans") if c != row.get("coding")] + ["zip", None, 7, ""],
+            "shape": [
+                [10**6],
+                [2**62],
+                [],
+                [0],
+                [shape[0] * 2, *shape[1:]],
+                shape[::-1],
+                [shape],
+                [-1, *shape[1:]],
+                "3x3",
+                None,
+                shape[:-1],
+                [*shape, 1],
+                [2**31] * 4,
+                [1, 2, 3, 4, 5, 6, 7],
+            ],
+            "coding": [c for c in ("bits", "ans", "delta+bits", "delta+ans") if c != row.get("coding")]
+            + ["zip", None, 7, ""],
             "name": [rng.choice(names), "", "x", None, f"{row.get('name')}x"],
             "role": ["head", "stem", "body", "shortcut", "tail", None],
             "groups": [0, 2, 10**9, -1, None],
@@ -513,8 +645,22 @@ def targeted_pack(rng: random.Random, meta: dict, case: Case, subj: Subject, oth
         "num_classes": [*rng.sample(HUGE, 2), 0, -1, nc + 1, None, "2", 10],
         "sha256": ["0" * 64, other.pack_sha(other_rel), sha.upper(), sha[:-1], "", None, 5],
         "pool_sha256": [other.manifest["pools"]["sha256"], "0" * 64, None],
-        "base.file": ["../x", "/etc/passwd", "../base.nwspack", "task_1.nwspack", "nope.nwspack", "", ".", "..", "a\\b", "C:x",
-                      "tasks/base.nwspack", "base.nwspack\u0000", None, 5],
+        "base.file": [
+            "../x",
+            "/etc/passwd",
+            "../base.nwspack",
+            "task_1.nwspack",
+            "nope.nwspack",
+            "",
+            ".",
+            "..",
+            "a\\b",
+            "C:x",
+            "tasks/base.nwspack",
+            "base.nwspack\u0000",
+            None,
+            5,
+        ],
         "base.sha256": [other.manifest["base"]["sha256"], sha, "0" * 64, None],
         "base": [None, {}, "base.nwspack", {"sha256": subj.manifest["base"]["sha256"]}],
         "run_id": [other.manifest.get("run_id"), "", None, 5],
@@ -586,53 +732,152 @@ def targeted_manifest(rng: random.Random, m: dict, case: Case, subj: Subject, ot
         if rng.random() < 0.5:
             spec, kwargs = rng.choice(code)
             return [("set", ("model", "spec"), spec), ("set", ("model", "kwargs"), kwargs)]
-        return [("set", ("model", "spec"), rng.choice(["timm:resnet18", "timm:no_such_model", "torchvision:resnet18", "torchvision:no_such",
-                                                       "timm:", ":x", "x", "", 5, None, "nwsconvert.zoo.pretrained:nope", "timm:test_vit"]))]
+        return [
+            (
+                "set",
+                ("model", "spec"),
+                rng.choice(
+                    [
+                        "timm:resnet18",
+                        "timm:no_such_model",
+                        "torchvision:resnet18",
+                        "torchvision:no_such",
+                        "timm:",
+                        ":x",
+                        "x",
+                        "",
+                        5,
+                        None,
+                        "nwsconvert.zoo.pretrained:nope",
+                        "timm:test_vit",
+                    ]
+                ),
+            )
+        ]
     if group == "kwargs":
-        return [("set", ("model", "kwargs"), rng.choice([
-            {"in_chans": 3}, {"in_chans": 1, "num_classes": 10**7}, {"in_chans": 1, "num_classes": 10**12}, {"in_chans": 10**6},
-            {"in_chans": 1, "pretrained": True}, {"in_chans": 1, "checkpoint_path": "/etc/passwd"}, {"in_chans": 1, "drop_rate": "x"},
-            {"in_chans": 1, "bogus": 1}, {"in_chans": 1, "act_layer": "gelu"}, {"in_chans": 1, "global_pool": "max"}, [], None, {},
-            {"in_chans": -1}, {"in_chans": "1"}]))]
+        return [
+            (
+                "set",
+                ("model", "kwargs"),
+                rng.choice(
+                    [
+                        {"in_chans": 3},
+                        {"in_chans": 1, "num_classes": 10**7},
+                        {"in_chans": 1, "num_classes": 10**12},
+                        {"in_chans": 10**6},
+                        {"in_chans": 1, "pretrained": True},
+                        {"in_chans": 1, "checkpoint_path": "/etc/passwd"},
+                        {"in_chans": 1, "drop_rate": "x"},
+                        {"in_chans": 1, "bogus": 1},
+                        {"in_chans": 1, "act_layer": "gelu"},
+                        {"in_chans": 1, "global_pool": "max"},
+                        [],
+                        None,
+                        {},
+                        {"in_chans": -1},
+                        {"in_chans": "1"},
+                    ]
+                ),
+            )
+        ]
     if group == "convert":
-        key, values = rng.choice([
-            ("group_size", [2, 0, -1, 10**9, "1", None, 1.0]), ("skip", [["*"], ["layer1*"], "*", 5, None, ["fc"]]),
-            ("layer_pool_size", [{"*": 7}, {"*": "x"}, {"*": 10**12}, [], None]), ("layer_group_size", [{"*": 2}, {"*": 0}, {"*": "x"}]),
-            ("init", ["/etc/passwd", "random", "kmeans"]), ("seed", ["x", 2**70]), ("kmeans_iters", [-1, 10**9]),
-            ("bogus", [1]), ("pool_size", [7, -1, "32", None])])
+        key, values = rng.choice(
+            [
+                ("group_size", [2, 0, -1, 10**9, "1", None, 1.0]),
+                ("skip", [["*"], ["layer1*"], "*", 5, None, ["fc"]]),
+                ("layer_pool_size", [{"*": 7}, {"*": "x"}, {"*": 10**12}, [], None]),
+                ("layer_group_size", [{"*": 2}, {"*": 0}, {"*": "x"}]),
+                ("init", ["/etc/passwd", "random", "kmeans"]),
+                ("seed", ["x", 2**70]),
+                ("kmeans_iters", [-1, 10**9]),
+                ("bogus", [1]),
+                ("pool_size", [7, -1, "32", None]),
+            ]
+        )
         if rng.random() < 0.15:
             return [("set", ("model", "convert"), rng.choice([None, [], "x", {}]))]
         return [("set", ("model", "convert", key), rng.choice(values))]
     if group == "file" and tasks:
         abs_other = str(other.src / "tasks" / f"task_{t}.nwspack")
         abs_same = str(subj.src / "tasks" / f"task_{t}.nwspack")
-        return [("set", ("tasks", t, "file"), rng.choice([
-            abs_other, abs_same, f"../../../runs/{other.name}/tasks/task_{t}.nwspack", "../x", f"tasks/task_{o}.nwspack",
-            f"tasks/../tasks/task_{o}.nwspack", f"tasks//task_{t}.nwspack", f"tasks/./task_{t}.nwspack", "/etc/passwd",
-            "../../../../../../etc/passwd", "", "manifest.json", "pools.safetensors", "base.nwspack", "tasks", "C:\\x",
-            f"tasks\\task_{t}.nwspack", f"tasks/task_{t}.nwspack\u0000", "/dev/zero", None, 5, ["tasks"]]))]
+        return [
+            (
+                "set",
+                ("tasks", t, "file"),
+                rng.choice(
+                    [
+                        abs_other,
+                        abs_same,
+                        f"../../../runs/{other.name}/tasks/task_{t}.nwspack",
+                        "../x",
+                        f"tasks/task_{o}.nwspack",
+                        f"tasks/../tasks/task_{o}.nwspack",
+                        f"tasks//task_{t}.nwspack",
+                        f"tasks/./task_{t}.nwspack",
+                        "/etc/passwd",
+                        "../../../../../../etc/passwd",
+                        "",
+                        "manifest.json",
+                        "pools.safetensors",
+                        "base.nwspack",
+                        "tasks",
+                        "C:\\x",
+                        f"tasks\\task_{t}.nwspack",
+                        f"tasks/task_{t}.nwspack\u0000",
+                        "/dev/zero",
+                        None,
+                        5,
+                        ["tasks"],
+                    ]
+                ),
+            )
+        ]
     if group == "task" and tasks:
-        field, values = rng.choice([
-            ("id", [o, -1, 10**12, "0", None, 2**62, 0.0, True]),
-            ("sha256", [tasks[o].get("sha256"), other.manifest["tasks"][t]["sha256"], "0" * 64, "", None]),
-            ("num_classes", [10**9, 0, 3, None, "2"]), ("name", [5, None, "x" * 10000]), ("class_names", [[], ["a"], 5, [1, 2]]),
-            ("metrics", [None, [], {}, {"val_acc": "x"}, {"val_acc": None}]), ("bytes", [None, [], {"file": -1}])])
+        field, values = rng.choice(
+            [
+                ("id", [o, -1, 10**12, "0", None, 2**62, 0.0, True]),
+                ("sha256", [tasks[o].get("sha256"), other.manifest["tasks"][t]["sha256"], "0" * 64, "", None]),
+                ("num_classes", [10**9, 0, 3, None, "2"]),
+                ("name", [5, None, "x" * 10000]),
+                ("class_names", [[], ["a"], 5, [1, 2]]),
+                ("metrics", [None, [], {}, {"val_acc": "x"}, {"val_acc": None}]),
+                ("bytes", [None, [], {"file": -1}]),
+            ]
+        )
         if rng.random() < 0.1 and field in tasks[t]:
             return [("del", ("tasks", t, field))]
         return [("set", ("tasks", t, field), rng.choice(values))]
     if group == "pools":
-        field, values = rng.choice([("sha256", [other.manifest["pools"]["sha256"], "0" * 64, None]), ("file", ["../x", "base.nwspack", "/etc/passwd"]),
-                                    ("bytes", [-1, 10**12, None, "x"])])
+        field, values = rng.choice(
+            [
+                ("sha256", [other.manifest["pools"]["sha256"], "0" * 64, None]),
+                ("file", ["../x", "base.nwspack", "/etc/passwd"]),
+                ("bytes", [-1, 10**12, None, "x"]),
+            ]
+        )
         if rng.random() < 0.15:
-            return [("del", ("pools",))] if rng.random() < 0.5 else [("set", ("pools",), rng.choice([None, {}, [], "x"]))]
+            return (
+                [("del", ("pools",))] if rng.random() < 0.5 else [("set", ("pools",), rng.choice([None, {}, [], "x"]))]
+            )
         return [("set", ("pools", field), rng.choice(values))]
     if group == "base":
-        field, values = rng.choice([("sha256", [other.manifest["base"]["sha256"], "0" * 64]), ("file", ["../x", "task_0.nwspack", "/etc/passwd"])])
+        field, values = rng.choice(
+            [
+                ("sha256", [other.manifest["base"]["sha256"], "0" * 64]),
+                ("file", ["../x", "task_0.nwspack", "/etc/passwd"]),
+            ]
+        )
         return [("set", ("base", field), rng.choice(values))]
-    field, values = rng.choice([
-        ("run_id", [other.manifest.get("run_id"), None, "", 5]), ("format", ["nwsconvert.bundle", "x", None]),
-        ("version", [2, 0, "1", None, 1.0, True]), ("tasks", [[], {}, None, [*tasks, *tasks[:1]], tasks[:1]]),
-        ("data", [None, [], {"input_size": [10**9, 10**9]}]), ("model", [None, [], "timm:test_resnet", {}])])
+    field, values = rng.choice(
+        [
+            ("run_id", [other.manifest.get("run_id"), None, "", 5]),
+            ("format", ["nwsconvert.bundle", "x", None]),
+            ("version", [2, 0, "1", None, 1.0, True]),
+            ("tasks", [[], {}, None, [*tasks, *tasks[:1]], tasks[:1]]),
+            ("data", [None, [], {"input_size": [10**9, 10**9]}]),
+            ("model", [None, [], "timm:test_resnet", {}]),
+        ]
+    )
     if rng.random() < 0.1 and field in m:
         return [("del", (field,))]
     return [("set", (field,), rng.choice(values))]
@@ -646,9 +891,29 @@ def targeted_bundle(rng: random.Random, b: dict, case: Case, subj: Subject, othe
     group = rng.choice(["file", "file", "hash", "row", "key", "top", "data"])
     if group == "file" and keys:
         field = rng.choice(["onnx", "pack", "base"])
-        return [("set", ("tasks", k, field), rng.choice([
-            "../x", "/etc/passwd", f"task_{o}.onnx", f"task_{k}.nwspack", "pools.safetensors", "bundle.json", "", ".", "..",
-            "nonexistent.onnx", f"../../runs/{other.name}/export/task_{k}.onnx", None, 5]))]
+        return [
+            (
+                "set",
+                ("tasks", k, field),
+                rng.choice(
+                    [
+                        "../x",
+                        "/etc/passwd",
+                        f"task_{o}.onnx",
+                        f"task_{k}.nwspack",
+                        "pools.safetensors",
+                        "bundle.json",
+                        "",
+                        ".",
+                        "..",
+                        "nonexistent.onnx",
+                        f"../../runs/{other.name}/export/task_{k}.onnx",
+                        None,
+                        5,
+                    ]
+                ),
+            )
+        ]
     if group == "hash" and keys:
         field = rng.choice(["onnx_sha256", "pack_sha256", "base_sha256"])
         alt = rows.get(o, {}).get(field) if isinstance(rows.get(o), dict) else None
@@ -656,19 +921,37 @@ def targeted_bundle(rng: random.Random, b: dict, case: Case, subj: Subject, othe
             return [("del", ("tasks", k, field))]
         return [("set", ("tasks", k, field), rng.choice([alt, "0" * 64, "", None, other.bundle["tasks"][k][field]]))]
     if group == "row" and keys:
-        field, values = rng.choice([("num_classes", [3, 10**9, 0, None, 1]), ("class_names", [["a"], [], None, [1, 2]]),
-                                    ("name", [None, 5]), ("onnx_bytes", [-1, None, "x"])])
+        field, values = rng.choice(
+            [
+                ("num_classes", [3, 10**9, 0, None, 1]),
+                ("class_names", [["a"], [], None, [1, 2]]),
+                ("name", [None, 5]),
+                ("onnx_bytes", [-1, None, "x"]),
+            ]
+        )
         return [("set", ("tasks", k, field), rng.choice(values))]
     if group == "key" and keys:
         return [("rename", ("tasks", k), rng.choice(["00", " 0", "-0", "\u0660", "0x", o, "+0", "1_0", "\u00b2"]))]
     if group == "data":
-        field, values = rng.choice([("channels", [0, 3, 10**6, None]), ("input_size", [[10**9, 10**9], [], None, [28]]),
-                                    ("mean", [None, [], "x"]), ("std", [[0.0], None])])
+        field, values = rng.choice(
+            [
+                ("channels", [0, 3, 10**6, None]),
+                ("input_size", [[10**9, 10**9], [], None, [28]]),
+                ("mean", [None, [], "x"]),
+                ("std", [[0.0], None]),
+            ]
+        )
         return [("set", ("data", field), rng.choice(values))]
-    field, values = rng.choice([
-        ("pool_sha256", [other.bundle["pool_sha256"], "0" * 64, str(b.get("pool_sha256")).upper(), None]),
-        ("version", [1, 3, 0, "2", True, None]), ("format", ["nwsconvert.run", None, "x"]), ("tasks", [{}, [], None]),
-        ("model", [{"spec": "subprocess:getoutput"}, None]), ("pool_bytes", [-1, None])])
+    field, values = rng.choice(
+        [
+            ("pool_sha256", [other.bundle["pool_sha256"], "0" * 64, str(b.get("pool_sha256")).upper(), None]),
+            ("version", [1, 3, 0, "2", True, None]),
+            ("format", ["nwsconvert.run", None, "x"]),
+            ("tasks", [{}, [], None]),
+            ("model", [{"spec": "subprocess:getoutput"}, None]),
+            ("pool_bytes", [-1, None]),
+        ]
+    )
     return [("set", (field,), rng.choice(values))]
 
 
@@ -677,7 +960,9 @@ def swap_rows_ops(rng: random.Random, doc: dict, target: str) -> list:
         tasks = doc.get("tasks") or []
         if len(tasks) < 2:
             return []
-        fields = rng.choice([None, ("file",), ("sha256",), ("file", "sha256"), ("file", "sha256", "name", "num_classes", "class_names")])
+        fields = rng.choice(
+            [None, ("file",), ("sha256",), ("file", "sha256"), ("file", "sha256", "name", "num_classes", "class_names")]
+        )
         fields = fields or tuple(k for k in tasks[0] if k != "id")
         ops = []
         for f in fields:
@@ -764,8 +1049,20 @@ def mutate(case: Case, rng: random.Random, root: Path, subj: Subject, other: Sub
         n = rng.choice([len(data), rng.randint(1, 2 * len(data)), rng.randint(1, 64)])
         new, desc["length"] = rng.randbytes(n), n
     elif kind == "header_len":
-        value = rng.choice([0, 1, 7, len(data) - 8, len(data), 2**31, 2**63, 2**64 - 1, 100 * 1024 * 1024 + 1,
-                            struct.unpack("<Q", data[:8])[0] + rng.choice([-8, -1, 1, 8])])
+        value = rng.choice(
+            [
+                0,
+                1,
+                7,
+                len(data) - 8,
+                len(data),
+                2**31,
+                2**63,
+                2**64 - 1,
+                100 * 1024 * 1024 + 1,
+                struct.unpack("<Q", data[:8])[0] + rng.choice([-8, -1, 1, 8]),
+            ]
+        )
         value = max(0, min(value, 2**64 - 1))
         new, desc["header_len"] = struct.pack("<Q", value) + data[8:], value
     elif kind == "st_repad":  # the same header and tensors, laid out again: the tensors move in the file
@@ -789,7 +1086,9 @@ def mutate(case: Case, rng: random.Random, root: Path, subj: Subject, other: Sub
             t["dtype"] = rng.choice(["F32", "I32", "U8", "F16", "I64", "BOOL", "F64", "X", None])
             desc["edit"] = f"{name}.dtype = {t['dtype']}"
         elif what == 1:
-            t["shape"] = rng.choice([[], [0], [*t["shape"], 1], t["shape"][::-1], [2**62], [-1], [x * 2 for x in t["shape"]], "x", None])
+            t["shape"] = rng.choice(
+                [[], [0], [*t["shape"], 1], t["shape"][::-1], [2**62], [-1], [x * 2 for x in t["shape"]], "x", None]
+            )
             desc["edit"] = f"{name}.shape = {t['shape']}"
         elif what == 2:
             s, e = t["data_offsets"]
@@ -810,12 +1109,18 @@ def mutate(case: Case, rng: random.Random, root: Path, subj: Subject, other: Sub
             header["extra/x"] = {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
             desc["edit"] = "add empty tensor extra/x"
         elif what == 7:
-            header["__metadata__"] = rng.choice([None, {}, {"nwsconvert": 5}, {"nwsconvert": "{}"}, "x", {**header["__metadata__"], "x": "y"}])
+            header["__metadata__"] = rng.choice(
+                [None, {}, {"nwsconvert": 5}, {"nwsconvert": "{}"}, "x", {**header["__metadata__"], "x": "y"}]
+            )
             desc["edit"] = f"__metadata__ = {str(header['__metadata__'])[:60]}"
         else:
             header = rng.choice([[], "x", {"__metadata__": header["__metadata__"]}])
             desc["edit"] = f"header = {str(header)[:60]}"
-        new = st_join(header, body) if isinstance(header, dict) else struct.pack("<Q", 16) + json.dumps(header).encode().ljust(16) + body
+        new = (
+            st_join(header, body)
+            if isinstance(header, dict)
+            else struct.pack("<Q", 16) + json.dumps(header).encode().ljust(16) + body
+        )
         if variant == "rehash" and isinstance(header, dict) and isinstance(header.get("__metadata__"), dict):
             try:
                 new = resign(new, content=True)
@@ -863,7 +1168,10 @@ def mutate(case: Case, rng: random.Random, root: Path, subj: Subject, other: Sub
         rel = case.target.rsplit("/", 1)[0].replace("/tasks", "") + "/base.nwspack"
         new, desc["from"] = subj.files[rel], rel
     elif kind == "swap:task":
-        rel = case.target.replace("base.nwspack", f"tasks/task_{case.task}.nwspack" if case.target.startswith("run/") else f"task_{case.task}.nwspack")
+        rel = case.target.replace(
+            "base.nwspack",
+            f"tasks/task_{case.task}.nwspack" if case.target.startswith("run/") else f"task_{case.task}.nwspack",
+        )
         new, desc["from"] = subj.files[rel], rel
     elif kind == "swap:pack":
         rel = rng.choice(["run/base.nwspack", "run/tasks/task_0.nwspack"])
@@ -949,12 +1257,18 @@ class Readers:
 
         import nwsconvert
         from nwsconvert.analysis.selection import analyse_run
+        from nwsconvert.analysis.summary import run_summary
         from nwsconvert.export import Runtime, export_bundle
         from nwsconvert.export.bundlefile import read_bundle
-        from nwsconvert.analysis.summary import run_summary
 
         self.np, self.torch, self.nws = np, torch, nwsconvert
-        self.analyse_run, self.Runtime, self.export_bundle, self.read_bundle, self.run_summary = analyse_run, Runtime, export_bundle, read_bundle, run_summary
+        self.analyse_run, self.Runtime, self.export_bundle, self.read_bundle, self.run_summary = (
+            analyse_run,
+            Runtime,
+            export_bundle,
+            read_bundle,
+            run_summary,
+        )
         self.root, self.x = root, x
         self.xt = torch.from_numpy(x)
 
@@ -973,14 +1287,23 @@ class Readers:
             return {"sha256": m["base"]["sha256"], "pool_sha256": m["pools"]["sha256"], "run_id": m.get("run_id")}
         t = int(name[5])
         if rel.startswith("run/"):
-            return {"sha256": m["tasks"][t]["sha256"], "pool_sha256": m["pools"]["sha256"], "run_id": m.get("run_id"), "task": t}
+            return {
+                "sha256": m["tasks"][t]["sha256"],
+                "pool_sha256": m["pools"]["sha256"],
+                "run_id": m.get("run_id"),
+                "task": t,
+            }
         return {"sha256": b["tasks"][str(t)]["pack_sha256"], "pool_sha256": b["pool_sha256"], "task": t}
 
     def pack_rel(self, case: Case) -> str:
         """The pack file a pack reader opens (for pack_dep: a task pack beside the mutated base)."""
         if case.reader != "pack_dep":
             return case.target
-        return f"run/tasks/task_{case.task}.nwspack" if case.target.startswith("run/") else f"bundle/task_{case.task}.nwspack"
+        return (
+            f"run/tasks/task_{case.task}.nwspack"
+            if case.target.startswith("run/")
+            else f"bundle/task_{case.task}.nwspack"
+        )
 
     def ref_key(self, case: Case) -> tuple:
         if case.reader in ("pack", "pack_expect", "pack_dep"):
@@ -1034,7 +1357,7 @@ class Readers:
         if r == "runtime":
             a, b = self.np.asarray(result), self.np.asarray(ref)
             if a.shape != b.shape or a.dtype != b.dtype or a.tobytes() != b.tobytes():
-                return f"logits differ ({'max abs %.3g' % float(self.np.abs(a - b).max()) if a.shape == b.shape else f'shape {a.shape}'})"
+                return f"logits differ ({f'max abs {float(self.np.abs(a - b).max()):.3g}' if a.shape == b.shape else f'shape {a.shape}'})"
             return None
         d = dict_diff(result, ref)
         return None if d is None else f"result differs at {d}"
@@ -1051,10 +1374,33 @@ class Audit:
     events: list = []
     reads: list = []
     system: tuple = ()
-    WRITE_EVENTS = {"os.rename": (0, 1), "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.truncate": (0,), "os.chmod": (0,),
-                    "os.chown": (0,), "os.link": (1,), "os.symlink": (1,), "os.utime": (0,), "shutil.rmtree": (0,),
-                    "shutil.copyfile": (1,), "shutil.move": (1,), "shutil.copytree": (1,)}
-    EXEC_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn", "os.startfile")
+    WRITE_EVENTS = {
+        "os.rename": (0, 1),
+        "os.remove": (0,),
+        "os.rmdir": (0,),
+        "os.mkdir": (0,),
+        "os.truncate": (0,),
+        "os.chmod": (0,),
+        "os.chown": (0,),
+        "os.link": (1,),
+        "os.symlink": (1,),
+        "os.utime": (0,),
+        "shutil.rmtree": (0,),
+        "shutil.copyfile": (1,),
+        "shutil.move": (1,),
+        "shutil.copytree": (1,),
+    }
+    EXEC_EVENTS = (
+        "subprocess.Popen",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "pty.spawn",
+        "os.startfile",
+    )
 
     @classmethod
     def inside(cls, p: str) -> bool:
@@ -1071,7 +1417,8 @@ class Audit:
                     return
                 p = os.path.abspath(os.fsdecode(path))
                 writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                    isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+                    isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
+                )
                 if writing and not cls.inside(p):
                     cls.events.append(f"write {p}")
                 elif not writing and not cls.inside(p) and not p.startswith(cls.system):
@@ -1106,7 +1453,10 @@ def lib_roots() -> list[tuple[str, str]]:
     import nwsconvert.export
     import nwsconvert.zoo
 
-    return [(os.path.dirname(m.__file__) + os.sep, label) for m, label in ((nwsconvert.export, "export/"), (nwsconvert.zoo, "zoo/"), (nwsconvert, "nwsconvert/"))]
+    return [
+        (os.path.dirname(m.__file__) + os.sep, label)
+        for m, label in ((nwsconvert.export, "export/"), (nwsconvert.zoo, "zoo/"), (nwsconvert, "nwsconvert/"))
+    ]
 
 
 def lib_frames(tb) -> tuple[str | None, str | None]:
@@ -1114,7 +1464,9 @@ def lib_frames(tb) -> tuple[str | None, str | None]:
     library files are named as in the repository (``nwsconvert/train/specs.py``, ``export/runtime.py``)."""
     site = raised = None
     for fs in traceback.extract_tb(tb):
-        name = next((label + fs.filename[len(root):] for root, label in LIB_ROOTS if fs.filename.startswith(root)), None)
+        name = next(
+            (label + fs.filename[len(root) :] for root, label in LIB_ROOTS if fs.filename.startswith(root)), None
+        )
         if name is not None:
             site = f"{name}:{fs.lineno} ({fs.name})"
         shown = name or (os.path.relpath(fs.filename, REPO) if fs.filename.startswith(str(REPO)) else fs.filename)
@@ -1122,7 +1474,16 @@ def lib_frames(tb) -> tuple[str | None, str | None]:
     return site, raised
 
 
-KNOWN_FILES = ("manifest.json", "pools.safetensors", "base.nwspack", "task_0.nwspack", "task_1.nwspack", "bundle.json", "task_0.onnx", "task_1.onnx")
+KNOWN_FILES = (
+    "manifest.json",
+    "pools.safetensors",
+    "base.nwspack",
+    "task_0.nwspack",
+    "task_1.nwspack",
+    "bundle.json",
+    "task_0.onnx",
+    "task_1.onnx",
+)
 
 
 def expected_difference(case: Case, diff: str) -> str | None:
@@ -1138,7 +1499,12 @@ def expected_difference(case: Case, diff: str) -> str | None:
         return "another valid pool file read without expectations"
     if case.reader in ("summary", "export") and re.search(r"(file_bytes|pack_bytes|base_bytes|pool_bytes)$", diff):
         return "a valid file laid out again or re-signed: only the file size it reports differs"
-    if resigned and case.reader not in ("load", "runtime") and diff.startswith("header field") and "indices" not in diff:
+    if (
+        resigned
+        and case.reader not in ("load", "runtime")
+        and diff.startswith("header field")
+        and "indices" not in diff
+    ):
         return "re-signed header: the expected sha256 pins the tensors, not informative header fields"
     return None
 
@@ -1169,7 +1535,20 @@ class Worker:
         self.readers = Readers(self.scratch, x)
         self.compute_refs()
         Audit.scratch = str(self.scratch)
-        Audit.system = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, "/usr", "/proc", "/sys", "/dev", "/lib", "/etc/ld.so", str(REPO)})
+        Audit.system = tuple(
+            {
+                sys.prefix,
+                sys.base_prefix,
+                sys.exec_prefix,
+                "/usr",
+                "/proc",
+                "/sys",
+                "/dev",
+                "/lib",
+                "/etc/ld.so",
+                str(REPO),
+            }
+        )
         sys.addaudithook(Audit.hook)
         signal.signal(signal.SIGALRM, _on_alarm)
 
@@ -1227,7 +1606,9 @@ class Worker:
                             continue
                         self.clear_cache()
                         subj.refs[key] = self.readers.call(case, subj)
-                        again = self.readers.call(case, subj)  # readers must be deterministic for "identical" to mean anything
+                        again = self.readers.call(
+                            case, subj
+                        )  # readers must be deterministic for "identical" to mean anything
                         if self.readers.diff(case, again, subj.refs[key]):
                             raise SystemExit(f"reader {reader} is not deterministic on run {subj.name}: cannot fuzz")
                         if self.restore(subj, None) not in ([], ["out/"]):
@@ -1242,11 +1623,29 @@ class Worker:
             case.mutation = mutate(case, rng, root, subj, other, self.sentinel)
         except Exception as e:  # noqa: BLE001 - a bug of this benchmark, not of nwsconvert: recorded apart
             self.restore(subj, case.target)
-            return {"i": i, "subject": case.subject, "target": case.target, "kind": case.kind, "reader": case.reader, "task": case.task,
-                    "mutation": {}, "outcome": "harness_error", "message": f"{type(e).__name__}: {e}", "seconds": 0.0, "rss_growth_gib": 0.0}
+            return {
+                "i": i,
+                "subject": case.subject,
+                "target": case.target,
+                "kind": case.kind,
+                "reader": case.reader,
+                "task": case.task,
+                "mutation": {},
+                "outcome": "harness_error",
+                "message": f"{type(e).__name__}: {e}",
+                "seconds": 0.0,
+                "rss_growth_gib": 0.0,
+            }
         self.clear_cache()  # bases are cached per (path, mtime, size): each case decodes its own
-        rec = {"i": i, "subject": case.subject, "target": case.target, "kind": case.kind, "reader": case.reader, "task": case.task,
-               "mutation": case.mutation}
+        rec = {
+            "i": i,
+            "subject": case.subject,
+            "target": case.target,
+            "kind": case.kind,
+            "reader": case.reader,
+            "task": case.task,
+            "mutation": case.mutation,
+        }
         if verbose:
             print(json.dumps(rec, indent=2, default=repr))
         Audit.events, Audit.reads = [], []
@@ -1272,8 +1671,13 @@ class Worker:
         if exc is not None:
             msg = str(exc)
             site, raised = lib_frames(exc.__traceback__)
-            rec.update(exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."), message=msg[:400],
-                       site=site, raised_at=raised, named=[f for f in KNOWN_FILES if f in msg])
+            rec.update(
+                exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+                message=msg[:400],
+                site=site,
+                raised_at=raised,
+                named=[f for f in KNOWN_FILES if f in msg],
+            )
             alloc = isinstance(exc, MemoryError) or "can't allocate memory" in msg or "Unable to allocate" in msg
             if isinstance(exc, CaseTimeout):
                 rec["outcome"], rec["resource"] = "resource", f"alarm after {self.args.alarm} s"
@@ -1336,7 +1740,15 @@ def worker_main(args) -> None:
     out = open(work / "cases.jsonl", "a", buffering=1)
     stop = args.start + args.count
     done = set(read_cases(work / "cases.jsonl"))  # after a restart, only the cases not yet recorded
-    bar = tqdm(total=args.cases, initial=sum(1 for i in done if i < args.cases), mininterval=15, desc="fuzz", file=sys.stdout, dynamic_ncols=False, ncols=100)
+    bar = tqdm(
+        total=args.cases,
+        initial=sum(1 for i in done if i < args.cases),
+        mininterval=15,
+        desc="fuzz",
+        file=sys.stdout,
+        dynamic_ncols=False,
+        ncols=100,
+    )
     for i in range(args.start, stop):
         if i in done:
             continue
@@ -1382,8 +1794,19 @@ def supervise(args, work: Path) -> float:
         start = next((i for i in range(args.cases) if i not in done), None)
         if start is None:
             return time.time() - tic
-        cmd = [sys.executable, __file__, "--worker", "--start", str(start), "--count", str(args.cases - start), *args.passthrough]
-        with open(work / "worker.log", "a") as log:  # onnxruntime logs refused graphs on stderr: kept out of the progress output
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--start",
+            str(start),
+            "--count",
+            str(args.cases - start),
+            *args.passthrough,
+        ]
+        with open(
+            work / "worker.log", "a"
+        ) as log:  # onnxruntime logs refused graphs on stderr: kept out of the progress output
             proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, stderr=log)
         killed = None
         while proc.poll() is None:
@@ -1406,12 +1829,25 @@ def supervise(args, work: Path) -> float:
         i = st.get("i")
         if i is not None and i not in read_cases(cases_file):
             case, _ = plan_case(args.seed, i, args.heavy)
-            rec = {"i": i, "subject": case.subject, "target": case.target, "kind": case.kind, "reader": case.reader, "task": case.task,
-                   "outcome": "resource" if killed else "crash", "seconds": round(time.time() - st["start"], 2),
-                   "resource" if killed else "crash": killed or f"worker exit status {proc.returncode} (see {work / 'worker.log'})"}
+            rec = {
+                "i": i,
+                "subject": case.subject,
+                "target": case.target,
+                "kind": case.kind,
+                "reader": case.reader,
+                "task": case.task,
+                "outcome": "resource" if killed else "crash",
+                "seconds": round(time.time() - st["start"], 2),
+                "resource" if killed else "crash": killed
+                or f"worker exit status {proc.returncode} (see {work / 'worker.log'})",
+            }
             with open(cases_file, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-            print(f"\ncase {i}: {rec['outcome']} ({killed or proc.returncode}); restarting the worker", file=sys.stderr, flush=True)
+            print(
+                f"\ncase {i}: {rec['outcome']} ({killed or proc.returncode}); restarting the worker",
+                file=sys.stderr,
+                flush=True,
+            )
         elif proc.returncode != 0:
             raise SystemExit(f"worker failed outside a case (exit {proc.returncode}); see the messages above")
 
@@ -1446,7 +1882,10 @@ def group_key(rec: dict) -> str:
 
 def table(rows: list[list[str]], head: list[str]) -> str:
     widths = [max(len(str(r[j])) for r in [head, *rows]) for j in range(len(head))]
-    line = lambda cells: "  ".join(str(c).rjust(w) if j else str(c).ljust(w) for j, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
+    def line(cells):
+        return "  ".join(str(c).rjust(w) if j else str(c).ljust(w) for j, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
     return "\n".join([line(head), "  ".join("-" * w for w in widths), *map(line, rows)])
 
 
@@ -1468,19 +1907,45 @@ def environment(lib_commit: str | None, lib_before, lib_after) -> dict:
         except Exception:  # noqa: BLE001
             return None
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor()) \
-        if os.path.exists("/proc/cpuinfo") else platform.processor()
-    mem = next((int(line.split()[1]) // 2**20 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None) if os.path.exists("/proc/meminfo") else None
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "nwsconvert", "export", "zoo"], capture_output=True, text=True).stdout.strip()
+    cpu = (
+        next(
+            (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+            platform.processor(),
+        )
+        if os.path.exists("/proc/cpuinfo")
+        else platform.processor()
+    )
+    mem = (
+        next((int(line.split()[1]) // 2**20 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None)
+        if os.path.exists("/proc/meminfo")
+        else None
+    )
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--", "nwsconvert", "export", "zoo"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     if lib_commit:
-        library = {"git_commit": lib_commit[:7], "library": f"git archive {lib_commit[:12]} (--lib-rev), imported from {lib_before[0]}"}
+        library = {
+            "git_commit": lib_commit[:7],
+            "library": f"git archive {lib_commit[:12]} (--lib-rev), imported from {lib_before[0]}",
+        }
     else:
-        library = {"git_commit": head, "library": f"installed (editable) working tree at {lib_before[0]}",
-                   "library_modified_since_commit": bool(dirty)}
+        library = {
+            "git_commit": head,
+            "library": f"installed (editable) working tree at {lib_before[0]}",
+            "library_modified_since_commit": bool(dirty),
+        }
     return {
-        **library, "repository_head": head, "library_sha256_before": lib_before[1], "library_sha256_after": lib_after[1],
-        "library_changed_during_run": lib_before != lib_after, "python": platform.python_version(),
+        **library,
+        "repository_head": head,
+        "library_sha256_before": lib_before[1],
+        "library_sha256_after": lib_after[1],
+        "library_changed_during_run": lib_before != lib_after,
+        "python": platform.python_version(),
         **{m: version(m) for m in ("torch", "onnxruntime", "numpy", "safetensors", "timm", "onnx")},
         "machine": f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs, {mem} GiB RAM, {platform.platform()}",
     }
@@ -1489,11 +1954,18 @@ def environment(lib_commit: str | None, lib_before, lib_after) -> dict:
 def report(args, work: Path, wall: float, digests_ok: bool, extra: dict, env: dict) -> dict:
     recs = sorted((r for i, r in read_cases(work / "cases.jsonl").items() if i < args.cases), key=lambda r: r["i"])
     totals = Counter(r["outcome"] for r in recs)
-    print(f"\nnwsconvert reader fuzzing: {len(recs)} cases, seed {args.seed}, library {env['git_commit']} ({env['library']}), "
-          f"wall {wall / 60:.1f} min\n")
+    print(
+        f"\nnwsconvert reader fuzzing: {len(recs)} cases, seed {args.seed}, library {env['git_commit']} ({env['library']}), "
+        f"wall {wall / 60:.1f} min\n"
+    )
     if env["library_changed_during_run"]:
         print("WARNING: the library's code changed during the run: the counts mix versions\n")
-    print(table([[o, totals[o], f"{100 * totals[o] / max(1, len(recs)):.2f}%"] for o in OUTCOMES], ["outcome", "cases", "share"]))
+    print(
+        table(
+            [[o, totals[o], f"{100 * totals[o] / max(1, len(recs)):.2f}%"] for o in OUTCOMES],
+            ["outcome", "cases", "share"],
+        )
+    )
     tables = {}
     for by in ("kind", "reader", "target"):
         text, tables[by] = count_table(recs, by)
@@ -1506,13 +1978,21 @@ def report(args, work: Path, wall: float, digests_ok: bool, extra: dict, env: di
     examples = {}
     for o in OUTCOMES[1:]:
         examples[o] = [
-            {"group": g, "count": len(rs), "expected": rs[0].get("expected"), "replay": f"{cmd} {rs[0]['i']}", "examples": rs[:5]}
+            {
+                "group": g,
+                "count": len(rs),
+                "expected": rs[0].get("expected"),
+                "replay": f"{cmd} {rs[0]['i']}",
+                "examples": rs[:5],
+            }
             for g, rs in sorted(groups[o].items(), key=lambda kv: -len(kv[1]))
         ]
     raw = groups["raw_exception"]
     print(f"\nraw exception sites ({len(raw)})")
     for g, rs in sorted(raw.items(), key=lambda kv: -len(kv[1])):
-        print(f"  {len(rs):5d}  {g}\n         e.g. case {rs[0]['i']}: {rs[0]['kind']} {rs[0]['target']} -> {rs[0]['reader']}: {rs[0]['message'][:150]!r}")
+        print(
+            f"  {len(rs):5d}  {g}\n         e.g. case {rs[0]['i']}: {rs[0]['kind']} {rs[0]['target']} -> {rs[0]['reader']}: {rs[0]['message'][:150]!r}"
+        )
     for o in ("silently_different", "error_unnamed", "resource", "crash"):
         gs = groups[o]
         findings = sorted(((g, rs) for g, rs in gs.items() if not rs[0].get("expected")), key=lambda kv: -len(kv[1]))
@@ -1521,35 +2001,61 @@ def report(args, work: Path, wall: float, digests_ok: bool, extra: dict, env: di
             for r in rs:
                 if r.get("expected"):
                     by_design[f"{r['reader']} | {r['target']} | {r['expected']}"] += 1
-        print(f"\n{o}: {sum(map(len, gs.values()))} cases; {sum(len(rs) for _, rs in findings)} in {len(findings)} groups are findings, "
-              f"{sum(by_design.values())} by design")
+        print(
+            f"\n{o}: {sum(map(len, gs.values()))} cases; {sum(len(rs) for _, rs in findings)} in {len(findings)} groups are findings, "
+            f"{sum(by_design.values())} by design"
+        )
         for g, rs in findings:
             r0 = rs[0]
             info = r0.get("difference") or r0.get("message", "")[:160] or r0.get("resource") or r0.get("crash") or ""
             named = f" names {r0['named']}" if r0.get("named") else ""
             what = r0.get("mutation", {}).get("ops") or r0.get("mutation", {}) or ""
             kinds = ", ".join(f"{k} x{n}" for k, n in Counter(r["kind"] for r in rs).most_common(4))
-            print(f"  {len(rs):5d}  {g}\n         kinds: {kinds}\n         e.g. case {r0['i']} ({r0['kind']}): {str(what)[:300]} -> {info!r}{named}")
+            print(
+                f"  {len(rs):5d}  {g}\n         kinds: {kinds}\n         e.g. case {r0['i']} ({r0['kind']}): {str(what)[:300]} -> {info!r}{named}"
+            )
         for g, n in by_design.most_common():
             print(f"  {n:5d}  by design: {g}")
     audit = [(r["i"], r["audit"]) for r in recs if r.get("audit")]
     reads = Counter(p for r in recs for p in r.get("reads_outside", []))
     sentinel = (work / SENTINEL_NAME).exists() or any(r.get("sentinel") for r in recs)
     cwd_files = sorted(os.listdir(work / "cwd")) if (work / "cwd").is_dir() else []
-    print(f"\nsafety: sentinel created: {sentinel}; audit events (writes outside scratch, spawns): {len(audit)}; "
-          f"source runs unchanged: {digests_ok}; files left in the worker's cwd: {len(cwd_files)}")
+    print(
+        f"\nsafety: sentinel created: {sentinel}; audit events (writes outside scratch, spawns): {len(audit)}; "
+        f"source runs unchanged: {digests_ok}; files left in the worker's cwd: {len(cwd_files)}"
+    )
     if reads:
-        print("reads outside the scratch folder (information): " + ", ".join(f"{p} x{n}" for p, n in reads.most_common(8)))
+        print(
+            "reads outside the scratch folder (information): " + ", ".join(f"{p} x{n}" for p, n in reads.most_common(8))
+        )
     print(f"\nwall time {wall:.0f} s ({wall / 60:.1f} min), {1000 * wall / max(1, len(recs)):.0f} ms per case")
     return {
-        "command": " ".join([os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else sys.executable,
-                             os.path.relpath(__file__, REPO), *sys.argv[1:]]),
-        **env, "cases": len(recs), "seed": args.seed, "heavy": args.heavy, "wall_seconds": round(wall, 1),
-        "counts": {o: totals[o] for o in OUTCOMES}, "by_kind": tables["kind"], "by_reader": tables["reader"], "by_target": tables["target"],
-        "safety": {"sentinel_created": sentinel, "audit_events": audit[:50], "source_runs_unchanged": digests_ok, "cwd_files": cwd_files,
-                   "reads_outside_scratch": dict(reads.most_common(50))},
+        "command": " ".join(
+            [
+                os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else sys.executable,
+                os.path.relpath(__file__, REPO),
+                *sys.argv[1:],
+            ]
+        ),
+        **env,
+        "cases": len(recs),
+        "seed": args.seed,
+        "heavy": args.heavy,
+        "wall_seconds": round(wall, 1),
+        "counts": {o: totals[o] for o in OUTCOMES},
+        "by_kind": tables["kind"],
+        "by_reader": tables["reader"],
+        "by_target": tables["target"],
+        "safety": {
+            "sentinel_created": sentinel,
+            "audit_events": audit[:50],
+            "source_runs_unchanged": digests_ok,
+            "cwd_files": cwd_files,
+            "reads_outside_scratch": dict(reads.most_common(50)),
+        },
         "raw_exception_sites": sorted(raw, key=lambda g: -len(raw[g])),
-        "non_clear": examples, **extra,
+        "non_clear": examples,
+        **extra,
     }
 
 
@@ -1557,29 +2063,86 @@ def report(args, work: Path, wall: float, digests_ok: bool, extra: dict, env: di
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="benchmarks/fuzz.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="benchmarks/fuzz.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--cases", type=int, default=20000, help="number of cases (default 20000)")
     p.add_argument("--seed", type=int, default=0, help="seed; case i depends only on (seed, i)")
-    p.add_argument("--work", default="/tmp/nws-fuzz", help="work folder: cached runs, scratch copies, cases.jsonl (default /tmp/nws-fuzz)")
+    p.add_argument(
+        "--work",
+        default="/tmp/nws-fuzz",
+        help="work folder: cached runs, scratch copies, cases.jsonl (default /tmp/nws-fuzz)",
+    )
     p.add_argument("--out", default=None, help="raw JSON result (e.g. benchmarks/results/fuzz.json)")
-    p.add_argument("--heavy", type=float, default=3.0, help="weight multiplier of the slow readers (load, runtime, summary, analyse, export)")
-    p.add_argument("--slow", type=float, default=20.0, help="a case longer than this many seconds is a resource outcome (default 20)")
-    p.add_argument("--rss-gib", type=float, default=1.0, help="peak RSS growth that makes a resource outcome (default 1 GiB)")
+    p.add_argument(
+        "--heavy",
+        type=float,
+        default=3.0,
+        help="weight multiplier of the slow readers (load, runtime, summary, analyse, export)",
+    )
+    p.add_argument(
+        "--slow",
+        type=float,
+        default=20.0,
+        help="a case longer than this many seconds is a resource outcome (default 20)",
+    )
+    p.add_argument(
+        "--rss-gib", type=float, default=1.0, help="peak RSS growth that makes a resource outcome (default 1 GiB)"
+    )
     p.add_argument("--alarm", type=int, default=60, help="per-case signal.alarm in seconds (default 60)")
-    p.add_argument("--hard-timeout", type=float, default=180, help="the supervisor kills a worker stuck this long in one case (default 180 s)")
-    p.add_argument("--kill-gib", type=float, default=8.0, help="the supervisor kills a worker whose RSS passes this (default 8 GiB)")
-    p.add_argument("--mem-limit-gib", type=float, default=4.0, help="RLIMIT_AS headroom of the worker over its start size (0: none)")
-    p.add_argument("--lib-rev", default=None, metavar="REV",
-                   help="fuzz the library as of git revision REV (git archive into WORK/lib, put first on PYTHONPATH) instead of "
-                        "the installed working tree, which may change while the benchmark runs")
-    p.add_argument("--resume", action="store_true", help="keep the cases already in WORK/cases.jsonl (same seed and heavy)")
-    p.add_argument("--replay", type=int, default=None, metavar="I", help="run case I alone, verbosely, and keep its scratch copy")
+    p.add_argument(
+        "--hard-timeout",
+        type=float,
+        default=180,
+        help="the supervisor kills a worker stuck this long in one case (default 180 s)",
+    )
+    p.add_argument(
+        "--kill-gib",
+        type=float,
+        default=8.0,
+        help="the supervisor kills a worker whose RSS passes this (default 8 GiB)",
+    )
+    p.add_argument(
+        "--mem-limit-gib",
+        type=float,
+        default=4.0,
+        help="RLIMIT_AS headroom of the worker over its start size (0: none)",
+    )
+    p.add_argument(
+        "--lib-rev",
+        default=None,
+        metavar="REV",
+        help="fuzz the library as of git revision REV (git archive into WORK/lib, put first on PYTHONPATH) instead of "
+        "the installed working tree, which may change while the benchmark runs",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="keep the cases already in WORK/cases.jsonl (same seed and heavy)"
+    )
+    p.add_argument(
+        "--replay", type=int, default=None, metavar="I", help="run case I alone, verbosely, and keep its scratch copy"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.passthrough = ["--cases", str(args.cases), "--seed", str(args.seed), "--work", args.work, "--heavy", str(args.heavy),
-                        "--slow", str(args.slow), "--rss-gib", str(args.rss_gib), "--alarm", str(args.alarm), "--mem-limit-gib", str(args.mem_limit_gib)]
+    args.passthrough = [
+        "--cases",
+        str(args.cases),
+        "--seed",
+        str(args.seed),
+        "--work",
+        args.work,
+        "--heavy",
+        str(args.heavy),
+        "--slow",
+        str(args.slow),
+        "--rss-gib",
+        str(args.rss_gib),
+        "--alarm",
+        str(args.alarm),
+        "--mem-limit-gib",
+        str(args.mem_limit_gib),
+    ]
     return args
 
 
@@ -1607,7 +2170,10 @@ def main(argv=None) -> None:
     if not args.resume:
         for f in ("cases.jsonl", "state.json", "wall.json"):
             (work / f).unlink(missing_ok=True)
-    print(f"fuzzing {args.cases} cases (seed {args.seed}) in {work}; library {lib_commit or 'installed'} at {lib_before[0]}; one worker process", flush=True)
+    print(
+        f"fuzzing {args.cases} cases (seed {args.seed}) in {work}; library {lib_commit or 'installed'} at {lib_before[0]}; one worker process",
+        flush=True,
+    )
     wall = supervise(args, work)
     walls = json.loads((work / "wall.json").read_text()) if args.resume and (work / "wall.json").is_file() else []
     walls.append(round(wall, 1))
@@ -1616,9 +2182,18 @@ def main(argv=None) -> None:
     digests_ok = {name: tree_digest(d) for name, d in runs.items()} == before
     lib_after = library_digest(sys.executable)
     if lib_after != lib_before:
-        print("WARNING: the library's code changed while the benchmark ran: results mix versions (pin one with --lib-rev)", flush=True)
-    result = report(args, work, wall, digests_ok, {"work": str(work), "wall_seconds_per_invocation": walls},
-                    environment(lib_commit, lib_before, lib_after))
+        print(
+            "WARNING: the library's code changed while the benchmark ran: results mix versions (pin one with --lib-rev)",
+            flush=True,
+        )
+    result = report(
+        args,
+        work,
+        wall,
+        digests_ok,
+        {"work": str(work), "wall_seconds_per_invocation": walls},
+        environment(lib_commit, lib_before, lib_after),
+    )
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -184,8 +184,8 @@ class Checker:
     def __init__(self):
         sys.path.insert(0, str(SRC))
         import nwsconvert
-        from nwsconvert.formats.packs import TaskPack
         from nwsconvert.core.pools import PoolSet
+        from nwsconvert.formats.packs import TaskPack
 
         self.nws, self.TaskPack, self.PoolSet = nwsconvert, TaskPack, PoolSet
 
@@ -239,7 +239,12 @@ class Checker:
                 out["ref_mismatch"].append(f"pools: {pool_sha[:12]} != reference {ref['pool_sha256'][:12]}")
         if m.get("base"):
             try:
-                self.TaskPack.load(run.resolve(m["base"].get("file") or "base.nwspack"), sha256=m["base"]["sha256"], pool_sha256=pool_sha, run_id=run_id)
+                self.TaskPack.load(
+                    run.resolve(m["base"].get("file") or "base.nwspack"),
+                    sha256=m["base"]["sha256"],
+                    pool_sha256=pool_sha,
+                    run_id=run_id,
+                )
             except Exception as e:  # noqa: BLE001
                 out["errors"].append(f"base: load raised {type(e).__name__}: {e}")
             if ref and m["base"]["sha256"] != ref["base_sha256"]:
@@ -279,7 +284,12 @@ def metric_diffs(rec: dict, ref: dict) -> list[str]:
     cmp("pools.metrics", rec.get("pool_metrics"), ref.get("pool_metrics"), {"seconds"})
     for t, r in ref["tasks"].items():
         if t in rec["tasks"]:
-            cmp(f"tasks[{t}].metrics", rec["tasks"][t]["metrics"], r["metrics"], {"seconds", "val_acc", "val_correct", "rebuilt_acc"})
+            cmp(
+                f"tasks[{t}].metrics",
+                rec["tasks"][t]["metrics"],
+                r["metrics"],
+                {"seconds", "val_acc", "val_correct", "rebuilt_acc"},
+            )
     return out
 
 
@@ -370,7 +380,6 @@ class Life:
             return self.out_path.read_text(errors="replace")
         except OSError:
             return ""
-
 
 
 # ----------------------------------------------------------------------------- reference
@@ -465,21 +474,36 @@ def make_plan(strategy: str, state: dict, tl: dict, rng: random.Random, cfg: dic
         # anchored on an event, not on the clock (the machine's speed varies): the j-th pool epoch
         # record this process logs (j = 0: its conversion line), then a uniform part of one epoch
         j = rng.randint(0, max(state["pool_epochs_left"], 1) - 1)
-        return Plan("pools", anchor=j, marker=f"pool epoch record #{j}" if j else "conversion line", delay=rng.uniform(0, 0.95 * pool_span / P))
+        return Plan(
+            "pools",
+            anchor=j,
+            marker=f"pool epoch record #{j}" if j else "conversion line",
+            delay=rng.uniform(0, 0.95 * pool_span / P),
+        )
     if strategy == "tasks":
         if state["tasks_left"] == 0:
             return None
         j = rng.randint(0, max(state["task_epochs_left"], 1) - 1)
-        return Plan("tasks", anchor=j, marker=f"task epoch record #{j}" if j else "pool file + conversion line", delay=rng.uniform(0, 0.95 * task_span / (N * E)))
+        return Plan(
+            "tasks",
+            anchor=j,
+            marker=f"task epoch record #{j}" if j else "pool file + conversion line",
+            delay=rng.uniform(0, 0.95 * task_span / (N * E)),
+        )
     if strategy == "write":
         counts = {
             "checkpoint": state["pool_epochs_left"] + state["task_epochs_left"],
             "pack": state["tasks_left"],
             "manifest": (0 if state["manifest"] else 1) + (0 if state["pools_done"] else 1) + state["tasks_left"],
             "poolfiles": 0 if state["pools_done"] else 3,
-            "metrics": state["pool_epochs_left"] + state["task_epochs_left"] + state["tasks_left"] + (0 if state["pools_done"] else 1),
+            "metrics": state["pool_epochs_left"]
+            + state["task_epochs_left"]
+            + state["tasks_left"]
+            + (0 if state["pools_done"] else 1),
         }
-        counts["tmp"] = max(1, tl["tmp_seen"] * (counts["checkpoint"] + counts["pack"] + 1) // max(cfg["ref_writes"], 1))
+        counts["tmp"] = max(
+            1, tl["tmp_seen"] * (counts["checkpoint"] + counts["pack"] + 1) // max(cfg["ref_writes"], 1)
+        )
         options = [k for k in WRITE_TRIGGERS if counts[k] > 0]
         if not options:
             return None
@@ -599,7 +623,9 @@ def lock_refusal_ok(rc: int | None, err: str) -> tuple[bool, str]:
     return True, ""
 
 
-def start_pair(d: Path, job_args: list[str], logs: Path, tag: str, rng: random.Random, wait: float = 60.0) -> tuple[Life | None, dict]:
+def start_pair(
+    d: Path, job_args: list[str], logs: Path, tag: str, rng: random.Random, wait: float = 60.0
+) -> tuple[Life | None, dict]:
     """Two ``--resume`` processes at once; the one that runs is returned (it goes on as this life)."""
     a_args, a_style = resume_args(d, job_args, rng)
     b_args, b_style = resume_args(d, job_args, rng)
@@ -631,7 +657,12 @@ def start_pair(d: Path, job_args: list[str], logs: Path, tag: str, rng: random.R
     err = loser.stderr()
     ok, why = lock_refusal_ok(loser.p.returncode, err)
     rec.update(
-        loser={"rc": loser.p.returncode, "after_s": round(now() - t0, 3), "stderr": err.strip().splitlines()[-3:], "traceback": "Traceback" in err},
+        loser={
+            "rc": loser.p.returncode,
+            "after_s": round(now() - t0, 3),
+            "stderr": err.strip().splitlines()[-3:],
+            "traceback": "Traceback" in err,
+        },
         ok=ok,
         problem=why or None,
     )
@@ -643,7 +674,11 @@ def versions() -> dict:
     out = {"python": platform.python_version()}
     code = "import json,torch,timm,numpy,nwsconvert;print(json.dumps({'torch':torch.__version__,'timm':timm.__version__,'numpy':numpy.__version__,'nwsconvert':nwsconvert.__version__}))"
     try:
-        out.update(json.loads(subprocess.run([str(PY), "-c", code], cwd=SRC, capture_output=True, text=True, check=True).stdout))
+        out.update(
+            json.loads(
+                subprocess.run([str(PY), "-c", code], cwd=SRC, capture_output=True, text=True, check=True).stdout
+            )
+        )
     except Exception as e:  # noqa: BLE001
         out["error"] = str(e)
     return out
@@ -663,13 +698,25 @@ def machine() -> dict:
         mem = Path("/proc/meminfo").read_text().splitlines()[0].split(":", 1)[1].strip()
     except OSError:
         pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(), "memory": mem, "hostname": platform.node()}
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory": mem,
+        "hostname": platform.node(),
+    }
 
 
 def git_rev() -> str:
     try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "nwsconvert", "zoo", "export"], capture_output=True, text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "nwsconvert", "zoo", "export"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         return rev + ("+dirty(nwsconvert/zoo/export)" if dirty else "")
     except Exception:  # noqa: BLE001
         return "unknown"
@@ -678,14 +725,18 @@ def git_rev() -> str:
 def snapshot(rev: str, work: Path) -> Path:
     """``git archive`` of ``rev``'s nwsconvert/, zoo/ and export/ laid out as the installed package
     (nwsconvert.zoo, nwsconvert.export), under ``work``; returns the folder to import from."""
-    full = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True, text=True, check=True).stdout.strip()
+    full = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
+    ).stdout.strip()
     dest = work / f"src_{full}"
     if (dest / "nwsconvert" / "__init__.py").is_file():
         return dest
     tmp = work / f".src_{full}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", full, "nwsconvert", "zoo", "export"], capture_output=True, check=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", full, "nwsconvert", "zoo", "export"], capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
     (tmp / "zoo").rename(tmp / "nwsconvert" / "zoo")
     (tmp / "export").rename(tmp / "nwsconvert" / "export")
@@ -702,15 +753,39 @@ def job_numbers(job_args: list[str]) -> dict:
 def main(argv=None) -> int:
     if argv is None and Path(sys.prefix).resolve() != (REPO / ".venv").resolve() and PY.is_file():
         os.execv(str(PY), [str(PY), str(Path(__file__).resolve()), *sys.argv[1:]])  # the checks import nwsconvert
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
-    ap.add_argument("--kills", type=int, default=40, help="SIGKILLs to send in all (trials run until this many were sent; default 40)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 1)[1],
+    )
+    ap.add_argument(
+        "--kills",
+        type=int,
+        default=40,
+        help="SIGKILLs to send in all (trials run until this many were sent; default 40)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (default 0)")
-    ap.add_argument("--work", default="/tmp/nws-kill", help="folder for the run directories and process logs (its ref_*/trial_*/logs are replaced)")
+    ap.add_argument(
+        "--work",
+        default="/tmp/nws-kill",
+        help="folder for the run directories and process logs (its ref_*/trial_*/logs are replaced)",
+    )
     ap.add_argument("--out", default="benchmarks/results/kill_resume.json", help="raw JSON results")
-    ap.add_argument("--job", default=DEFAULT_JOB, help=f"nws-train key=value items of the job (default: {DEFAULT_JOB!r})")
-    ap.add_argument("--ref-runs", type=int, default=2, help="uninterrupted reference runs, which must agree (default 2)")
-    ap.add_argument("--max-kills-per-trial", type=int, default=4, help="kills per trial are drawn from 1..this (default 4)")
-    ap.add_argument("--pair-finished-every", type=int, default=3, help="concurrent --resume pair on every N-th finished run (0: never; default 3)")
+    ap.add_argument(
+        "--job", default=DEFAULT_JOB, help=f"nws-train key=value items of the job (default: {DEFAULT_JOB!r})"
+    )
+    ap.add_argument(
+        "--ref-runs", type=int, default=2, help="uninterrupted reference runs, which must agree (default 2)"
+    )
+    ap.add_argument(
+        "--max-kills-per-trial", type=int, default=4, help="kills per trial are drawn from 1..this (default 4)"
+    )
+    ap.add_argument(
+        "--pair-finished-every",
+        type=int,
+        default=3,
+        help="concurrent --resume pair on every N-th finished run (0: never; default 3)",
+    )
     ap.add_argument("--poll-ms", type=float, default=1.0, help="how often the run directory is polled, ms (default 1)")
     ap.add_argument(
         "--source",
@@ -719,7 +794,9 @@ def main(argv=None) -> int:
         "from there, so that edits made to the working tree while the benchmark runs do not mix versions (default HEAD); "
         "'worktree': the working tree as it is",
     )
-    ap.add_argument("--life-timeout", type=float, default=600.0, help="a process running longer is killed and counted as hung (s)")
+    ap.add_argument(
+        "--life-timeout", type=float, default=600.0, help="a process running longer is killed and counted as hung (s)"
+    )
     args = ap.parse_args(argv)
 
     wall0 = now()
@@ -742,18 +819,36 @@ def main(argv=None) -> int:
     head = git_rev()
     if args.source != "worktree":
         SRC = snapshot(args.source, work)
-    source = {"requested": args.source, "path": str(SRC), "rev": None if args.source == "worktree" else SRC.name.split("_", 1)[1], "head_at_start": head}
+    source = {
+        "requested": args.source,
+        "path": str(SRC),
+        "rev": None if args.source == "worktree" else SRC.name.split("_", 1)[1],
+        "head_at_start": head,
+    }
     probe = subprocess.run(
-        [str(PY), "-c", "import nwsconvert, nwsconvert.zoo, nwsconvert.cli.train; print(nwsconvert.__file__, nwsconvert.zoo.__file__)"],
-        cwd=SRC, capture_output=True, text=True,
+        [
+            str(PY),
+            "-c",
+            "import nwsconvert, nwsconvert.zoo, nwsconvert.cli.train; print(nwsconvert.__file__, nwsconvert.zoo.__file__)",
+        ],
+        cwd=SRC,
+        capture_output=True,
+        text=True,
     )
     source["imports"] = probe.stdout.strip()
-    if args.source != "worktree" and str(REPO / "nwsconvert") in probe.stdout or probe.returncode != 0 or str(SRC) not in probe.stdout:
+    if (
+        args.source != "worktree"
+        and str(REPO / "nwsconvert") in probe.stdout
+        or probe.returncode != 0
+        or str(SRC) not in probe.stdout
+    ):
         log(f"the code under test is not imported from {SRC}: {probe.stdout.strip()} {probe.stderr.strip()[-300:]}")
         return 1
     checker = Checker()
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["kill_resume.py", *argv])
-    log(f"kill/resume benchmark: code {source['rev'] or 'worktree'} from {SRC} (repository HEAD {head}); job {args.job!r}; {args.kills} kills, seed {args.seed}, work {work}")
+    log(
+        f"kill/resume benchmark: code {source['rev'] or 'worktree'} from {SRC} (repository HEAD {head}); job {args.job!r}; {args.kills} kills, seed {args.seed}, work {work}"
+    )
 
     # ---- reference runs
     refs, timelines = [], []
@@ -775,12 +870,21 @@ def main(argv=None) -> int:
     ref = refs[0]
     ref_ok = True
     for i, r in enumerate(refs[1:], 1):
-        same = r["pool_sha256"] == ref["pool_sha256"] and r["base_sha256"] == ref["base_sha256"] and all(
-            r["tasks"][t]["sha256"] == ref["tasks"][t]["sha256"] and r["tasks"][t]["val_acc"] == ref["tasks"][t]["val_acc"] for t in ref["tasks"]
-        ) and set(r["tasks"]) == set(ref["tasks"])
+        same = (
+            r["pool_sha256"] == ref["pool_sha256"]
+            and r["base_sha256"] == ref["base_sha256"]
+            and all(
+                r["tasks"][t]["sha256"] == ref["tasks"][t]["sha256"]
+                and r["tasks"][t]["val_acc"] == ref["tasks"][t]["val_acc"]
+                for t in ref["tasks"]
+            )
+            and set(r["tasks"]) == set(ref["tasks"])
+        )
         if not same:
             ref_ok = False
-            log(f"reference run {i} differs from reference run 0: the job is not deterministic; kill/resume results could not be compared")
+            log(
+                f"reference run {i} differs from reference run 0: the job is not deterministic; kill/resume results could not be compared"
+            )
     if not ref_ok:
         return 1
     tl = timelines[0]
@@ -839,7 +943,13 @@ def main(argv=None) -> int:
                 pair["trial"], pair["on"] = trial_no, "unfinished run"
                 pairs.append(pair)
                 if not pair["ok"]:
-                    f = {"kind": "concurrent writers", "trial": trial_no, "dir": str(d), "detail": pair.get("problem"), "commands": pair["commands"]}
+                    f = {
+                        "kind": "concurrent writers",
+                        "trial": trial_no,
+                        "dir": str(d),
+                        "detail": pair.get("problem"),
+                        "commands": pair["commands"],
+                    }
                     failures.append(f)
                     trial["failures"].append(f)
                 if life is None:
@@ -861,12 +971,21 @@ def main(argv=None) -> int:
                 "rc": life.p.returncode,
                 "stderr": sf,
                 "stderr_mode": (
-                    "restarted from job.json" if "starting it again from job.json" in err
-                    else "no run yet: started" if "holds no run yet" in err else None
+                    "restarted from job.json"
+                    if "starting it again from job.json" in err
+                    else "no run yet: started"
+                    if "holds no run yet" in err
+                    else None
                 ),
             }
             if sf["traceback"]:
-                f = {"kind": "traceback on stderr", "trial": trial_no, "life": life_no, "command": entry["command"], "stderr": sf["lines"]}
+                f = {
+                    "kind": "traceback on stderr",
+                    "trial": trial_no,
+                    "life": life_no,
+                    "command": entry["command"],
+                    "stderr": sf["lines"],
+                }
                 failures.append(f)
                 trial["failures"].append(f)
             if res.get("hang"):
@@ -879,21 +998,54 @@ def main(argv=None) -> int:
                 phase = phase_of(after, life.printed_conversion, life.manifest_at_start, cfg["tasks"])
                 chk = checker.check(d, ref)
                 tmps = tmp_files(d)
-                label = f"write:{plan.trigger}" if plan and plan.strategy == "write" else (plan.strategy if plan else "timeout")
+                label = (
+                    f"write:{plan.trigger}"
+                    if plan and plan.strategy == "write"
+                    else (plan.strategy if plan else "timeout")
+                )
                 recs = life.new_records()
                 last_rec = {k: recs[-1].get(k) for k in ("stage", "epoch", "event")} if recs else None
-                entry.update(strategy=label, phase=phase, state_after=after, check=chk, tmp_after_kill=tmps, trigger=res.get("trigger"), last_record=last_rec)
-                for kind, items in (("invalid after kill", chk["errors"]), ("reference mismatch after kill", chk["ref_mismatch"])):
+                entry.update(
+                    strategy=label,
+                    phase=phase,
+                    state_after=after,
+                    check=chk,
+                    tmp_after_kill=tmps,
+                    trigger=res.get("trigger"),
+                    last_record=last_rec,
+                )
+                for kind, items in (
+                    ("invalid after kill", chk["errors"]),
+                    ("reference mismatch after kill", chk["ref_mismatch"]),
+                ):
                     if items:
-                        f = {"kind": kind, "trial": trial_no, "life": life_no, "dir": str(d), "detail": items, "plan": entry["plan"], "phase": phase}
+                        f = {
+                            "kind": kind,
+                            "trial": trial_no,
+                            "life": life_no,
+                            "dir": str(d),
+                            "detail": items,
+                            "plan": entry["plan"],
+                            "phase": phase,
+                        }
                         failures.append(f)
                         trial["failures"].append(f)
                 log(
                     f"  life {life_no} [{entry['start']}] killed {plan.describe() if plan else 'timeout'} at {res['t']:.2f}s"
                     + (f" (saw {res['trigger']['file']})" if res.get("trigger") else "")
-                    + f"; phase: {phase}" + (f" (last record {last_rec['stage']} {last_rec['event'] or 'epoch ' + str(last_rec['epoch'])})" if last_rec else "") + f"; manifest {'ok' if chk['manifest'] and not chk['errors'] else ('-' if not chk['manifest'] else 'BAD')}, "
+                    + f"; phase: {phase}"
+                    + (
+                        f" (last record {last_rec['stage']} {last_rec['event'] or 'epoch ' + str(last_rec['epoch'])})"
+                        if last_rec
+                        else ""
+                    )
+                    + f"; manifest {'ok' if chk['manifest'] and not chk['errors'] else ('-' if not chk['manifest'] else 'BAD')}, "
                     f"{chk['tasks']} task(s) ok{', ' + str(len(tmps)) + ' tmp left' if tmps else ''}"
-                    + (f"; ERRORS {chk['errors'] + chk['ref_mismatch']}" if chk["errors"] or chk["ref_mismatch"] else "")
+                    + (
+                        f"; ERRORS {chk['errors'] + chk['ref_mismatch']}"
+                        if chk["errors"] or chk["ref_mismatch"]
+                        else ""
+                    )
                 )
                 consecutive_fail = 0
             elif res["rc"] == 0:
@@ -940,7 +1092,14 @@ def main(argv=None) -> int:
                 todo[:0] = mine
             else:
                 consecutive_fail += 1
-                f = {"kind": f"process exited {res['rc']} (not killed)", "trial": trial_no, "life": life_no, "command": entry["command"], "stderr": sf["lines"], "dir": str(d)}
+                f = {
+                    "kind": f"process exited {res['rc']} (not killed)",
+                    "trial": trial_no,
+                    "life": life_no,
+                    "command": entry["command"],
+                    "stderr": sf["lines"],
+                    "dir": str(d),
+                }
                 failures.append(f)
                 trial["failures"].append(f)
                 log(f"  life {life_no} [{entry['start']}] EXIT {res['rc']} at {res['t']:.1f}s: {sf['lines']}")
@@ -967,8 +1126,14 @@ def main(argv=None) -> int:
                     pair["ok"] = False
                     pair["problem"] = (pair.get("problem") or "") + f" winner exit {rc}: {werr.strip()[-300:]}"
                 after = checker.record(d)
-                if (after["pool_sha256"], after["base_sha256"], {t: r["sha256"] for t, r in after["tasks"].items()}) != (
-                    before["pool_sha256"], before["base_sha256"], {t: r["sha256"] for t, r in before["tasks"].items()}
+                if (
+                    after["pool_sha256"],
+                    after["base_sha256"],
+                    {t: r["sha256"] for t, r in after["tasks"].items()},
+                ) != (
+                    before["pool_sha256"],
+                    before["base_sha256"],
+                    {t: r["sha256"] for t, r in before["tasks"].items()},
                 ):
                     pair["ok"] = False
                     pair["problem"] = (pair.get("problem") or "") + " the finished run changed"
@@ -977,12 +1142,22 @@ def main(argv=None) -> int:
                     pair["problem"] = (pair.get("problem") or "") + f" tmp left {tmp_files(d)}"
             pairs.append(pair)
             if not pair["ok"]:
-                f = {"kind": "concurrent writers", "trial": trial_no, "dir": str(d), "detail": pair.get("problem"), "commands": pair["commands"]}
+                f = {
+                    "kind": "concurrent writers",
+                    "trial": trial_no,
+                    "dir": str(d),
+                    "detail": pair.get("problem"),
+                    "commands": pair["commands"],
+                }
                 failures.append(f)
                 trial["failures"].append(f)
-            log(f"  concurrent --resume pair on the finished run: {'ok' if pair['ok'] else 'FAILED: ' + str(pair.get('problem'))} (loser: {pair.get('loser')})")
+            log(
+                f"  concurrent --resume pair on the finished run: {'ok' if pair['ok'] else 'FAILED: ' + str(pair.get('problem'))} (loser: {pair.get('loser')})"
+            )
         trials.append(trial)
-        log(f"trial {trial_no} done: {trial['kills']} kill(s), {trial['resumes']} resume(s), identical={trial.get('identical')}; kills so far {kills}/{args.kills}")
+        log(
+            f"trial {trial_no} done: {trial['kills']} kill(s), {trial['resumes']} resume(s), identical={trial.get('identical')}; kills so far {kills}/{args.kills}"
+        )
 
     # ---- counts
     lives = [e for t in trials for e in t["lives"]]
@@ -993,14 +1168,18 @@ def main(argv=None) -> int:
     fkinds = collections.Counter(f["kind"] for f in failures)
     metric_diff_trials = [t["trial"] for t in trials if t.get("metric_diffs")]
     metric_diff_fields = collections.Counter(
-        d.split(":")[0].split(".", 2)[-1] if d.startswith("tasks[") else d.split(":")[0] for t in trials for d in t.get("metric_diffs", [])
+        d.split(":")[0].split(".", 2)[-1] if d.startswith("tasks[") else d.split(":")[0]
+        for t in trials
+        for d in t.get("metric_diffs", [])
     )
     counts = {
         "kills": len(killed),
         "kills_by_strategy": dict(sorted(by_strategy.items())),
         "kills_by_phase": dict(sorted(by_phase.items())),
         "kills_by_strategy_and_phase": dict(sorted(by_strategy_phase.items())),
-        "kills_before_manifest": sum(1 for e in killed if e["phase"].startswith("startup: before") or e["phase"].startswith("startup: job.json")),
+        "kills_before_manifest": sum(
+            1 for e in killed if e["phase"].startswith("startup: before") or e["phase"].startswith("startup: job.json")
+        ),
         "kills_leaving_tmp_file": sum(1 for e in killed if e["tmp_after_kill"]),
         "kills_with_manifest_checked": sum(1 for e in killed if e["check"]["manifest"]),
         "post_kill_invalid": fkinds.get("invalid after kill", 0),
@@ -1024,7 +1203,9 @@ def main(argv=None) -> int:
         "concurrent_pairs_on_finished": sum(1 for p in pairs if p["on"] == "finished run"),
         "runs_with_other_metric_differences": len(metric_diff_trials),
         "other_metric_difference_fields": dict(metric_diff_fields),
-        "epoch_records_repeated_runs": sum(1 for e in lives if e.get("final", {}).get("log", {}).get("epoch_records_repeated")),
+        "epoch_records_repeated_runs": sum(
+            1 for e in lives if e.get("final", {}).get("log", {}).get("epoch_records_repeated")
+        ),
         "leftover_checkpoint_after_success": sum(1 for e in lives if e.get("final", {}).get("leftover_checkpoint")),
         "failures": len(failures),
         "failures_by_kind": dict(fkinds),
@@ -1062,7 +1243,10 @@ def main(argv=None) -> int:
         ("trials (fresh run directories)", counts["trials"]),
         ("resumes needed", counts["resumes"]),
         ("final runs identical to the reference", f"{counts['final_identical']}/{counts['trials']}"),
-        ("concurrent --resume pairs with exactly one writer", f"{counts['concurrent_pairs_ok']}/{counts['concurrent_pairs']}"),
+        (
+            "concurrent --resume pairs with exactly one writer",
+            f"{counts['concurrent_pairs_ok']}/{counts['concurrent_pairs']}",
+        ),
         ("failures:", ""),
         ("  manifest/pack invalid after a kill", counts["post_kill_invalid"]),
         ("  hash/accuracy mismatch vs reference after a kill", counts["post_kill_reference_mismatch"]),

@@ -29,10 +29,10 @@ import torchvision
 from torch import nn
 
 import nwsconvert as nc
+from nwsconvert.analysis.summary import shared_base_bytes
+from nwsconvert.conversion.report import format_bytes
 from nwsconvert.formats.bitpack import packed_size
 from nwsconvert.formats.entropy import entropy_bits
-from nwsconvert.conversion.report import format_bytes
-from nwsconvert.analysis.summary import shared_base_bytes
 
 MB = 1e6  # the paper's MB
 
@@ -88,10 +88,20 @@ def measure(arch: str, classes: list[int], pool_size: int = 512) -> dict:
         pack = nc.extract_task(model)
         index = sum(packed_size(r["count"], r["bits"]) for r in pack.layers)
         dense = dense_bytes(nc.materialize(model))
-        tasks.append({"classes": c, "indices": index, "state": pack.state_bytes, "nws": index + pack.state_bytes, "dense": dense})
+        tasks.append(
+            {"classes": c, "indices": index, "state": pack.state_bytes, "nws": index + pack.state_bytes, "dense": dense}
+        )
     nws = pools + sum(t["nws"] for t in tasks)
     dense = sum(t["dense"] for t in tasks)
-    return {"arch": arch, "options": options, "pool_bytes": pools, "tasks": tasks, "nws_total": nws, "dense_total": dense, "per_task_mean": (nws - pools) / len(tasks)}
+    return {
+        "arch": arch,
+        "options": options,
+        "pool_bytes": pools,
+        "tasks": tasks,
+        "nws_total": nws,
+        "dense_total": dense,
+        "per_task_mean": (nws - pools) / len(tasks),
+    }
 
 
 def _limit_bits(pack, layer: dict, coding: str) -> float:
@@ -126,16 +136,51 @@ def measure_run(run: str) -> dict:
         stored = pack.layer_index_bytes()
         layers = []
         for l, c in zip(pack.layers, pack.layer_codings().values()):
-            changed = int((pack.indices[l["name"]] != pack.base.indices[l["name"]]).sum()) if c.startswith("delta") else None
-            layers.append({"name": l["name"], "kernels": l["count"], "coding": c, "changed": changed, "stored": stored[l["name"]], "limit": _limit_bits(pack, l, c) / 8})
+            changed = (
+                int((pack.indices[l["name"]] != pack.base.indices[l["name"]]).sum()) if c.startswith("delta") else None
+            )
+            layers.append(
+                {
+                    "name": l["name"],
+                    "kernels": l["count"],
+                    "coding": c,
+                    "changed": changed,
+                    "stored": stored[l["name"]],
+                    "limit": _limit_bits(pack, l, c) / 8,
+                }
+            )
         limit = sum(l["limit"] for l in layers)
         codings: dict[str, int] = {}
         for c in pack.layer_codings().values():
             codings[c] = codings.get(c, 0) + 1
-        rows.append({"task": entry["id"], "classes": entry["num_classes"], "kernels": sum(l["count"] for l in pack.layers), "stored_indices": pack.index_bytes, "nine_bit_indices": nine, "order0_entropy": h0, "order0_limit": limit, "state": pack.state_bytes, "file": (r.path / entry["file"]).stat().st_size, "codings": codings, "load_ms": 1e3 * min(times), "acc": entry["metrics"]["val_acc"], "layers": layers})
+        rows.append(
+            {
+                "task": entry["id"],
+                "classes": entry["num_classes"],
+                "kernels": sum(l["count"] for l in pack.layers),
+                "stored_indices": pack.index_bytes,
+                "nine_bit_indices": nine,
+                "order0_entropy": h0,
+                "order0_limit": limit,
+                "state": pack.state_bytes,
+                "file": (r.path / entry["file"]).stat().st_size,
+                "codings": codings,
+                "load_ms": 1e3 * min(times),
+                "acc": entry["metrics"]["val_acc"],
+                "layers": layers,
+            }
+        )
     base = shared_base_bytes(manifest, packs)
     total = manifest["pools"]["bytes"] + base + sum(t["stored_indices"] + t["state"] for t in rows)
-    return {"run": run, "model": manifest["model"]["spec"], "suite": manifest["data"].get("suite"), "pool_bytes": manifest["pools"]["bytes"], "base_bytes": base, "total": total, "tasks": rows}
+    return {
+        "run": run,
+        "model": manifest["model"]["spec"],
+        "suite": manifest["data"].get("suite"),
+        "pool_bytes": manifest["pools"]["bytes"],
+        "base_bytes": base,
+        "total": total,
+        "tasks": rows,
+    }
 
 
 def main(argv=None) -> int:
@@ -146,7 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args(argv)
     out = {"sequences": SEQUENCES, "results": []}
-    print("| model | tasks | pool set | per task (mean) | NWS total | dense finetune total | ratio | paper NWS | paper others |")
+    print(
+        "| model | tasks | pool set | per task (mean) | NWS total | dense finetune total | ratio | paper NWS | paper others |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for arch in a.archs:
         for seq, classes in SEQUENCES.items():
@@ -167,11 +214,15 @@ def main(argv=None) -> int:
     if a.run:
         run = measure_run(a.run)
         out["run"] = run
-        print(f"\nreal packs of {a.run} ({run['model']}, {run['suite']}), pools {format_bytes(run['pool_bytes'])}, "
-              f"shared base pack {format_bytes(run['base_bytes'])}, total {format_bytes(run['total'])}:")
+        print(
+            f"\nreal packs of {a.run} ({run['model']}, {run['suite']}), pools {format_bytes(run['pool_bytes'])}, "
+            f"shared base pack {format_bytes(run['base_bytes'])}, total {format_bytes(run['total'])}:"
+        )
         print(f"(load = TaskPack.load: read, hash check and decode, best of 5, {torch.get_num_threads()} threads)")
         print("(order-0 entropy: of the indices; limit: of the streams the chosen codings model, see _limit_bits)")
-        print("| task | classes | kernels | indices stored | at 9 bits | order-0 entropy | limit | stored / limit | BN/state | file | load | codings |")
+        print(
+            "| task | classes | kernels | indices stored | at 9 bits | order-0 entropy | limit | stored / limit | BN/state | file | load | codings |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for t in run["tasks"]:
             print(
@@ -180,13 +231,17 @@ def main(argv=None) -> int:
             )
         if a.layers:
             for t in run["tasks"]:
-                print(f"\ntask {t['task']}, per layer (changed: positions that differ from the base, delta codings only):")
+                print(
+                    f"\ntask {t['task']}, per layer (changed: positions that differ from the base, delta codings only):"
+                )
                 print("| layer | kernels | coding | changed | stored | limit | stored / limit |")
                 print("|---|---|---|---|---|---|---|")
                 for l in t["layers"]:
                     ratio = f"{l['stored'] / l['limit']:.3f}" if l["limit"] > 0 else "–"
                     changed = "–" if l["changed"] is None else f"{l['changed']:,}"
-                    print(f"| {l['name']} | {l['kernels']:,} | {l['coding']} | {changed} | {l['stored']:,} B | {l['limit'] + 0.0:,.0f} B | {ratio} |")
+                    print(
+                        f"| {l['name']} | {l['kernels']:,} | {l['coding']} | {changed} | {l['stored']:,} B | {l['limit'] + 0.0:,.0f} B | {ratio} |"
+                    )
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

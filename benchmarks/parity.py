@@ -49,7 +49,11 @@ def model_parity(only: list[str] | None = None) -> dict:
             model = build(spec)
             nc.convert(model, pool_size=64, init="random")
             model.eval()
-            rows[spec] = {"exports": True, **onnx_parity(model, export_input_size(spec), batch=4), "seconds": time.perf_counter() - tic}
+            rows[spec] = {
+                "exports": True,
+                **onnx_parity(model, export_input_size(spec), batch=4),
+                "seconds": time.perf_counter() - tic,
+            }
         except Exception as e:  # report, never stop the sweep
             rows[spec] = {"exports": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(spec, rows[spec], flush=True)
@@ -88,7 +92,9 @@ def run_parity(run: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", action="store_true", help="parity over the conversion test set")
     p.add_argument("--only", nargs="*", help="with --models: only specs containing one of these strings")
     p.add_argument("--run", help="run directory: top-1 agreement on its tasks' test sets")
@@ -103,7 +109,9 @@ def main(argv=None) -> int:
         report["models"] = model_parity(a.only)
         rows = report["models"].values()
         ok = [r for r in rows if r["exports"]]
-        print(f"{len(ok)}/{len(rows)} export; worst |diff| {max(r['max_abs'] for r in ok):.3g}, worst relative {max(r['rel'] for r in ok):.3g}; top-1 agrees on {sum(r['top1_agree'] for r in ok)}/{len(ok)}")
+        print(
+            f"{len(ok)}/{len(rows)} export; worst |diff| {max(r['max_abs'] for r in ok):.3g}, worst relative {max(r['rel'] for r in ok):.3g}; top-1 agrees on {sum(r['top1_agree'] for r in ok)}/{len(ok)}"
+        )
     if a.run:
         report["run"] = {"dir": a.run, "tasks": run_parity(a.run)}
     if a.json:

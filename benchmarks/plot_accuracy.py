@@ -21,8 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from nwsconvert.formats.atomic import atomic_write_bytes
 from nwsconvert.analysis.html import _byte_formatter, _figure, _png
+from nwsconvert.formats.atomic import atomic_write_bytes
 
 #: method key -> (label, colour); NWS stands out, the rest in muted colours.
 STYLE = {
@@ -50,12 +50,14 @@ def points(result: dict) -> list[dict]:
     out = []
     for m in result["methods"]:
         accs = [100 * row[m]["avg"] for row in result["rows"]]
-        out.append({
-            "method": m,
-            "acc": statistics.mean(accs),
-            "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-            "bytes": statistics.mean(row[m]["disk_bytes"] for row in result["rows"]),
-        })
+        out.append(
+            {
+                "method": m,
+                "acc": statistics.mean(accs),
+                "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "bytes": statistics.mean(row[m]["disk_bytes"] for row in result["rows"]),
+            }
+        )
     return out
 
 
@@ -76,9 +78,20 @@ def figure(results: list[tuple[Path, dict]]):
     for ax, (path, result) in zip(axes, results):
         for p in points(result):
             variant = p["method"].startswith("nws[")
-            label, colour = STYLE.get(p["method"], (f"NWS {p['method'][4:-1]}" if variant else p["method"], "#7A1F22" if variant else "#333333"))
-            ax.errorbar(p["bytes"], p["acc"], yerr=p["std"], fmt="^" if variant else "o", color=colour, capsize=3,
-                        markersize=9 if p["method"].startswith("nws") else 6, label=label)
+            label, colour = STYLE.get(
+                p["method"],
+                (f"NWS {p['method'][4:-1]}" if variant else p["method"], "#7A1F22" if variant else "#333333"),
+            )
+            ax.errorbar(
+                p["bytes"],
+                p["acc"],
+                yerr=p["std"],
+                fmt="^" if variant else "o",
+                color=colour,
+                capsize=3,
+                markersize=9 if p["method"].startswith("nws") else 6,
+                label=label,
+            )
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(_byte_formatter(compact=True))
         ax.set_xlabel("memory for every task (files on disk, log scale)")
@@ -93,7 +106,9 @@ def figure(results: list[tuple[Path, dict]]):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", nargs="+", help="JSON files written by benchmarks/accuracy.py --json (A.json+B.json: one panel)")
+    p.add_argument(
+        "results", nargs="+", help="JSON files written by benchmarks/accuracy.py --json (A.json+B.json: one panel)"
+    )
     p.add_argument("--out", type=Path, required=True, help="the PNG to write")
     args = p.parse_args(argv)
     results = []

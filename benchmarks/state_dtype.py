@@ -29,7 +29,7 @@ def predictions(model: torch.nn.Module, data, batch_size: int = 256) -> torch.Te
     """Top-1 class of every sample of ``data`` (a TensorDataset), in order."""
     x, _ = data.tensors
     model.eval()
-    return torch.cat([model(x[i:i + batch_size]).argmax(1) for i in range(0, len(x), batch_size)])
+    return torch.cat([model(x[i : i + batch_size]).argmax(1) for i in range(0, len(x), batch_size)])
 
 
 def main(argv=None) -> int:
@@ -39,7 +39,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     manifest = RunDir(args.run).read()
     if manifest["config"].get("state_dtype", "float32") != "float32":
-        p.error(f"{args.run}: trained with state_dtype={manifest['config']['state_dtype']}; this compares against a float32 run")
+        p.error(
+            f"{args.run}: trained with state_dtype={manifest['config']['state_dtype']}; this compares against a float32 run"
+        )
     info = manifest["data"]  # the suite the run was trained on (nws-train records it)
     suite = get_suite(info["suite"], **info.get("options", {}))
     rows = []
@@ -53,15 +55,36 @@ def main(argv=None) -> int:
         round_state_(model, "float16")
         half = predictions(model, test)
         bytes16 = extract_task(model, state_dtype="float16").state_bytes
-        rows.append({"task": t, "acc_float32": (full == y).float().mean().item(), "acc_float16": (half == y).float().mean().item(),
-                     "changed_predictions": int((full != half).sum()), "samples": len(y), "state_bytes_float32": bytes32,
-                     "state_bytes_float16": bytes16})
+        rows.append(
+            {
+                "task": t,
+                "acc_float32": (full == y).float().mean().item(),
+                "acc_float16": (half == y).float().mean().item(),
+                "changed_predictions": int((full != half).sum()),
+                "samples": len(y),
+                "state_bytes_float32": bytes32,
+                "state_bytes_float16": bytes16,
+            }
+        )
         r = rows[-1]
-        print(f"task {t}: acc {100 * r['acc_float32']:.2f}% (float32 state) -> {100 * r['acc_float16']:.2f}% (float16), "
-              f"{r['changed_predictions']}/{r['samples']} predictions changed; state {bytes32 / 1e3:.1f} KB -> {bytes16 / 1e3:.1f} KB", flush=True)
+        print(
+            f"task {t}: acc {100 * r['acc_float32']:.2f}% (float32 state) -> {100 * r['acc_float16']:.2f}% (float16), "
+            f"{r['changed_predictions']}/{r['samples']} predictions changed; state {bytes32 / 1e3:.1f} KB -> {bytes16 / 1e3:.1f} KB",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"run": str(args.run), "model": manifest["model"]["spec"], "suite": info["suite"], "suite_options": info.get("options", {}), "tasks": rows}, f, indent=2)
+            json.dump(
+                {
+                    "run": str(args.run),
+                    "model": manifest["model"]["spec"],
+                    "suite": info["suite"],
+                    "suite_options": info.get("options", {}),
+                    "tasks": rows,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

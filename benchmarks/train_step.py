@@ -144,10 +144,17 @@ def main():
     ap.add_argument("--pool-size", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--unfused", action="store_true",
-                    help="add commitment_loss() to the loss (autograd MSE) instead of set_commitment() (fused)")
-    ap.add_argument("--search", choices=["auto", "engine", "layer"], default="auto",
-                    help="NWS index search: engine (whole model), layer (per layer), auto (engine on CUDA)")
+    ap.add_argument(
+        "--unfused",
+        action="store_true",
+        help="add commitment_loss() to the loss (autograd MSE) instead of set_commitment() (fused)",
+    )
+    ap.add_argument(
+        "--search",
+        choices=["auto", "engine", "layer"],
+        default="auto",
+        help="NWS index search: engine (whole model), layer (per layer), auto (engine on CUDA)",
+    )
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--memory-child", choices=["dense", "nws"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -179,43 +186,86 @@ def main():
 
     mem = {}
     for variant in ("dense", "nws"):
-        cmd = [sys.executable, __file__, "--memory-child", variant, *(["--unfused"] if args.unfused else []),
-               "--search", args.search, "--model", args.model, "--batch", str(args.batch),
-               "--size", str(args.size), "--pool-size", str(args.pool_size), "--threads", str(args.threads),
-               "--device", args.device]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--memory-child",
+            variant,
+            *(["--unfused"] if args.unfused else []),
+            "--search",
+            args.search,
+            "--model",
+            args.model,
+            "--batch",
+            str(args.batch),
+            "--size",
+            str(args.size),
+            "--pool-size",
+            str(args.pool_size),
+            "--threads",
+            str(args.threads),
+            "--device",
+            args.device,
+        ]
         mem[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
     host = {}
     if args.device.startswith("cuda"):
-        host = {name: host_work(m, o, x, y, name == "nws", args.unfused) for name, (m, o) in
-                (("dense", (dense, dopt)), ("nws", (nws, nopt)))}
+        host = {
+            name: host_work(m, o, x, y, name == "nws", args.unfused)
+            for name, (m, o) in (("dense", (dense, dopt)), ("nws", (nws, nopt)))
+        }
     engine = getattr(nws, "nws_engine", None)
     device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
-    print(f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, {args.device} "
-          f"({device_name}), torch {torch.__version__}, search {'engine (' + engine.kernel + ')' if engine else 'layer'}")
+    print(
+        f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, {args.device} "
+        f"({device_name}), torch {torch.__version__}, search {'engine (' + engine.kernel + ')' if engine else 'layer'}"
+    )
     paired = statistics.median(n / d for n, d in zip(times["nws"], times["dense"]))
-    print(f"step time   dense {td * 1e3:8.1f} ms   NWS {tn * 1e3:8.1f} ms   ratio {tn / td:.2f}x "
-          f"(median of {args.rounds}, interleaved; median of per-round ratios {paired:.2f}x)")
+    print(
+        f"step time   dense {td * 1e3:8.1f} ms   NWS {tn * 1e3:8.1f} ms   ratio {tn / td:.2f}x "
+        f"(median of {args.rounds}, interleaved; median of per-round ratios {paired:.2f}x)"
+    )
     print(f"commitment: {'autograd MSE (--unfused)' if args.unfused else 'fused into the backward'}")
     print(f"kernels re-searched per step: median {statistics.median(searched) * 100:.2f} %")
     d, n = mem["dense"], mem["nws"]
-    print(f"peak RSS    dense {d['peak_rss_mb']:8.1f} MB   NWS {n['peak_rss_mb']:8.1f} MB   ratio "
-          f"{n['peak_rss_mb'] / d['peak_rss_mb']:.2f}x")
-    print(f"above import baseline  dense {d['peak_above_base_mb']:8.1f} MB   NWS {n['peak_above_base_mb']:8.1f} MB   "
-          f"ratio {n['peak_above_base_mb'] / d['peak_above_base_mb']:.2f}x")
+    print(
+        f"peak RSS    dense {d['peak_rss_mb']:8.1f} MB   NWS {n['peak_rss_mb']:8.1f} MB   ratio "
+        f"{n['peak_rss_mb'] / d['peak_rss_mb']:.2f}x"
+    )
+    print(
+        f"above import baseline  dense {d['peak_above_base_mb']:8.1f} MB   NWS {n['peak_above_base_mb']:8.1f} MB   "
+        f"ratio {n['peak_above_base_mb'] / d['peak_above_base_mb']:.2f}x"
+    )
     if "cuda_peak_mb" in d:
-        print(f"CUDA peak   dense {d['cuda_peak_mb']:8.1f} MB   NWS {n['cuda_peak_mb']:8.1f} MB   ratio "
-              f"{n['cuda_peak_mb'] / d['cuda_peak_mb']:.2f}x")
+        print(
+            f"CUDA peak   dense {d['cuda_peak_mb']:8.1f} MB   NWS {n['cuda_peak_mb']:8.1f} MB   ratio "
+            f"{n['cuda_peak_mb'] / d['cuda_peak_mb']:.2f}x"
+        )
     for name, h in host.items():
         print(f"per {name} step: {h['syncs']} host syncs, {h['kernels']} kernel launches")
     if args.json:
         from nwsconvert.formats.atomic import atomic_write_bytes
 
-        atomic_write_bytes(args.json, json.dumps({
-            "args": vars(args), "torch": torch.__version__, "device": device_name,
-            "search": ("engine:" + engine.kernel) if engine else "layer",
-            "dense_ms": td * 1e3, "nws_ms": tn * 1e3, "ratio": tn / td, "paired_ratio": paired,
-            "searched_median": statistics.median(searched), "memory": mem, "host_work": host}, indent=2).encode())
+        atomic_write_bytes(
+            args.json,
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "torch": torch.__version__,
+                    "device": device_name,
+                    "search": ("engine:" + engine.kernel) if engine else "layer",
+                    "dense_ms": td * 1e3,
+                    "nws_ms": tn * 1e3,
+                    "ratio": tn / td,
+                    "paired_ratio": paired,
+                    "searched_median": statistics.median(searched),
+                    "memory": mem,
+                    "host_work": host,
+                },
+                indent=2,
+            ).encode(),
+        )
 
 
 if __name__ == "__main__":

@@ -83,8 +83,10 @@ def main():
                 step(model, opt, x, y, nws)
                 times[name].append(time.perf_counter() - t0)
     dense = statistics.median(times["dense"])
-    print(f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, "
-          f"baseline {args.baseline}, median of {args.rounds} rounds")
+    print(
+        f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, "
+        f"baseline {args.baseline}, median of {args.rounds} rounds"
+    )
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"{name:9s} {med * 1e3:8.1f} ms   {med / dense:.3f}x dense")

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import nwsconvert as nc
-from nwsconvert.zoo import get_pretrained, get_preset
+from nwsconvert.zoo import get_preset, get_pretrained
 
 #: scikit-image sample images shipped in its wheel (no pooch download). Others
 #: (brain, eagle, lily, ...) need a download and are never loaded.
@@ -131,7 +131,9 @@ def label(cfg: dict) -> str:
 def convert_kwargs(model, cfg: dict, kmeans_iters: int | None) -> dict:
     extra = {} if kmeans_iters is None else {"kmeans_iters": kmeans_iters}
     if cfg["preset"]:
-        return get_preset(cfg["preset"]).convert_kwargs(model, pool_size=cfg["pool_size"], group_size=cfg["group_size"], **extra)
+        return get_preset(cfg["preset"]).convert_kwargs(
+            model, pool_size=cfg["pool_size"], group_size=cfg["group_size"], **extra
+        )
     return {"pool_size": cfg["pool_size"], "group_size": cfg["group_size"], **extra}
 
 
@@ -142,7 +144,11 @@ def grid(configs: list[dict], x: torch.Tensor, kmeans_iters: int | None) -> tupl
     with torch.no_grad():
         ref = dense(x)
     conf = ref.softmax(1).max(1).values
-    dense_info = {"bytes": state_bytes(dense), "top1_confidence": float(conf.mean()), "confident_inputs": int((conf >= CONFIDENT).sum())}
+    dense_info = {
+        "bytes": state_bytes(dense),
+        "top1_confidence": float(conf.mean()),
+        "confident_inputs": int((conf >= CONFIDENT).sum()),
+    }
     rows = []
     for cfg in configs:
         model = copy.deepcopy(dense)
@@ -207,7 +213,9 @@ def train_nws(cfg: dict, suite, recipe: str, seed: int, kmeans_iters: int | None
             progress=False,
         )
         for t, task in enumerate(suite.tasks):
-            m = trainer.fit_task(t, task.train, task.test, task.num_classes, name=task.name, class_names=task.class_names)
+            m = trainer.fit_task(
+                t, task.train, task.test, task.num_classes, name=task.name, class_names=task.class_names
+            )
             accs.append(m["val_acc"])
             rebuilt.append(m["rebuilt_acc"])
         seconds = time.perf_counter() - tic
@@ -215,7 +223,15 @@ def train_nws(cfg: dict, suite, recipe: str, seed: int, kmeans_iters: int | None
             total = run_summary(f"{tmp}/run")["total"]
         except Exception as e:  # noqa: BLE001 - the figures above stand without the byte summary
             total = {"error": f"{type(e).__name__}: {e}"}
-    return {**cfg, "label": label(cfg), "accs": accs, "rebuilt": rebuilt, "avg": sum(accs) / len(accs), "seconds": seconds, "summary": total}
+    return {
+        **cfg,
+        "label": label(cfg),
+        "accs": accs,
+        "rebuilt": rebuilt,
+        "avg": sum(accs) / len(accs),
+        "seconds": seconds,
+        "summary": total,
+    }
 
 
 def train_dense(suite, recipe: str, seed: int, tasks: int | None = None) -> dict:
@@ -228,7 +244,13 @@ def train_dense(suite, recipe: str, seed: int, tasks: int | None = None) -> dict
     from nwsconvert.cli.train import resolve_job
 
     entry = get_pretrained(ENTRY)
-    items = [f"suite={suite.name}", f"model={entry.spec}", f"recipe={recipe}", "learn_pools=false", f"tasks={tasks or 'null'}"]
+    items = [
+        f"suite={suite.name}",
+        f"model={entry.spec}",
+        f"recipe={recipe}",
+        "learn_pools=false",
+        f"tasks={tasks or 'null'}",
+    ]
     job = resolve_job(items + [f"model.{k}={v}" for k, v in _task_kwargs(suite).items()])
     tic = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,7 +264,7 @@ def markdown(photos: list[str], n_images: int, dense_info: dict, rows: list[dict
     out = [
         f"Photos: {len(photos)} scikit-image sample images ({', '.join(photos)}), centre crop + mirror = {n_images} inputs; "
         f"dense mean top-1 confidence {100 * dense_info['top1_confidence']:.1f} %, {dense_info['confident_inputs']} inputs with dense "
-        f"top-1 ≥ {100 * CONFIDENT:.0f} % (\"confident\"). Dense model {mb(dense_info['bytes'])} MB (float32, all tensors). "
+        f'top-1 ≥ {100 * CONFIDENT:.0f} % ("confident"). Dense model {mb(dense_info["bytes"])} MB (float32, all tensors). '
         "Indices at ceil(log2 n) bits per kernel; other state = BatchNorm tensors and biases; task / dense = (indices + other state) / dense model.",
         "",
         "| config | pools MB | indices / task MB | other state / task MB | task / dense | top-1 agree | top-1 agree, confident | top-5 overlap | dense top-1 in NWS top-5 | KL(dense‖NWS) | logit cos | ‖W−K‖/‖W‖ | convert s |",
@@ -288,7 +310,9 @@ def main(argv=None) -> int:
     p.add_argument("--train-tasks", type=int, default=None, help="train only the first N split-mnist tasks")
     p.add_argument("--recipe", default="demo")
     p.add_argument("--seed", type=int, default=1993)
-    p.add_argument("--kmeans-iters", type=int, default=None, help="Lloyd iterations (default: the converter's / preset's)")
+    p.add_argument(
+        "--kmeans-iters", type=int, default=None, help="Lloyd iterations (default: the converter's / preset's)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -299,7 +323,10 @@ def main(argv=None) -> int:
     x = photo_batch(images)
     configs = [{"preset": None, "pool_size": n, "group_size": g} for g in args.group_sizes for n in args.pool_sizes]
     configs += [parse_config(c) for c in args.presets]
-    print(f"EfficientNet-Lite0 (ImageNet weights), {len(photos)} photos -> {x.shape[0]} inputs, {len(configs)} configs", flush=True)
+    print(
+        f"EfficientNet-Lite0 (ImageNet weights), {len(photos)} photos -> {x.shape[0]} inputs, {len(configs)} configs",
+        flush=True,
+    )
     dense_info, rows = grid(configs, x, args.kmeans_iters)
 
     train = []

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from nwsconvert import PoolSet, RunDir
 from nwsconvert.errors import FormatError, NWSError
-from nwsconvert.train.loading import build_run_model, load_run_pools, load_task_files
 from nwsconvert.formats.storage import atomic_write_bytes
+from nwsconvert.train.loading import build_run_model, load_run_pools, load_task_files
 
 from .bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256, read_bundle
 from .onnx_graph import export_onnx
@@ -78,7 +78,14 @@ def export_bundle(
     pools = load_run_pools(run, manifest)
     pool_sha = pools.sha256
     desc_path = out / "bundle.json"
-    desc = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "pool_sha256": pool_sha, "model": manifest["model"], "data": {k: v for k, v in (manifest.get("data") or {}).items() if k != "job"}, "tasks": {}}
+    desc = {
+        "format": BUNDLE_FORMAT,
+        "version": BUNDLE_VERSION,
+        "pool_sha256": pool_sha,
+        "model": manifest["model"],
+        "data": {k: v for k, v in (manifest.get("data") or {}).items() if k != "job"},
+        "tasks": {},
+    }
     if desc_path.is_file():
         old = read_bundle(out)
         if old.get("pool_sha256") != pool_sha:
@@ -130,7 +137,9 @@ def export_bundle(
                 "nwsconvert.class_names": entry.get("class_names") or [str(i) for i in range(entry["num_classes"])],
                 **common,
             }
-            info = export_onnx(model, out / f"task_{t}.onnx", pool_dst, input_shape=shape, metadata=meta, exporter=exporter)
+            info = export_onnx(
+                model, out / f"task_{t}.onnx", pool_dst, input_shape=shape, metadata=meta, exporter=exporter
+            )
             row.update(
                 onnx=f"task_{t}.onnx",
                 onnx_bytes=info["bytes"],
@@ -141,14 +150,25 @@ def export_bundle(
             )
         desc["tasks"][str(t)] = row
     if onnx:
-        desc["switch"] = _export_switch(run, manifest, pools, desc, out / SWITCH_FILE, pool_dst, shape, common, trust_code, exporter)
+        desc["switch"] = _export_switch(
+            run, manifest, pools, desc, out / SWITCH_FILE, pool_dst, shape, common, trust_code, exporter
+        )
     desc["pool_bytes"] = pool_dst.stat().st_size
     atomic_write_bytes(desc_path, (json.dumps(desc, indent=2) + "\n").encode())
     return desc
 
 
 def _export_switch(
-    run: RunDir, manifest: dict, pools: PoolSet, desc: dict, path: Path, pool_dst: Path, shape, common: dict, trust_code: bool, exporter: str
+    run: RunDir,
+    manifest: dict,
+    pools: PoolSet,
+    desc: dict,
+    path: Path,
+    pool_dst: Path,
+    shape,
+    common: dict,
+    trust_code: bool,
+    exporter: str,
 ) -> dict:
     """(Re)write ``switch.onnx`` for every task the bundle now holds: its head takes the largest class count."""
     rows = {int(t): row for t, row in desc["tasks"].items() if "onnx" in row}

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from nwsconvert.errors import FormatError
-from nwsconvert.train.rundir import check_data_info
 from nwsconvert.formats.schema import Fields
+from nwsconvert.train.rundir import check_data_info
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "read_bundle", "check_bundle", "file_sha256"]
 
@@ -43,7 +43,9 @@ def check_bundle(desc: dict, path) -> None:
         raise FormatError(f"{path}: not an nwsconvert bundle description (format {str(desc.get('format'))[:40]!r})")
     version = f.int("version", lo=1)
     if version > BUNDLE_VERSION:
-        raise FormatError(f"{path}: bundle version {version} is newer than this nwsconvert reads ({BUNDLE_VERSION}): upgrade nwsconvert")
+        raise FormatError(
+            f"{path}: bundle version {version} is newer than this nwsconvert reads ({BUNDLE_VERSION}): upgrade nwsconvert"
+        )
     f.sha("pool_sha256")
     f.dict("model", optional=True)
     check_data_info(f)

@@ -37,7 +37,11 @@ def _export(argv: list[str] | None) -> int:
     p.add_argument("--task", type=_task_arg, required=True, help="task id, or 'all'")
     p.add_argument("--run", default=None, help="run directory (default: the current directory)")
     p.add_argument("--out", default=None, help="bundle folder (default: RUN/export)")
-    p.add_argument("--onnx", action="store_true", help="also write the ONNX graph of each task and switch.onnx (one graph for every task)")
+    p.add_argument(
+        "--onnx",
+        action="store_true",
+        help="also write the ONNX graph of each task and switch.onnx (one graph for every task)",
+    )
     p.add_argument(
         "--exporter",
         choices=["auto", "torchscript", "dynamo"],
@@ -64,21 +68,31 @@ def _export(argv: list[str] | None) -> int:
         raise UsageError(str(e)) from None
     done = [e["id"] for e in manifest["tasks"]]
     if args.task != "all" and args.task not in done:
-        raise UsageError(f"--task {args.task}: run {args.run} has no finished task {args.task}; finished tasks: {done or 'none'}")
+        raise UsageError(
+            f"--task {args.task}: run {args.run} has no finished task {args.task}; finished tasks: {done or 'none'}"
+        )
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} is a file, not a folder")
     from nwsconvert.conversion.report import format_bytes
 
     from .bundle import export_bundle
 
-    desc = export_bundle(args.run, args.out, args.task, onnx=args.onnx, trust_code=args.trust_code, exporter=args.exporter)
+    desc = export_bundle(
+        args.run, args.out, args.task, onnx=args.onnx, trust_code=args.trust_code, exporter=args.exporter
+    )
     out = Path(args.out) if args.out else Path(args.run) / "export"
     print(f"bundle {out}: pool file {format_bytes(desc['pool_bytes'])} (shared)")
     bases = {row["base"]: row["base_bytes"] for row in desc["tasks"].values() if "base" in row}
     for name, size in sorted(bases.items()):
-        print(f"  {name} {format_bytes(size)} (shared: the packs store their indices as changes against it; the switch mode reads it, the task graphs do not)")
+        print(
+            f"  {name} {format_bytes(size)} (shared: the packs store their indices as changes against it; the switch mode reads it, the task graphs do not)"
+        )
     for t, row in sorted(desc["tasks"].items(), key=lambda kv: int(kv[0])):
-        extra = f", {row['onnx']} {format_bytes(row['onnx_bytes'])} ({row['gather_nodes']} Gather weights, {row['index_dtype']} indices)" if "onnx" in row else ""
+        extra = (
+            f", {row['onnx']} {format_bytes(row['onnx_bytes'])} ({row['gather_nodes']} Gather weights, {row['index_dtype']} indices)"
+            if "onnx" in row
+            else ""
+        )
         print(f"  task {t} ({row['name']}): {row['pack']} {format_bytes(row['pack_bytes'])}{extra}")
     return 0
 
@@ -96,7 +110,9 @@ def _load_images(paths: list[str], runtime, task: int):
         from nwsconvert.errors import FormatError
 
         graph = runtime.desc["switch"]["onnx"] if runtime.mode == "switch" else runtime._row(task)["onnx"]
-        raise FormatError(f"{runtime.path / graph}: metadata without a valid input size and normalisation ({e})") from None
+        raise FormatError(
+            f"{runtime.path / graph}: metadata without a valid input size and normalisation ({e})"
+        ) from None
     out = []
     for path in paths:
         try:
@@ -117,7 +133,9 @@ def infer_main(argv: list[str] | None = None) -> int:
 
 
 def _infer(argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="nws-infer", description="Classify images with a bundle's task on onnxruntime (CUDA when present).")
+    p = argparse.ArgumentParser(
+        prog="nws-infer", description="Classify images with a bundle's task on onnxruntime (CUDA when present)."
+    )
     p.add_argument("--bundle", required=True, help="bundle folder written by nws-export --onnx")
     p.add_argument("--task", type=int, required=True)
     p.add_argument("images", nargs="*", help="image files (resized and normalised as the bundle's metadata says)")
@@ -152,7 +170,9 @@ def _infer(argv: list[str] | None) -> int:
     row = desc["tasks"].get(str(args.task))
     if row is None or "onnx" not in row:
         have = sorted(int(t) for t, r in desc["tasks"].items() if "onnx" in r)
-        raise UsageError(f"--task {args.task}: bundle {args.bundle} has no ONNX graph for task {args.task}; tasks with graphs: {have}")
+        raise UsageError(
+            f"--task {args.task}: bundle {args.bundle} has no ONNX graph for task {args.task}; tasks with graphs: {have}"
+        )
     rt = Runtime(args.bundle, device=args.device, mode=args.mode)
     rt.session(args.task)
     print(f"mode: {rt.mode}; providers: {rt.session(args.task).get_providers()}")
@@ -176,7 +196,9 @@ def _infer(argv: list[str] | None) -> int:
                 rt._sessions.pop(t, None)
                 rt.session(t)
                 switches.append(rt.last_switch_seconds)
-            print(f"task switch (session creation, pools shared): median {1e3 * float(np.median(switches)):.1f} ms over {len(switches)} tasks")
+            print(
+                f"task switch (session creation, pools shared): median {1e3 * float(np.median(switches)):.1f} ms over {len(switches)} tasks"
+            )
         else:
             for t in rt.tasks:
                 rt.run(t, x)  # each task's inputs uploaded once
@@ -185,5 +207,7 @@ def _infer(argv: list[str] | None) -> int:
                 for t in rt.tasks:
                     rt.run(t, x)
                     switches.append(rt.last_switch_seconds)
-            print(f"task switch (re-bind): median {1e6 * float(np.median(switches)):.1f} us over {len(switches)} switches")
+            print(
+                f"task switch (re-bind): median {1e6 * float(np.median(switches)):.1f} us over {len(switches)} switches"
+            )
     return 0

@@ -98,7 +98,12 @@ def index_nodes(name: str, indices: np.ndarray, pool_size: int) -> tuple[list, l
         c("weights", (np.int64(1) << (8 + np.arange(high, dtype=np.int64)))[:, None]),
         c("axis0", np.array([0], np.int64)),
     ]
-    n = lambda op, ins, outs, **kw: helper.make_node(op, [f"{name}/{i}" for i in ins], [f"{name}/{o}" for o in outs], name=f"{name}/{outs[0]}_{op}", **kw)  # noqa: E731
+
+    def n(op, ins, outs, **kw):
+        return helper.make_node(
+            op, [f"{name}/{i}" for i in ins], [f"{name}/{o}" for o in outs], name=f"{name}/{outs[0]}_{op}", **kw
+        )  # noqa: E731
+
     nodes = [
         n("Unsqueeze", ["high", "axis2"], ["h3"]),  # (high, M, 1)
         n("BitShift", ["h3", "shifts"], ["shifted"], direction="RIGHT"),  # (high, M, 8)
@@ -177,8 +182,15 @@ def _torchscript(module, args, path: Path, input_names, dynamic_axes) -> None:
     torch.backends.mha.set_fastpath_enabled(False)
     try:
         torch.onnx.export(
-            module, args, str(path), dynamo=False, do_constant_folding=False, opset_version=OPSET,
-            input_names=input_names, output_names=["logits"], dynamic_axes=dynamic_axes,
+            module,
+            args,
+            str(path),
+            dynamo=False,
+            do_constant_folding=False,
+            opset_version=OPSET,
+            input_names=input_names,
+            output_names=["logits"],
+            dynamic_axes=dynamic_axes,
         )
     finally:
         torch.backends.mha.set_fastpath_enabled(fast)
@@ -194,19 +206,27 @@ def _dynamo(module, args, path: Path, input_names, dynamic_axes) -> None:
     shapes = []  # structured as forward's signature: a *args parameter takes one tuple
     for param in inspect.signature(module.forward).parameters.values():
         if param.kind is inspect.Parameter.VAR_POSITIONAL:
-            shapes.append(tuple(flat[len(shapes):]))
+            shapes.append(tuple(flat[len(shapes) :]))
             break
         shapes.append(flat[len(shapes)])
     # torch.export specialises a dimension of size 1: trace the image input at batch 2.
     example = tuple(torch.cat([a, a]) if d else a for a, d in zip(args, flat))
     program = torch.export.export(module, example, dynamic_shapes=tuple(shapes), strict=False)
     onnx_program = torch.onnx.export(
-        program, dynamo=True, optimize=False, opset_version=DYNAMO_OPSET, input_names=input_names, output_names=["logits"], verbose=False
+        program,
+        dynamo=True,
+        optimize=False,
+        opset_version=DYNAMO_OPSET,
+        input_names=input_names,
+        output_names=["logits"],
+        verbose=False,
     )
     onnx_program.save(str(path))
 
 
-def _trace(module: torch.nn.Module, args: tuple, input_names: list[str], dynamic_axes: dict, exporter: str = "auto") -> tuple[onnx.ModelProto, str]:
+def _trace(
+    module: torch.nn.Module, args: tuple, input_names: list[str], dynamic_axes: dict, exporter: str = "auto"
+) -> tuple[onnx.ModelProto, str]:
     """Export ``module(*args)`` without constant folding (the Gathers must stay in the graph).
 
     ``exporter``: ``torchscript`` (opset 17), ``dynamo`` (torch.export-based, opset 18, needs
@@ -317,7 +337,11 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
             graph.initializer.remove(inits.pop(src))
             graph.initializer.extend(new_inits)
             node.input[1] = out
-            if cast is not None and cast.op_type == "Cast" and not any(n is not node for n in consumers.get(cast.output[0], [])):
+            if (
+                cast is not None
+                and cast.op_type == "Cast"
+                and not any(n is not node for n in consumers.get(cast.output[0], []))
+            ):
                 drop.append(cast)
             new_nodes.append((node, nodes))
     for cast in drop:
@@ -327,7 +351,9 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
         for k, extra in enumerate(nodes):
             graph.node.insert(pos + k, extra)
     if found != len(layers):
-        raise RuntimeError(f"ONNX export: found {found} pool Gathers for the {len(layers)} NWS layers the forward uses: the exporter folded some weights")
+        raise RuntimeError(
+            f"ONNX export: found {found} pool Gathers for the {len(layers)} NWS layers the forward uses: the exporter folded some weights"
+        )
     return found, storage
 
 
@@ -351,7 +377,13 @@ def _same_folder(out_path: Path, pool_file: Path) -> None:
 
 @torch.no_grad()
 def export_onnx(
-    model: torch.nn.Module, out_path: str | os.PathLike, pool_file: str | os.PathLike, *, input_shape, metadata: dict, exporter: str = "auto"
+    model: torch.nn.Module,
+    out_path: str | os.PathLike,
+    pool_file: str | os.PathLike,
+    *,
+    input_shape,
+    metadata: dict,
+    exporter: str = "auto",
 ) -> dict:
     """Write ``model`` (a converted model holding one task) as an ONNX graph sharing ``pool_file``.
 
@@ -374,7 +406,9 @@ def export_onnx(
     layers = nws_layers(model)
     model = model.eval()
     with export_mode(layers) as ran:
-        proto, used = _trace(model, (torch.zeros(1, *input_shape),), ["input"], {"input": {0: "batch"}, "logits": {0: "batch"}}, exporter)
+        proto, used = _trace(
+            model, (torch.zeros(1, *input_shape),), ["input"], {"input": {0: "batch"}, "logits": {0: "batch"}}, exporter
+        )
     found, storage = _link_pools(proto, [layer for layer in layers if layer.name in ran], pool_file)
     size = _write(proto, out_path, metadata)
     return {"gather_nodes": found, "index_dtype": ",".join(sorted(storage)), "bytes": size, "exporter": used}

@@ -92,7 +92,12 @@ class Runtime:
     """
 
     def __init__(
-        self, bundle: str | os.PathLike, device: str = "auto", max_sessions: int = 4, threads: int | None = None, mode: str = "session"
+        self,
+        bundle: str | os.PathLike,
+        device: str = "auto",
+        max_sessions: int = 4,
+        threads: int | None = None,
+        mode: str = "session",
     ):
         import onnxruntime as ort
 
@@ -104,7 +109,9 @@ class Runtime:
         if mode not in ("session", "switch"):
             raise ValueError(f"mode must be session or switch, got {mode!r}")
         if mode == "switch" and "switch" not in self.desc:
-            raise FileNotFoundError(f"{self.path} has no switch.onnx (one-session mode): export it again with nws-export --onnx")
+            raise FileNotFoundError(
+                f"{self.path} has no switch.onnx (one-session mode): export it again with nws-export --onnx"
+            )
         self.mode = mode
         gpu = device != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers() and _gpu_present()
         if device == "cuda" and not gpu:
@@ -151,7 +158,9 @@ class Runtime:
     def _row(self, task: int) -> dict:
         row = self.desc["tasks"].get(str(task))
         if row is None or "onnx" not in row:
-            raise TaskNotFoundError(f"bundle {self.path} has no ONNX graph for task {task}; tasks with graphs: {self.tasks}")
+            raise TaskNotFoundError(
+                f"bundle {self.path} has no ONNX graph for task {task}; tasks with graphs: {self.tasks}"
+            )
         return row
 
     def _options(self):
@@ -167,16 +176,28 @@ class Runtime:
         if not graph.is_file():
             raise FileNotFoundError(f"{graph}: {what} is missing from the bundle")
         if sha256 is not None and file_sha256(graph) != sha256:
-            raise FormatError(f"{graph}: content does not match the SHA-256 bundle.json records: the graph is corrupted or was replaced")
+            raise FormatError(
+                f"{graph}: content does not match the SHA-256 bundle.json records: the graph is corrupted or was replaced"
+            )
         try:
-            sess = self.ort.InferenceSession(str(graph), sess_options=self._options(), providers=self.providers, disabled_optimizers=DISABLED_OPTIMIZERS)
+            sess = self.ort.InferenceSession(
+                str(graph),
+                sess_options=self._options(),
+                providers=self.providers,
+                disabled_optimizers=DISABLED_OPTIMIZERS,
+            )
         except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
             raise FormatError(f"{graph}: onnxruntime cannot load {what} ({type(e).__name__}: {str(e)[:200]})") from None
         meta = sess.get_modelmeta().custom_metadata_map
         if meta.get("nwsconvert.pool_sha256", self.desc["pool_sha256"]) != self.desc["pool_sha256"]:
-            raise FormatError(f"{graph}: the graph is of pool set {str(meta.get('nwsconvert.pool_sha256'))[:12]}..., the bundle's is {self.desc['pool_sha256'][:12]}...")
+            raise FormatError(
+                f"{graph}: the graph is of pool set {str(meta.get('nwsconvert.pool_sha256'))[:12]}..., the bundle's is {self.desc['pool_sha256'][:12]}..."
+            )
         if self.requested_cuda and "CUDAExecutionProvider" not in sess.get_providers():
-            warnings.warn(f"{graph.name}: the CUDA provider was requested but the session runs on {sess.get_providers()}", stacklevel=3)
+            warnings.warn(
+                f"{graph.name}: the CUDA provider was requested but the session runs on {sess.get_providers()}",
+                stacklevel=3,
+            )
         return sess
 
     def session(self, task: int):
@@ -194,7 +215,9 @@ class Runtime:
         self._verified.add(task)
         meta = sess.get_modelmeta().custom_metadata_map
         if meta.get("nwsconvert.task") not in (None, str(task)):
-            raise FormatError(f"{self.path / row['onnx']}: the graph is task {meta.get('nwsconvert.task')}, bundle.json lists it as task {task}")
+            raise FormatError(
+                f"{self.path / row['onnx']}: the graph is task {meta.get('nwsconvert.task')}, bundle.json lists it as task {task}"
+            )
         self.last_switch_seconds = time.perf_counter() - tic
         self._sessions[task] = sess
         while len(self._sessions) > self.max_sessions:
@@ -205,7 +228,9 @@ class Runtime:
     def _switch_session(self):
         if self._switch is None:
             info = self.desc["switch"]
-            self._switch = self._open(self.path / info["onnx"], info["onnx_sha256"], "the one-session graph switch.onnx")
+            self._switch = self._open(
+                self.path / info["onnx"], info["onnx_sha256"], "the one-session graph switch.onnx"
+            )
         return self._switch
 
     def _binding(self, task: int) -> tuple:
@@ -220,7 +245,13 @@ class Runtime:
         sess = self._switch_session()
         tic = time.perf_counter()
         path = self.path / row["pack"]
-        arrays = _switch_inputs(path, self.path / row["base"] if row.get("base") else None, row.get("pack_sha256"), self.desc["pool_sha256"], task)
+        arrays = _switch_inputs(
+            path,
+            self.path / row["base"] if row.get("base") else None,
+            row.get("pack_sha256"),
+            self.desc["pool_sha256"],
+            task,
+        )
         on_gpu = "CUDAExecutionProvider" in sess.get_providers()
         binding = sess.io_binding()
         values, held = [], 0
@@ -243,14 +274,21 @@ class Runtime:
         """What this Runtime uses: ``mode``, ``providers`` (of the sessions built so far), ``cached_tasks`` and
         ``bytes_per_task`` (switch mode: the bound indices and state on the device; session mode: ``None``,
         each cached session holds its folded dense weights, about the dense model's size)."""
-        sessions = [self._switch] if self.mode == "switch" and self._switch is not None else list(self._sessions.values())
+        sessions = (
+            [self._switch] if self.mode == "switch" and self._switch is not None else list(self._sessions.values())
+        )
         providers = sorted({p for s in sessions for p in s.get_providers()})
         if self.mode == "switch":
             cached = list(self._bound)
             per_task = {t: v[2] for t, v in self._bound.items()}
         else:
             cached, per_task = list(self._sessions), None
-        return {"mode": self.mode, "providers": providers or self.providers, "cached_tasks": cached, "bytes_per_task": per_task}
+        return {
+            "mode": self.mode,
+            "providers": providers or self.providers,
+            "cached_tasks": cached,
+            "bytes_per_task": per_task,
+        }
 
     def metadata(self, task: int) -> dict:
         """The ONNX metadata of the graph that runs ``task`` (input size, normalisation...)."""
@@ -277,7 +315,9 @@ class Runtime:
         return [[(names[j], float(prob[i, j])) for j in row] for i, row in enumerate(top)]
 
 
-def _switch_inputs(path: Path, base: Path | None, sha256: str | None, pool_sha256: str, task: int) -> dict[str, np.ndarray]:
+def _switch_inputs(
+    path: Path, base: Path | None, sha256: str | None, pool_sha256: str, task: int
+) -> dict[str, np.ndarray]:
     """A task's values of switch.onnx's inputs, from its pack: ``indices/<layer>`` int32 ``(N,)`` and
     ``state/<key>`` float32 (floating state entries only, as the graph takes them)."""
     if not path.is_file():
@@ -297,7 +337,9 @@ def _fit(arr: np.ndarray, shape, path: Path, name: str) -> np.ndarray:
         raise FormatError(f"{path}: {name} has shape {list(arr.shape)}, switch.onnx takes {shape}")
     if dims and dims[0] is not None and arr.shape[0] != dims[0]:
         if arr.shape[0] > dims[0]:
-            raise FormatError(f"{path}: {name} has {arr.shape[0]} rows, switch.onnx takes at most {dims[0]}: export the bundle again")
+            raise FormatError(
+                f"{path}: {name} has {arr.shape[0]} rows, switch.onnx takes at most {dims[0]}: export the bundle again"
+            )
         pad = np.zeros((dims[0] - arr.shape[0], *arr.shape[1:]), dtype=arr.dtype)
         arr = np.concatenate([arr, pad])
     return np.ascontiguousarray(arr)

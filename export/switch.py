@@ -86,7 +86,13 @@ class _Functional(nn.Module):
 
 @torch.no_grad()
 def export_switch(
-    model: nn.Module, out_path: str | os.PathLike, pool_file: str | os.PathLike, *, input_shape, metadata: dict, exporter: str = "auto"
+    model: nn.Module,
+    out_path: str | os.PathLike,
+    pool_file: str | os.PathLike,
+    *,
+    input_shape,
+    metadata: dict,
+    exporter: str = "auto",
 ) -> dict:
     """Write ``switch.onnx`` for a converted model whose head has the bundle's largest class count.
 

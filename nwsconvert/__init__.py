@@ -1,11 +1,11 @@
 """nwsconvert: Neural Weight Search for any timm or torchvision CNN.
 
-    model = timm.create_model("resnet18", num_classes=5)
-    model = nwsconvert.convert(model, pool_size=512)   # every Conv2d / Linear -> NWS layer
-    print(model.nws_report)                             # layers, roles, pools, bits per index
-    pack = nwsconvert.extract_task(model)               # 9-bit indices + BatchNorm statistics
-    pack.save("task0.nwspack")
-    nwsconvert.pool_set(model).save("pools.safetensors")
+model = timm.create_model("resnet18", num_classes=5)
+model = nwsconvert.convert(model, pool_size=512)   # every Conv2d / Linear -> NWS layer
+print(model.nws_report)                             # layers, roles, pools, bits per index
+pack = nwsconvert.extract_task(model)               # 9-bit indices + BatchNorm statistics
+pack.save("task0.nwspack")
+nwsconvert.pool_set(model).save("pools.safetensors")
 """
 
 from .lazy import lazy_exports

@@ -7,7 +7,16 @@ This module imports nothing heavy: the command lines use it before torch loads.
 
 from __future__ import annotations
 
-__all__ = ["NWSError", "FormatError", "PackMismatchError", "UntrustedCodeError", "RunLockedError", "UsageError", "TaskNotFoundError", "RunExistsError"]
+__all__ = [
+    "NWSError",
+    "FormatError",
+    "PackMismatchError",
+    "UntrustedCodeError",
+    "RunLockedError",
+    "UsageError",
+    "TaskNotFoundError",
+    "RunExistsError",
+]
 
 
 class NWSError(Exception):

@@ -21,7 +21,9 @@ def lazy_exports(package: str, exports: dict[str, str], namespace: dict):
             value = getattr(importlib.import_module(f".{module}", package), name)
         except ModuleNotFoundError as e:
             root = package.split(".")[0]
-            if (e.name or "").split(".")[0] in ("torch", "timm", "torchvision") or (e.name or "").startswith(f"{root}."):
+            if (e.name or "").split(".")[0] in ("torch", "timm", "torchvision") or (e.name or "").startswith(
+                f"{root}."
+            ):
                 raise ModuleNotFoundError(
                     f"{package}.{name} needs the full nwsconvert install with torch (missing: {e.name}); "
                     "nwsconvert-runtime deploys bundles only: pip install nwsconvert",

@@ -15,3 +15,13 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests skip, with the reason, where CUDA is not available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

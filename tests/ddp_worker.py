@@ -16,8 +16,15 @@ from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model  # noqa: 
 out = Path(sys.argv[1])
 torch.set_num_threads(1)
 search = sys.argv[2] if len(sys.argv) > 2 else "auto"  # engine: the SearchEngine under DDP
-trainer = Trainer(tiny_model(), out / "run", tiny_config(search=search), model_spec=SPEC, model_kwargs=KWARGS, device="cpu",
-                  progress=False)
+trainer = Trainer(
+    tiny_model(),
+    out / "run",
+    tiny_config(search=search),
+    model_spec=SPEC,
+    model_kwargs=KWARGS,
+    device="cpu",
+    progress=False,
+)
 rank = trainer.dist.rank
 assert trainer.dist.world_size == 2
 trainer.fit_pools(blobs(64, 4, 1), blobs(16, 4, 2), num_classes=4)
@@ -27,5 +34,12 @@ pack = extract_task(trainer.model, state_dtype=trainer.config.state_dtype)
 sha = pack.save(out / f"rank{rank}.nwspack")
 indices = {l.name: l.nws.indices for l in nws_layers(trainer.model)}
 (out / f"rank{rank}.json").write_text(
-    json.dumps({"indices": tensor_digest(indices), "pack": sha, "content": pack.content_sha256(), "pools": nwsconvert.pool_set(trainer.model).sha256})
+    json.dumps(
+        {
+            "indices": tensor_digest(indices),
+            "pack": sha,
+            "content": pack.content_sha256(),
+            "pools": nwsconvert.pool_set(trainer.model).sha256,
+        }
+    )
 )

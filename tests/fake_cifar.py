@@ -18,7 +18,11 @@ def write_fake_cifar100(path: Path, per_class: int = 2, seed: int = 0) -> Path:
     coarse = fine // 5
 
     def batch():
-        return {"data": rng.integers(0, 255, (fine.size, 3072)).astype(np.uint8), "fine_labels": fine.tolist(), "coarse_labels": coarse.tolist()}
+        return {
+            "data": rng.integers(0, 255, (fine.size, 3072)).astype(np.uint8),
+            "fine_labels": fine.tolist(),
+            "coarse_labels": coarse.tolist(),
+        }
 
     meta = {"fine_label_names": [f"f{i}" for i in range(100)], "coarse_label_names": [f"c{i}" for i in range(20)]}
     with tarfile.open(path, "w:gz") as tar:

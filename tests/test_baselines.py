@@ -61,7 +61,9 @@ def test_a_stored_task_scores_what_was_trained(cls, pretrained, tmp_path):
 def test_memory_accounting_counts_what_is_stored(pretrained, tmp_path):
     """Paper accounting: 32 bits per stored float (counters excluded), PackNet's owner map at ceil(log2(T + 1)) bits."""
     params = sum(p.numel() for p in pretrained.parameters())
-    bn = sum(m.weight.numel() * 4 for m in pretrained.modules() if isinstance(m, torch.nn.BatchNorm2d))  # weight, bias, mean, var
+    bn = sum(
+        m.weight.numel() * 4 for m in pretrained.modules() if isinstance(m, torch.nn.BatchNorm2d)
+    )  # weight, bias, mean, var
     head_in = pretrained.get_classifier().in_features
     heads = [head_in * task.num_classes + task.num_classes for task in TASKS]
     backbone = params - (head_in * 3 + 3)
@@ -78,7 +80,9 @@ def test_memory_accounting_counts_what_is_stored(pretrained, tmp_path):
     assert bnhead.memory()["paper_bits"] == 32 * (backbone - affine) + 32 * sum(bn + h for h in heads)
     weights = sum(packnet.owner[n].numel() for n in packnet.prunable)
     others = backbone + running - weights  # BatchNorm, biases: per task
-    assert packnet.memory()["paper_bits"] == (32 + math.ceil(math.log2(len(TASKS) + 1))) * weights + 32 * sum(others + h for h in heads)
+    assert packnet.memory()["paper_bits"] == (32 + math.ceil(math.log2(len(TASKS) + 1))) * weights + 32 * sum(
+        others + h for h in heads
+    )
 
 
 def test_piggyback_and_lora_store_bits_and_adapters(pretrained, tmp_path):
@@ -97,7 +101,9 @@ def test_piggyback_and_lora_store_bits_and_adapters(pretrained, tmp_path):
     assert piggy.memory()["paper_bits"] == 32 * weights + sum(weights + 32 * (small + running + h) for h in heads)
     adapters = sum(4 * (m.in_channels * m.kernel_size[0] * m.kernel_size[1] + m.out_channels) for m in convs)
     bn = running + sum(m.weight.numel() * 2 for m in pretrained.modules() if isinstance(m, torch.nn.BatchNorm2d))
-    assert lora.memory()["paper_bits"] == 32 * (weights + small + running) + sum(32 * (adapters + bn + h) for h in heads)
+    assert lora.memory()["paper_bits"] == 32 * (weights + small + running) + sum(
+        32 * (adapters + bn + h) for h in heads
+    )
 
 
 def test_packnet_never_changes_an_earlier_task(pretrained, tmp_path):
@@ -134,8 +140,24 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
 
     archive = write_fake_cifar100(tmp_path / "cifar-100-python.tar.gz", per_class=2)
     out = tmp_path / "acc.json"
-    argv = [f"suite.path={archive}", "tasks=2", "epochs=1", "pool_size=16", "batch_size=8", "model=timm:test_resnet",
-            "--suite", "split-cifar100", "--seeds", "1993", "--json", str(out), "--methods", "all", "--nws-variants", "task_init=original,beta=0.1"]
+    argv = [
+        f"suite.path={archive}",
+        "tasks=2",
+        "epochs=1",
+        "pool_size=16",
+        "batch_size=8",
+        "model=timm:test_resnet",
+        "--suite",
+        "split-cifar100",
+        "--seeds",
+        "1993",
+        "--json",
+        str(out),
+        "--methods",
+        "all",
+        "--nws-variants",
+        "task_init=original,beta=0.1",
+    ]
     assert accuracy.main(argv) == 0
     result = json.loads(out.read_text())
     variant = "nws[task_init=original,beta=0.1]"
@@ -159,8 +181,10 @@ def test_accuracy_plot_has_one_point_per_method(tmp_path):
 
     import plot_accuracy
 
-    rows = [{"seed": s, "nws": {"avg": a, "disk_bytes": 3e6}, "dense": {"avg": b, "disk_bytes": 2e8}}
-            for s, a, b in ((1, 0.80, 0.90), (2, 0.84, 0.90))]
+    rows = [
+        {"seed": s, "nws": {"avg": a, "disk_bytes": 3e6}, "dense": {"avg": b, "disk_bytes": 2e8}}
+        for s, a, b in ((1, 0.80, 0.90), (2, 0.84, 0.90))
+    ]
     result = {"suite": "split-mnist", "job": {"suite_options": {}}, "methods": ["nws", "dense"], "rows": rows}
     pts = {p["method"]: p for p in plot_accuracy.points(result)}
     assert pts["nws"]["acc"] == pytest.approx(82.0) and pts["nws"]["std"] == pytest.approx(math.sqrt(8.0))
@@ -176,9 +200,14 @@ def test_accuracy_table_rows_and_gap_to_dense():
     """accuracy_table.py: one Markdown row per method, mean ± std, per-task means, the gap to dense."""
     import accuracy_table
 
-    rows = [{"seed": s, "nws": {"accs": [a, 1.0], "avg": (a + 1.0) / 2, "seconds": 10, "disk_bytes": 3e6, "paper_bits": None},
-             "dense": {"accs": [0.9, 0.9], "avg": 0.9, "seconds": 2, "disk_bytes": 2e8, "paper_bits": 1.6e9}}
-            for s, a in ((1, 0.6), (2, 0.8))]
+    rows = [
+        {
+            "seed": s,
+            "nws": {"accs": [a, 1.0], "avg": (a + 1.0) / 2, "seconds": 10, "disk_bytes": 3e6, "paper_bits": None},
+            "dense": {"accs": [0.9, 0.9], "avg": 0.9, "seconds": 2, "disk_bytes": 2e8, "paper_bits": 1.6e9},
+        }
+        for s, a in ((1, 0.6), (2, 0.8))
+    ]
     text = accuracy_table.table({"methods": ["nws", "dense"], "rows": rows})
     lines = text.splitlines()
     assert lines[2] == "| **NWS** | 85.00 ± 7.07 % | 70.0 / 100.0 | 3.00 MB (nws-info) | 3.00 MB | 10 s | -5.00 |"
@@ -204,14 +233,33 @@ def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
             if (name, seed) in kill:
                 kill.clear()
                 raise Killed  # the run killed inside its second seed's last method
-            return {"accs": [0.5, 0.7], "avg": 0.6 + seed % 10 / 100, "seconds": 1.0, "disk_bytes": 10, "paper_bits": None}
+            return {
+                "accs": [0.5, 0.7],
+                "avg": 0.6 + seed % 10 / 100,
+                "seconds": 1.0,
+                "disk_bytes": 10,
+                "paper_bits": None,
+            }
+
         return run
 
     monkeypatch.setattr(accuracy, "nws_run", lambda job, seed, folder: fake("nws")(job, seed, folder))
     monkeypatch.setattr(accuracy, "method_run", lambda name, pre, job, seed, folder: fake(name)(pre, job, seed, folder))
     monkeypatch.setattr(accuracy, "pretrained_model", lambda job, seed: None)
     out = tmp_path / "acc.json"
-    argv = ["epochs=1", "--suite", "split-mnist", "--json", str(out), "--seeds", "1993", "1994", "--methods", "dense", "bn_head"]
+    argv = [
+        "epochs=1",
+        "--suite",
+        "split-mnist",
+        "--json",
+        str(out),
+        "--seeds",
+        "1993",
+        "1994",
+        "--methods",
+        "dense",
+        "bn_head",
+    ]
     with pytest.raises(Killed):
         accuracy.main(argv)
     kept = json.loads(out.read_text())
@@ -226,8 +274,24 @@ def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     assert result["mean"]["bn_head"] == pytest.approx(100 * (0.63 + 0.64) / 2)
 
     calls.clear()  # more seeds later: the file's seeds are kept, only the new one runs
-    assert accuracy.main(["epochs=1", "--suite", "split-mnist", "--json", str(out), "--seeds", "1995",
-                          "--methods", "dense", "bn_head", "--resume"]) == 0
+    assert (
+        accuracy.main(
+            [
+                "epochs=1",
+                "--suite",
+                "split-mnist",
+                "--json",
+                str(out),
+                "--seeds",
+                "1995",
+                "--methods",
+                "dense",
+                "bn_head",
+                "--resume",
+            ]
+        )
+        == 0
+    )
     assert sorted(calls) == [("bn_head", 1995), ("dense", 1995), ("nws", 1995)]
     assert [r["seed"] for r in json.loads(out.read_text())["rows"]] == [1993, 1994, 1995]
 

@@ -23,7 +23,9 @@ FAST = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "progress=fal
 
 
 def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "nwsconvert.cli.train", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "nwsconvert.cli.train", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_help_lists_every_key(capsys):
@@ -31,7 +33,20 @@ def test_help_lists_every_key(capsys):
         train_main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for key in ("suite=NAME", "suite.OPTION", "model=SPEC", "pool_size", "group_size", "preset=NAME", "recipe", "--resume", "out=DIR", "milestones", "task_init", "torchrun"):
+    for key in (
+        "suite=NAME",
+        "suite.OPTION",
+        "model=SPEC",
+        "pool_size",
+        "group_size",
+        "preset=NAME",
+        "recipe",
+        "--resume",
+        "out=DIR",
+        "milestones",
+        "task_init",
+        "torchrun",
+    ):
         assert key in out
     with pytest.raises(SystemExit):
         info_main(["--help"])
@@ -43,7 +58,9 @@ def test_yaml_config_and_overrides(tmp_path):
     cfg.write_text("model: torchvision:resnet18\nepochs: 7\nmilestones: [3, 5]\nsuite_options: {path: /data/c100}\n")
     job = resolve_job([str(cfg), "epochs=9", "suite.train_per_class=5", "model.drop_rate=0.1"])
     assert job["model"] == "torchvision:resnet18" and job["epochs"] == 9 and job["milestones"] == [3, 5]
-    assert job["suite_options"] == {"path": "/data/c100", "train_per_class": 5} and job["model_kwargs"] == {"drop_rate": 0.1}
+    assert job["suite_options"] == {"path": "/data/c100", "train_per_class": 5} and job["model_kwargs"] == {
+        "drop_rate": 0.1
+    }
     with pytest.raises(UsageError, match="unknown key 'epoch'"):
         resolve_job(["epoch=3"])
     with pytest.raises(UsageError, match="neither key=value nor an existing YAML"):
@@ -66,7 +83,12 @@ def test_clear_errors(tmp_path, capsys):
 def test_killed_run_resumes_without_losing_tasks(tmp_path):
     out = tmp_path / "run"
     args = [*FAST, "epochs=4", "tasks=3", f"out={out}"]
-    proc = subprocess.Popen([sys.executable, "-m", "nwsconvert.cli.train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nwsconvert.cli.train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = RunDir(out)
     deadline = time.time() + 300
     try:
@@ -96,7 +118,11 @@ def test_killed_run_resumes_without_losing_tasks(tmp_path):
     for t in range(3):
         nwsconvert.load(out, task=t)
 
-    info = subprocess.run([sys.executable, "-c", "from nwsconvert.cli.info import info_main; info_main()", str(out), "--json"], capture_output=True, text=True)
+    info = subprocess.run(
+        [sys.executable, "-c", "from nwsconvert.cli.info import info_main; info_main()", str(out), "--json"],
+        capture_output=True,
+        text=True,
+    )
     summary = json.loads(info.stdout)
     assert [r["id"] for r in summary["tasks"]] == [0, 1, 2]
     pack = TaskPack.load(out / manifest["tasks"][1]["file"])
@@ -104,7 +130,9 @@ def test_killed_run_resumes_without_losing_tasks(tmp_path):
     assert row["indices"] + row["state"] + row["head"] == pack.index_bytes + pack.state_bytes == row["total"]
     base = TaskPack.load(out / "base.nwspack")  # every task is stored against it (pack_base=pools)
     assert summary["base_bytes"] == base.index_bytes + base.state_bytes > 0
-    assert summary["total"]["nws_bytes"] == summary["pools_bytes"] + summary["base_bytes"] + sum(r["total"] for r in summary["tasks"])
+    assert summary["total"]["nws_bytes"] == summary["pools_bytes"] + summary["base_bytes"] + sum(
+        r["total"] for r in summary["tasks"]
+    )
     assert summary["total"]["avg_acc"] == pytest.approx(sum(r["acc"] for r in summary["tasks"]) / 3)
     again = _cli("--resume", f"out={out}")  # nothing left to do: every stage is skipped
     assert again.returncode == 0 and run.read()["tasks"] == manifest["tasks"]
@@ -119,7 +147,9 @@ def test_same_seed_same_run(tmp_path):
     for name in ("a", "b"):
         torch.manual_seed(len(name) * 1234 + ord(name))  # whatever state the process is in
         # deterministic=true: what makes a CUDA run reproducible (cuDNN and cuBLAS choose fixed algorithms)
-        assert train_main([*FAST, "epochs=1", "tasks=1", "seed=11", "deterministic=true", f"out={tmp_path / name}"]) == 0
+        assert (
+            train_main([*FAST, "epochs=1", "tasks=1", "seed=11", "deterministic=true", f"out={tmp_path / name}"]) == 0
+        )
         m = RunDir(tmp_path / name).read()
         shas.append((m["pools"]["sha256"], m["base"]["sha256"], [t["sha256"] for t in m["tasks"]]))
         assert not torch.are_deterministic_algorithms_enabled()

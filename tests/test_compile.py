@@ -4,7 +4,6 @@ import sys
 
 import pytest
 import torch
-
 from test_engine import small_net
 
 

@@ -39,21 +39,33 @@ def test_config_round_trips_through_json(config):
 
 
 def test_legacy_options_translate_with_their_old_meaning():
-    config = NWSConfig().replace(skip=["fc"], layer_pool_size={"layer1.*": 8, "*": 100}, layer_group_size={"layer1.*": 2, "fc": 4})
+    config = NWSConfig().replace(
+        skip=["fc"], layer_pool_size={"layer1.*": 8, "*": 100}, layer_group_size={"layer1.*": 2, "fc": 4}
+    )
     assert config.layers == {"fc": None, "layer1.*": LayerConfig(8, 2), "*": LayerConfig(pool_size=100)}
     assert config.skipped("fc") == "fc" and config.skipped("layer1.0") is None
     assert config.resolve("layer1.0") == LayerConfig(8, 2)
     assert config.resolve("layer2.0") == LayerConfig(100, 1)
     # A manifest written before NWSConfig (no version) reads as the same config.
-    old = {"pool_size": 512, "group_size": 1, "skip": ["fc"], "layer_pool_size": {"layer1.*": 8, "*": 100}, "layer_group_size": {"layer1.*": 2, "fc": 4}}
+    old = {
+        "pool_size": 512,
+        "group_size": 1,
+        "skip": ["fc"],
+        "layer_pool_size": {"layer1.*": 8, "*": 100},
+        "layer_group_size": {"layer1.*": 2, "fc": 4},
+    }
     assert NWSConfig.from_dict(old) == config
 
 
 def test_each_field_comes_from_the_first_entry_that_sets_it():
-    config = NWSConfig(pool_size=32, layers={"a.*": LayerConfig(pool_size=8), "a.b": LayerConfig(pool_size=4, group_size=2)})
+    config = NWSConfig(
+        pool_size=32, layers={"a.*": LayerConfig(pool_size=8), "a.b": LayerConfig(pool_size=4, group_size=2)}
+    )
     assert config.resolve("a.b") == LayerConfig(8, 2)
     assert config.resolve("c") == LayerConfig(32, 1)
-    assert NWSConfig(layers={"a.*": LayerConfig(pool_size=8), "a.*b": None}).skipped("a.b") == "a.*b"  # None wins anywhere
+    assert (
+        NWSConfig(layers={"a.*": LayerConfig(pool_size=8), "a.*b": None}).skipped("a.b") == "a.*b"
+    )  # None wins anywhere
 
 
 @pytest.mark.parametrize(
@@ -86,27 +98,45 @@ def test_planner_decides_every_layer_without_converting():
     assert {n: p for n, p in model.named_parameters()}.keys() == before.keys() and not nc.is_converted(model)
     by = {p.name: p for p in plans}
     assert [p.name for p in plans] == ["0", "3", "4", "8"]
-    assert (by["0"].role, by["0"].family, by["0"].vector_size, by["0"].kernels, by["0"].pool_size) == ("stem", "kxk", 9, 24, 16)
+    assert (by["0"].role, by["0"].family, by["0"].vector_size, by["0"].kernels, by["0"].pool_size) == (
+        "stem",
+        "kxk",
+        9,
+        24,
+        16,
+    )
     assert (by["3"].family, by["3"].kind, by["3"].kernels) == ("depthwise", "3x3 dw", 8)
-    assert (by["4"].family, by["4"].group_size, by["4"].vector_size, by["4"].kernels, by["4"].kind) == ("1x1", 4, 4, 24, "1x1 vec4")
+    assert (by["4"].family, by["4"].group_size, by["4"].vector_size, by["4"].kernels, by["4"].kind) == (
+        "1x1",
+        4,
+        4,
+        24,
+        "1x1 vec4",
+    )
     assert by["8"].skipped and not by["8"].forced and by["8"].role == "head"
     # A width that g does not divide falls back to 1, with a note.
     fell = plan(_net(), NWSConfig(group_size=5))
-    assert {p.name: p.group_size for p in fell if p.family == "1x1"} == {"4": 1, "8": 1} and "not a multiple" in fell[2].note
+    assert {p.name: p.group_size for p in fell if p.family == "1x1"} == {"4": 1, "8": 1} and "not a multiple" in fell[
+        2
+    ].note
 
 
 def test_convert_applies_edited_plans_and_records_them_in_the_config():
     model = _net()
     converter = nc.NWSConverter(NWSConfig(pool_size=16, init="random"))
     plans = converter.plan(model)
-    edited = [p.with_pool_size(4) if p.name == "3" else p.dense("skipped by the user") if p.name == "4" else p for p in plans]
+    edited = [
+        p.with_pool_size(4) if p.name == "3" else p.dense("skipped by the user") if p.name == "4" else p for p in plans
+    ]
     converter.apply(model, edited)
     sizes = {layer.name: layer.nws.pool_size for layer in nc.nws_layers(model)}
     assert sizes == {"0": 16, "3": 4, "8": 16}
     recorded = NWSConfig.from_dict(model.nws_report.options)
     assert recorded.layers == {"3": LayerConfig(pool_size=4), "4": None}
     # The recorded config alone plans the same model again.
-    assert [(p.name, p.pool_size, p.skipped) for p in plan(_net(), recorded)] == [(p.name, p.pool_size, p.skipped) for p in edited]
+    assert [(p.name, p.pool_size, p.skipped) for p in plan(_net(), recorded)] == [
+        (p.name, p.pool_size, p.skipped) for p in edited
+    ]
 
 
 def test_config_from_plans_records_only_what_differs():
@@ -124,7 +154,9 @@ def test_a_config_converts_the_same_as_its_keywords():
     nc.convert(a, pool_size=8, group_size=4, skip=["8"], seed=3)
     nc.convert(b, NWSConfig(pool_size=8, group_size=4, seed=3, layers={"8": None}))
     for la, lb in zip(nc.nws_layers(a), nc.nws_layers(b)):
-        assert la.name == lb.name and torch.equal(la.nws.pool, lb.nws.pool) and torch.equal(la.nws.indices, lb.nws.indices)
+        assert (
+            la.name == lb.name and torch.equal(la.nws.pool, lb.nws.pool) and torch.equal(la.nws.indices, lb.nws.indices)
+        )
     assert a.nws_report.options == b.nws_report.options
 
 
@@ -149,7 +181,9 @@ def test_presets_only_edit_plans_and_their_config_reconverts_identically():
     planned = plan(model, config)
     small = preset.replace(pool_size=16, group_size=4)
     edited = small.edit(plan(model, small.base_config()))
-    assert [(p.name, p.pool_size, p.group_size, p.skipped) for p in planned] == [(p.name, p.pool_size, p.group_size, p.skipped) for p in edited]
+    assert [(p.name, p.pool_size, p.group_size, p.skipped) for p in planned] == [
+        (p.name, p.pool_size, p.group_size, p.skipped) for p in edited
+    ]
     # Every exact-name entry is a layer the preset changed; the user's patterns come first and win.
     user = preset.config(model, pool_size=16, layer_pool_size={"features.*": 3})
     assert next(iter(user.layers)) == "features.*"

@@ -51,8 +51,13 @@ def test_timm_api_is_kept():
 def test_skip_pool_size_and_group_size_options():
     model = torchvision.models.mobilenet_v2(num_classes=10)
     nc.convert(
-        model, pool_size=64, init="random", skip=["features.0.*"], group_size=4,
-        layer_pool_size={"classifier.*": 256}, layer_group_size={"classifier.1": 1},
+        model,
+        pool_size=64,
+        init="random",
+        skip=["features.0.*"],
+        group_size=4,
+        layer_pool_size={"classifier.*": 256},
+        layer_group_size={"classifier.1": 1},
     )
     rep = model.nws_report
     assert [s.name for s in rep.skipped] == ["features.0.0"]
@@ -117,15 +122,24 @@ def test_module_walk_fallback():
     nc.convert(model, pool_size=8, init="random")
     rep = model.nws_report
     assert rep.trace.startswith("module walk (fx trace failed")
-    assert {r.name: r.role for r in rep.layers} == {"stem": "stem", "body": "body", "downsample": "shortcut", "fc": "head"}
+    assert {r.name: r.role for r in rep.layers} == {
+        "stem": "stem",
+        "body": "body",
+        "downsample": "shortcut",
+        "fc": "head",
+    }
     assert all(r.found_by == "module walk" for r in rep.layers)
 
 
 def test_layers_left_dense_with_reasons():
     shared = nn.Linear(4, 4)
     model = nn.Sequential(
-        nn.utils.parametrizations.weight_norm(nn.Conv2d(3, 4, 3)), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        shared, shared, nn.LazyLinear(2),
+        nn.utils.parametrizations.weight_norm(nn.Conv2d(3, 4, 3)),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        shared,
+        shared,
+        nn.LazyLinear(2),
     )
     nc.convert(model, pool_size=8, init="random")
     reasons = {s.name: s.reason for s in model.nws_report.skipped}

@@ -1,6 +1,10 @@
 """The demo `make demo` runs (split-mnist through nws-train), here with a tiny model and one task."""
 
+import contextlib
+import io
+
 import numpy as np
+import pytest
 import torch
 
 import nwsconvert
@@ -9,23 +13,32 @@ from nwsconvert.cli import demo
 from nwsconvert.export import Runtime, export_bundle
 from nwsconvert.zoo import get_suite
 
+DEMO_ARGS = ["model=timm:test_resnet", "pool_size=32", "epochs=1", "pool_epochs=1", "tasks=2", "progress=false"]
 
-def test_demo_runs_and_continues(tmp_path, capsys):
-    args = ["model=timm:test_resnet", "pool_size=32", "epochs=1", "pool_epochs=1", "tasks=2", "progress=false", f"out={tmp_path / 'd'}"]
-    assert demo.main(args) == 0
-    out = capsys.readouterr().out
-    assert "task 1 (task1:2-3): acc" in out and "rebuilt from pack" in out
-    assert "dense finetune total" in out and "NWS total (2 tasks)" in out
-    assert [t["id"] for t in RunDir(tmp_path / "d").read()["tasks"]] == [0, 1]
-    assert demo.main(args) == 0  # a second run continues the existing one
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One demo run shared by this module's tests (the pipeline is the slow part): its folder and what it printed."""
+    out = tmp_path_factory.mktemp("demo") / "d"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert demo.main([*DEMO_ARGS, f"out={out}"]) == 0
+    return out, printed.getvalue()
+
+
+def test_demo_runs_and_continues(demo_run, capsys):
+    out, printed = demo_run
+    assert "task 1 (task1:2-3): acc" in printed and "rebuilt from pack" in printed
+    assert "dense finetune total" in printed and "NWS total (2 tasks)" in printed
+    assert [t["id"] for t in RunDir(out).read()["tasks"]] == [0, 1]
+    assert demo.main([*DEMO_ARGS, f"out={out}"]) == 0  # a second run continues the existing one
     assert "continuing it" in capsys.readouterr().out
 
 
-def test_onnxruntime_top1_agrees_on_the_demo_test_sets(tmp_path):
+def test_onnxruntime_top1_agrees_on_the_demo_test_sets(demo_run, tmp_path):
     """Deployment answers like PyTorch on the demo's own test images (split-mnist, 160 per task), in
     both runtime modes (per-task sessions; one session fed from the packs)."""
-    out = tmp_path / "d"
-    assert demo.main(["model=timm:test_resnet", "pool_size=32", "epochs=1", "pool_epochs=1", "tasks=2", "progress=false", f"out={out}"]) == 0
+    out, _ = demo_run
     export_bundle(out, tmp_path / "b", "all", onnx=True)
     runtimes = {mode: Runtime(tmp_path / "b", device="cpu", mode=mode) for mode in ("session", "switch")}
     suite = get_suite("split-mnist")

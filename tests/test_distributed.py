@@ -17,8 +17,17 @@ HERE = Path(__file__).parent
 
 @pytest.mark.parametrize("search", ["auto", "engine"])
 def test_two_gloo_ranks_agree(tmp_path, search):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(HERE / "ddp_worker.py"),
-           str(tmp_path), search]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "ddp_worker.py"),
+        str(tmp_path),
+        search,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

@@ -19,16 +19,28 @@ from nwsconvert.core.nwsmodel import distillation_loss, ema_update, nws_layers, 
 from nwsconvert.core.search import brute_force
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-KERNELS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not fused_search.available(DEVICE), reason="needs Triton (CPU-only torch wheels ship without it)"))]
+KERNELS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not fused_search.available(DEVICE), reason="needs Triton (CPU-only torch wheels ship without it)"
+        ),
+    ),
+]
 
 
 def small_net(depth: int = 1, width: int = 8) -> nn.Module:
     """3x3 convs (D = 9), a depthwise conv, 1x1 convs and a linear head (scalar pools, D = 1)."""
     layers = [nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
     for _ in range(depth):
-        layers += [nn.Conv2d(width, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1, groups=width),
-                   nn.Conv2d(width, width, 1), nn.ReLU()]
+        layers += [
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1, groups=width),
+            nn.Conv2d(width, width, 1),
+            nn.ReLU(),
+        ]
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 3)]
     return nwsconvert.convert(nn.Sequential(*layers), pool_size=16, seed=0).to(DEVICE)
 
@@ -228,7 +240,7 @@ def test_fused_commitment_escapes_loss_scaling_so_fp16_training_puts_it_in_the_l
         scale = 1.0 if how == "reference" else 1024.0
         (loss * scale).backward()
         grads[how] = [layer.weight.grad / scale for layer in nws_layers(model)]
-    for ref, fused, in_loss in zip(grads["reference"], grads["fused"], grads["in_loss"]):
+    for ref, _fused, in_loss in zip(grads["reference"], grads["fused"], grads["in_loss"]):
         torch.testing.assert_close(in_loss, ref, rtol=1e-4, atol=1e-7)  # float32 rounding of the two sums
     assert any(not torch.allclose(f, r, rtol=1e-3, atol=1e-6) for f, r in zip(grads["fused"], grads["reference"]))
 
@@ -250,7 +262,7 @@ def test_engine_under_bfloat16_autocast_keeps_exact_float32_indices(kernel):
             assert_exact(model, x)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: CUDA graphs and the sync debug mode")
+@pytest.mark.gpu  # CUDA graphs and the sync debug mode
 def test_cuda_graph_replay_of_an_engine_step_equals_eager_steps_without_syncs():
     """A whole training step (engine update, forward, backward, SGD) captured once and replayed gives
     the weights and indices of the same steps run eagerly, and an eager step makes no host sync."""
@@ -290,7 +302,7 @@ def test_cuda_graph_replay_of_an_engine_step_equals_eager_steps_without_syncs():
             assert torch.equal(le.nws.indices, lg.nws.indices) and torch.equal(le.weight, lg.weight), le.name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: 40 real optimiser steps with the compiled kernel")
+@pytest.mark.gpu  # 40 real optimiser steps with the compiled kernel
 @pytest.mark.parametrize("mode", ["task", "pool"])
 def test_forty_cuda_steps_stay_exact(mode):
     """40 SGD steps (momentum, commitment; pool mode: distillation gradient into the pools) on the GPU:

@@ -11,6 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
 import nwsconvert
 from nwsconvert import Trainer, nws_layers
@@ -18,16 +19,28 @@ from nwsconvert.export import Runtime, StaleBundleError, export_bundle
 from nwsconvert.export.cli import export_main, infer_main
 from nwsconvert.export.onnx_graph import IR_VERSION, OPSET, index_nodes
 
-from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("exp") / "run"
-    trainer = Trainer(tiny_model(), out, tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS,
-                      data_info={"channels": 1, "input_size": [16, 16], "mean": [0.5], "std": [0.25]}, progress=False)
+    trainer = Trainer(
+        tiny_model(),
+        out,
+        tiny_config(epochs=1),
+        model_spec=SPEC,
+        model_kwargs=KWARGS,
+        data_info={"channels": 1, "input_size": [16, 16], "mean": [0.5], "std": [0.25]},
+        progress=False,
+    )
     for t, classes in enumerate((3, 2)):
-        trainer.fit_task(t, blobs(32, classes, 10 + t), blobs(16, classes, 20 + t), classes, name=f"t{t}", class_names=[f"c{i}" for i in range(classes)])
+        trainer.fit_task(
+            t,
+            blobs(32, classes, 10 + t),
+            blobs(16, classes, 20 + t),
+            classes,
+            name=f"t{t}",
+            class_names=[f"c{i}" for i in range(classes)],
+        )
     return out
 
 
@@ -76,13 +89,17 @@ def test_indices_rebuilt_in_the_graph_are_exact(pool_size):
     idx = rng.integers(0, pool_size, count)
     idx[:2] = [0, pool_size - 1]
     inits, nodes, out, kind = index_nodes("indices/layer", idx, pool_size)
-    graph = onnx.helper.make_graph(nodes, "g", [], [onnx.helper.make_tensor_value_info(out, onnx.TensorProto.INT64, [count])], initializer=inits)
+    graph = onnx.helper.make_graph(
+        nodes, "g", [], [onnx.helper.make_tensor_value_info(out, onnx.TensorProto.INT64, [count])], initializer=inits
+    )
     proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)])
     proto.ir_version = IR_VERSION
     onnx.checker.check_model(proto)
     got = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})[0]
     assert got.dtype == np.int64 and np.array_equal(got, idx)
-    stored = sum(len(t.raw_data) for t in inits if t.name in ("indices/layer", "indices/layer/low", "indices/layer/high"))
+    stored = sum(
+        len(t.raw_data) for t in inits if t.name in ("indices/layer", "indices/layer/low", "indices/layer/high")
+    )
     bits = int(np.ceil(np.log2(pool_size)))
     expected = {"uint8": count, "int32": 4 * count}.get(kind, count + (bits - 8) * ((count + 7) // 8))
     assert stored == expected and kind == ("uint8" if bits <= 8 else "int32" if bits > 16 else f"uint8+{bits - 8}bit")
@@ -258,7 +275,22 @@ def test_the_runtime_wheel_needs_neither_torch_nor_timm(run, tmp_path):
         sys.path.pop(0)
     wheel = build(tmp_path / "wheel")
     site = tmp_path / "site"
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target", str(site), str(wheel)], capture_output=True, text=True)
+    pip = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert pip.returncode == 0, pip.stderr[-2000:]
     export_bundle(run, tmp_path / "b", "all", onnx=True)
     x = np.random.default_rng(0).standard_normal((3, 1, 16, 16)).astype(np.float32)
@@ -274,4 +306,6 @@ def test_the_runtime_wheel_needs_neither_torch_nor_timm(run, tmp_path):
     for mode in ("session", "switch"):
         rt = Runtime(tmp_path / "b", device="cpu", mode=mode)
         for t in (0, 1):
-            assert np.array_equal(np.asarray(got[mode][str(t)], dtype=np.float32), rt.run(t, x))  # same code, same floats
+            assert np.array_equal(
+                np.asarray(got[mode][str(t)], dtype=np.float32), rt.run(t, x)
+            )  # same code, same floats

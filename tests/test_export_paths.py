@@ -69,7 +69,14 @@ def _export(middle: nn.Module, tmp_path, size: int = 12, exporter: str = "auto")
     torch.manual_seed(0)
     model = nc.convert(_Net(middle), pool_size=16, init="random").eval()
     nc.pool_set(model).save(tmp_path / "pools.safetensors")
-    info = export_onnx(model, tmp_path / "m.onnx", tmp_path / "pools.safetensors", input_shape=(3, size, size), metadata={}, exporter=exporter)
+    info = export_onnx(
+        model,
+        tmp_path / "m.onnx",
+        tmp_path / "pools.safetensors",
+        input_shape=(3, size, size),
+        metadata={},
+        exporter=exporter,
+    )
     return model, info
 
 
@@ -79,7 +86,9 @@ def _assert_parity(model, tmp_path, size: int = 12):
         ref = model(x).numpy()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS)
+    sess = ort.InferenceSession(
+        str(tmp_path / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
+    )
     y = sess.run(None, {"input": x.numpy()})[0]
     assert y.shape == ref.shape
     assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()

@@ -11,8 +11,10 @@ from nwsconvert.core import fused_search
 from nwsconvert.core.search import brute_force, nearest_two
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not fused_search.available(DEVICE),
-                                reason="needs Triton (CPU-only torch wheels ship without it) and CUDA or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    not fused_search.available(DEVICE),
+    reason="needs Triton (CPU-only torch wheels ship without it) and CUDA or TRITON_INTERPRET=1",
+)
 
 
 def _check(x: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +53,9 @@ def test_exact_and_near_ties_go_to_float64_and_the_lowest_index(dim):
     e = torch.zeros(dim)
     e[0] = 1.0
     pool[5], pool[6] = e, -e  # a pair around the origin, 2 apart
-    x = torch.stack([pool[3], pool[3] + 1e-7, torch.zeros(dim), 1e-9 * e, -1e-9 * e, *(torch.randn(27, dim, generator=g) + 5)])
+    x = torch.stack(
+        [pool[3], pool[3] + 1e-7, torch.zeros(dim), 1e-9 * e, -1e-9 * e, *(torch.randn(27, dim, generator=g) + 5)]
+    )
     idx, radius, exact = _check(x, pool)
     # Distances differing by 4e-9 of their size: below float32's error bound, resolved in float64.
     assert idx[:5].tolist() == [3, 3, 5, 5, 6]
@@ -86,13 +90,15 @@ def test_pool_sizes_from_one_entry_to_seventy_thousand(n):
 
 
 def test_empty_batch_and_bad_shapes():
-    idx, radius, exact = fused_search.fused_nearest_two(torch.zeros(0, 9, device=DEVICE), torch.randn(4, 9, device=DEVICE))
+    idx, radius, exact = fused_search.fused_nearest_two(
+        torch.zeros(0, 9, device=DEVICE), torch.randn(4, 9, device=DEVICE)
+    )
     assert idx.shape == radius.shape == exact.shape == (0,)
     with pytest.raises(ValueError, match=r"\(N, D\)"):
         fused_search.fused_nearest_two(torch.zeros(3, 9, device=DEVICE), torch.randn(4, 4, device=DEVICE))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: nearest_two takes the fused path for CUDA tensors")
+@pytest.mark.gpu  # nearest_two takes the fused path for CUDA tensors
 def test_nearest_two_uses_the_fused_search_on_cuda_without_host_syncs():
     g = torch.Generator().manual_seed(0)
     x, pool = torch.randn(5000, 9, generator=g).cuda(), torch.randn(512, 9, generator=g).cuda()

@@ -16,14 +16,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trainer_utils import tiny_model
 
 import nwsconvert
 from nwsconvert import PoolSet, RunDir, TaskPack
 from nwsconvert.errors import NWSError
-from nwsconvert.train.loading import load_task_files
 from nwsconvert.formats.storage import read_tensors, write_tensors
-
-from trainer_utils import tiny_model
+from nwsconvert.train.loading import load_task_files
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -49,14 +48,25 @@ def files(tmp_path_factory):
     task.base = TaskPack.load(run.base_path)
     sha = task.save(run.pack_path(0))
     assert {"delta+bits", "delta+ans"} & set(TaskPack.load(run.pack_path(0)).layer_codings().values())
-    run.write({
-        "run_id": "r" * 32,
-        "model": {"spec": "timm:test_resnet", "kwargs": {"in_chans": 1}},
-        "config": {},
-        "pools": {"file": "pools.safetensors", "sha256": pool_sha, "bytes": pools.nbytes},
-        "base": {"file": "base.nwspack", "sha256": base_sha, "num_classes": 3},
-        "tasks": [{"id": 0, "name": "t0", "num_classes": 3, "file": "tasks/task_0.nwspack", "sha256": sha, "metrics": {"val_acc": 0.5}}],
-    })
+    run.write(
+        {
+            "run_id": "r" * 32,
+            "model": {"spec": "timm:test_resnet", "kwargs": {"in_chans": 1}},
+            "config": {},
+            "pools": {"file": "pools.safetensors", "sha256": pool_sha, "bytes": pools.nbytes},
+            "base": {"file": "base.nwspack", "sha256": base_sha, "num_classes": 3},
+            "tasks": [
+                {
+                    "id": 0,
+                    "name": "t0",
+                    "num_classes": 3,
+                    "file": "tasks/task_0.nwspack",
+                    "sha256": sha,
+                    "metrics": {"val_acc": 0.5},
+                }
+            ],
+        }
+    )
     return root
 
 
@@ -67,7 +77,8 @@ def _same_pack(a: TaskPack, b: TaskPack) -> bool:
         and all(torch.equal(a.indices[k], b.indices[k]) for k in a.indices)
         and a.state.keys() == b.state.keys()
         and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
-        and (a.num_classes, a.pool_sha256, a.run_id, a.task, a.model_spec, a.meta) == (b.num_classes, b.pool_sha256, b.run_id, b.task, b.model_spec, b.meta)
+        and (a.num_classes, a.pool_sha256, a.run_id, a.task, a.model_spec, a.meta)
+        == (b.num_classes, b.pool_sha256, b.run_id, b.task, b.model_spec, b.meta)
     )
 
 
@@ -121,7 +132,12 @@ def test_truncation_and_garbage(files, tmp_path, rel, cut, tail):
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.sampled_from([10**6, 10**12, 2**62, -1, 0]) | st.floats(allow_nan=False) | st.text(max_size=12),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63)
+    | st.sampled_from([10**6, 10**12, 2**62, -1, 0])
+    | st.floats(allow_nan=False)
+    | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=6,
 )
@@ -196,6 +212,9 @@ def test_manifest_edits(files, tmp_path, pick, value, delete):
     try:
         loaded = load_task_files(run, run.read(), 0)
     except (NWSError, FileNotFoundError) as e:
-        assert any(name in str(e) for name in ("manifest.json", "task_0.nwspack", "pools.safetensors", "base.nwspack", str(copy))), str(e)
+        assert any(
+            name in str(e)
+            for name in ("manifest.json", "task_0.nwspack", "pools.safetensors", "base.nwspack", str(copy))
+        ), str(e)
         return
     assert _same_pools(loaded[0], original[0]) and _same_pack(loaded[1], original[1])

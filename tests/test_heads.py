@@ -8,8 +8,8 @@ import torch
 import torchvision
 
 import nwsconvert
-from nwsconvert.core.search import brute_force
 from nwsconvert import find_head, nws_layers, resize_head
+from nwsconvert.core.search import brute_force
 from nwsconvert.train.heads import head_classes
 
 

@@ -106,6 +106,7 @@ def test_encoder_picks_the_smallest_coding():
     n, bits = 512, 9
     uniform = torch.from_numpy(_skewed(n, 30_000, 0.0, seed=3))
     skewed = torch.from_numpy(_skewed(n, 30_000, 1.5, seed=4))
+
     def size(idx, base, coding):
         try:
             return encode_indices(idx, n, bits, base, codings=(coding,)).nbytes
@@ -136,14 +137,35 @@ def _hand_pack(seed, n=512, sizes=(4000, 900, 30), base=None, change_every=None)
     layers, indices = [], {}
     for i, count in enumerate(sizes):
         name = f"layer{i}"
-        layers.append({"name": name, "pool": name, "shape": [count, 1, 1, 1], "groups": 1, "vector_size": 1, "pool_size": n, "bits": math.ceil(math.log2(n)), "count": count, "role": "body"})
+        layers.append(
+            {
+                "name": name,
+                "pool": name,
+                "shape": [count, 1, 1, 1],
+                "groups": 1,
+                "vector_size": 1,
+                "pool_size": n,
+                "bits": math.ceil(math.log2(n)),
+                "count": count,
+                "role": "body",
+            }
+        )
         idx = torch.from_numpy(_skewed(n, count, 1.2 - 0.4 * i, seed=seed + i))
         if base is not None:
             idx = base.indices[name].clone()
             idx[::change_every] = torch.from_numpy(_skewed(n, idx[::change_every].numel(), 2.0, seed=seed + 10 + i))
         indices[name] = idx
     state = {"bn.running_mean": torch.arange(4, dtype=torch.float32)}
-    return nc.TaskPack(layers=layers, indices=indices, state=state, pool_sha256="a" * 64, num_classes=None, model_spec="hand", meta={"seed": seed}, base=base)
+    return nc.TaskPack(
+        layers=layers,
+        indices=indices,
+        state=state,
+        pool_sha256="a" * 64,
+        num_classes=None,
+        model_spec="hand",
+        meta={"seed": seed},
+        base=base,
+    )
 
 
 def test_delta_pack_finds_its_base(tmp_path):
@@ -199,7 +221,18 @@ def test_version_1_files_still_load(tmp_path):
     rows = pack.layers  # version 1 rows had no coding field
     tensors = {f"indices/{r['name']}": torch.from_numpy(pack_bits(pack.indices[r["name"]], r["bits"])) for r in rows}
     tensors.update({f"state/{k}": v for k, v in pack.state.items()})
-    write_tensors(tmp_path / "v1.nwspack", tensors, PACK_FORMAT, 1, pool_sha256=pack.pool_sha256, num_classes=None, model_spec="hand", layers=rows, state_keys=list(pack.state), meta={})
+    write_tensors(
+        tmp_path / "v1.nwspack",
+        tensors,
+        PACK_FORMAT,
+        1,
+        pool_sha256=pack.pool_sha256,
+        num_classes=None,
+        model_spec="hand",
+        layers=rows,
+        state_keys=list(pack.state),
+        meta={},
+    )
     loaded = nc.TaskPack.load(tmp_path / "v1.nwspack")
     assert all(torch.equal(loaded.indices[k], pack.indices[k]) for k in pack.indices)
     assert set(loaded.layer_codings().values()) == {"bits"} and loaded.layers == rows
@@ -229,7 +262,9 @@ def test_numpy_reader_decodes_what_torch_reads(tmp_path):
 
     torch_pack = nc.TaskPack.load(GOLDEN / "task.nwspack")
     arrays = read_pack_arrays(GOLDEN / "task.nwspack")
-    assert arrays.base is not None and arrays.base_sha256 == torch_pack.base.sha256 and arrays.sha256 == torch_pack.sha256
+    assert (
+        arrays.base is not None and arrays.base_sha256 == torch_pack.base.sha256 and arrays.sha256 == torch_pack.sha256
+    )
     assert arrays.indices.keys() == torch_pack.indices.keys()
     assert all(np.array_equal(arrays.indices[k], torch_pack.indices[k].numpy()) for k in arrays.indices)
     assert all(np.array_equal(arrays.state[k], torch_pack.state[k].numpy()) for k in torch_pack.state)

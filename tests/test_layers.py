@@ -15,9 +15,15 @@ from nwsconvert.core.search import brute_force
 
 def _small_net():
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8), nn.ReLU(),
-        nn.Conv2d(8, 16, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5),
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 5),
     )
 
 

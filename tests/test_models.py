@@ -11,16 +11,16 @@ the PyTorch model.
 
 from __future__ import annotations
 
-import pytest
-import torch
 import numpy as np
 import onnxruntime as ort
+import pytest
+import torch
 from model_zoo import TIMM_MODELS, build, export_input_size, input_size, torchvision_models
 
 import nwsconvert as nc
+from nwsconvert.conversion.graph import is_weight_layer
 from nwsconvert.export import export_onnx
 from nwsconvert.export.runtime import DISABLED_OPTIMIZERS
-from nwsconvert.conversion.graph import is_weight_layer
 
 MODELS = torchvision_models() + [f"timm:{m}" for m in TIMM_MODELS]
 POOL = 64  # small pools keep the sweep fast; pool-size behaviour is tested elsewhere
@@ -87,8 +87,16 @@ def test_convert_model(spec, tmp_path):
     # pad + MaxPool stem; see nwsconvert.export.runtime.DISABLED_OPTIMIZERS).
     s = export_input_size(spec)
     x = torch.randn(2, 3, s, s)
-    export_onnx(fresh, tmp_path / "task.onnx", tmp_path / "pools.safetensors", input_shape=(3, s, s), metadata={"nwsconvert.model": spec})
-    sess = ort.InferenceSession(str(tmp_path / "task.onnx"), providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS)
+    export_onnx(
+        fresh,
+        tmp_path / "task.onnx",
+        tmp_path / "pools.safetensors",
+        input_shape=(3, s, s),
+        metadata={"nwsconvert.model": spec},
+    )
+    sess = ort.InferenceSession(
+        str(tmp_path / "task.onnx"), providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
+    )
     y = sess.run(None, {"input": x.numpy()})[0]
     with torch.no_grad():
         ref = _logits(fresh(x)).numpy()

@@ -174,7 +174,9 @@ def test_float16_state_halves_the_state_and_round_trips_exactly(saved):
     assert full.state_bytes - half.state_bytes == 2 * n_float
     half.save(tmp / "half.nwspack")
     loaded = nc.TaskPack.load(tmp / "half.nwspack")
-    assert all(torch.equal(loaded.state[k], half.state[k]) and loaded.state[k].dtype == half.state[k].dtype for k in half.state)
+    assert all(
+        torch.equal(loaded.state[k], half.state[k]) and loaded.state[k].dtype == half.state[k].dtype for k in half.state
+    )
     fresh = nc.convert(_model(seed=1), pool_size=512, init=tmp / "pools.safetensors")
     nc.apply_task(fresh, loaded).eval()
     x = torch.randn(3, 3, 32, 32)

@@ -8,14 +8,13 @@ import re
 
 import pytest
 import torch
+from trainer_utils import tiny_model
 
 from nwsconvert import PoolSet, RunDir, TaskPack, extract_task, pool_set
-from nwsconvert.analysis.selection import analyse_run, index_entropy, layer_sparsity, layer_stats, selection_counts
-from nwsconvert.cli.report import report_main
 from nwsconvert.analysis.html import write_report
+from nwsconvert.analysis.selection import analyse_run, index_entropy, layer_sparsity, layer_stats, selection_counts
 from nwsconvert.analysis.summary import run_summary
-
-from trainer_utils import tiny_model
+from nwsconvert.cli.report import report_main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -30,8 +29,28 @@ FC_T1 = [0] * 9 + [1] * 3  # 3 classes: h = 9,3,0,0
 
 def _layers(classes: int) -> list[dict]:
     return [
-        {"name": "conv", "pool": "conv", "shape": [2, 8, 3, 3], "groups": 1, "vector_size": 9, "pool_size": 8, "bits": 3, "count": 16, "role": "stem"},
-        {"name": "fc", "pool": "fc", "shape": [classes, 4], "groups": 1, "vector_size": 1, "pool_size": 4, "bits": 2, "count": 4 * classes, "role": "head"},
+        {
+            "name": "conv",
+            "pool": "conv",
+            "shape": [2, 8, 3, 3],
+            "groups": 1,
+            "vector_size": 9,
+            "pool_size": 8,
+            "bits": 3,
+            "count": 16,
+            "role": "stem",
+        },
+        {
+            "name": "fc",
+            "pool": "fc",
+            "shape": [classes, 4],
+            "groups": 1,
+            "vector_size": 1,
+            "pool_size": 4,
+            "bits": 2,
+            "count": 4 * classes,
+            "role": "head",
+        },
     ]
 
 
@@ -62,13 +81,24 @@ def hand_run(tmp_path_factory):
             model_spec="hand:made",
         )
         sha = pack.save(run.pack_path(t))
-        tasks.append({"id": t, "name": f"hand{t}", "num_classes": classes, "file": f"tasks/task_{t}.nwspack", "sha256": sha, "metrics": {"val_acc": acc}})
-    run.write({
-        "model": {"spec": "hand:made"},
-        "data": {"suite": "hand"},
-        "pools": {"file": "pools.safetensors", "sha256": pools.sha256, "bytes": pools.nbytes},
-        "tasks": tasks,
-    })
+        tasks.append(
+            {
+                "id": t,
+                "name": f"hand{t}",
+                "num_classes": classes,
+                "file": f"tasks/task_{t}.nwspack",
+                "sha256": sha,
+                "metrics": {"val_acc": acc},
+            }
+        )
+    run.write(
+        {
+            "model": {"spec": "hand:made"},
+            "data": {"suite": "hand"},
+            "pools": {"file": "pools.safetensors", "sha256": pools.sha256, "bytes": pools.nbytes},
+            "tasks": tasks,
+        }
+    )
     return root
 
 
@@ -88,8 +118,16 @@ def test_layer_sparsity_reading_of_the_paper():
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
         selection_counts([4], 4)
     s = layer_stats(CONV_T0, 8)
-    assert s == {"kernels": 16, "pool_size": 8, "unique": 6, "kur": 0.75, "ls": 7 / 16, "max_rate": 5 / 16,
-                 "entropy_bits": pytest.approx(_entropy(5, 4, 3, 2, 1, 1), abs=1e-12), "counts": [5, 4, 3, 2, 1, 1, 0, 0]}
+    assert s == {
+        "kernels": 16,
+        "pool_size": 8,
+        "unique": 6,
+        "kur": 0.75,
+        "ls": 7 / 16,
+        "max_rate": 5 / 16,
+        "entropy_bits": pytest.approx(_entropy(5, 4, 3, 2, 1, 1), abs=1e-12),
+        "counts": [5, 4, 3, 2, 1, 1, 0, 0],
+    }
 
 
 def test_analysis_matches_hand_computed_numbers(hand_run):
@@ -113,11 +151,19 @@ def test_analysis_matches_hand_computed_numbers(hand_run):
     # Index bytes are what the pack file stores for each layer (3-bit/2-bit packing today).
     stored = [TaskPack.load(hand_run / f"tasks/task_{t}.nwspack").layer_index_bytes() for t in (0, 1)]
     assert a["index_bytes"] == [[stored[0]["conv"], stored[1]["conv"]], [stored[0]["fc"], stored[1]["fc"]]]
-    assert a["index_bits"] == [[8 * stored[0]["conv"] / 16, 8 * stored[1]["conv"] / 16], [8 * stored[0]["fc"] / 8, 8 * stored[1]["fc"] / 12]]
+    assert a["index_bits"] == [
+        [8 * stored[0]["conv"] / 16, 8 * stored[1]["conv"] / 16],
+        [8 * stored[0]["fc"] / 8, 8 * stored[1]["fc"] / 12],
+    ]
     assert all(isinstance(c, str) for row in a["coding"] for c in row)
     for t, classes in enumerate((2, 3)):
         conv, fc = stored[t]["conv"], stored[t]["fc"]
-        assert a["tasks"][t]["bytes"] == {"indices": conv, "state": 24, "head": fc + 4 * classes, "total": conv + fc + 24 + 4 * classes}
+        assert a["tasks"][t]["bytes"] == {
+            "indices": conv,
+            "state": 24,
+            "head": fc + 4 * classes,
+            "total": conv + fc + 24 + 4 * classes,
+        }
     # Same accounting as nws-info.
     summary = run_summary(hand_run)
     for row, t in zip(summary["tasks"], a["tasks"]):
@@ -137,8 +183,19 @@ def test_task_selection_and_errors(hand_run, tmp_path):
 def test_report_files_are_self_contained(hand_run, tmp_path):
     paths = write_report(hand_run, tmp_path / "rep")
     names = sorted(p.name for p in (tmp_path / "rep").iterdir())
-    assert names == sorted(["accuracy.png", "kur.png", "ls.png", "bytes_task.png", "bytes_layer.png",
-                            "selection_task_0.png", "selection_task_1.png", "analysis.json", "report.html"])
+    assert names == sorted(
+        [
+            "accuracy.png",
+            "kur.png",
+            "ls.png",
+            "bytes_task.png",
+            "bytes_layer.png",
+            "selection_task_0.png",
+            "selection_task_1.png",
+            "analysis.json",
+            "report.html",
+        ]
+    )
     for p in paths["figures"]:
         data = open(p, "rb").read()
         assert data.startswith(PNG) and len(data) > 2000
@@ -171,7 +228,10 @@ def test_cli(hand_run, tmp_path, capsys):
     assert report_main([str(tmp_path / "empty")]) == 2
     assert "no manifest.json" in capsys.readouterr().err
     assert report_main([str(hand_run), "--tasks", "0", "7"]) == 2
-    assert capsys.readouterr().err.strip() == f"nws-report: --tasks 7: run {hand_run} has no finished task 7; finished tasks: [0, 1]"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"nws-report: --tasks 7: run {hand_run} has no finished task 7; finished tasks: [0, 1]"
+    )
 
 
 def test_real_model_pack(tmp_path):
@@ -182,8 +242,22 @@ def test_real_model_pack(tmp_path):
     run = RunDir(tmp_path / "run")
     pool_sha = pool_set(model).save(run.pool_path)
     sha = extract_task(model).save(run.pack_path(0))
-    run.write({"model": {"spec": "timm:test_resnet"}, "pools": {"sha256": pool_sha, "bytes": pool_set(model).nbytes},
-               "tasks": [{"id": 0, "name": "t0", "num_classes": 3, "file": "tasks/task_0.nwspack", "sha256": sha, "metrics": {"val_acc": 0.5}}]})
+    run.write(
+        {
+            "model": {"spec": "timm:test_resnet"},
+            "pools": {"sha256": pool_sha, "bytes": pool_set(model).nbytes},
+            "tasks": [
+                {
+                    "id": 0,
+                    "name": "t0",
+                    "num_classes": 3,
+                    "file": "tasks/task_0.nwspack",
+                    "sha256": sha,
+                    "metrics": {"val_acc": 0.5},
+                }
+            ],
+        }
+    )
     a = analyse_run(run.path)
     pack = TaskPack.load(run.pack_path(0))
     assert [r["name"] for r in a["layers"]] == [r["name"] for r in pack.layers]
@@ -191,7 +265,9 @@ def test_real_model_pack(tmp_path):
         assert a["kur"][k][0] == len(torch.unique(pack.indices[r["name"]])) / 16
         assert a["kernels"][k][0] == r["count"] == sum(a["counts"][k][0])
     assert a["layers"][-1]["role"] == "head"
-    assert a["tasks"][0]["bytes"] == {k: run_summary(run.path)["tasks"][0][k] for k in ("indices", "state", "head", "total")}
+    assert a["tasks"][0]["bytes"] == {
+        k: run_summary(run.path)["tasks"][0][k] for k in ("indices", "state", "head", "total")
+    }
     assert sum(r["pool_bytes"] for r in a["layers"]) == a["pools_bytes"]
     paths = write_report(run.path)
     assert paths["html"] == str(run.path / "report" / "report.html")

@@ -131,7 +131,7 @@ def test_scalar_search_and_cells():
     # Values strictly inside a cell have that entry as unique nearest (checked above
     # through idx); exact midpoints are ties and lie in no cell.
     assert inside[:20000].float().mean() > 0.9
-    assert not inside[-mids.numel():].any()
+    assert not inside[-mids.numel() :].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -93,7 +93,11 @@ def test_harder_fashion_sequences(tmp_path):
     assert [t.num_classes for t in five.tasks] == [5, 5] and five.tasks[1].class_names[0] == "Sandal"
     hard = get_suite("split-fashion-mnist", root=str(tmp_path), pretrain_images=50, pairs="hard")
     assert [t.class_names for t in hard.tasks] == [
-        ["Shirt", "T-shirt/top"], ["Pullover", "Coat"], ["Coat", "Shirt"], ["Sneaker", "Sandal"], ["Sandal", "Ankle boot"]
+        ["Shirt", "T-shirt/top"],
+        ["Pullover", "Coat"],
+        ["Coat", "Shirt"],
+        ["Sneaker", "Sandal"],
+        ["Sandal", "Ankle boot"],
     ]
     labels = hard.tasks[0].train.tensors[1]
     assert sorted(labels.unique().tolist()) == [0, 1] and len(labels) == 2 * 15  # 20 per class, 5 for pool learning
@@ -110,7 +114,18 @@ def test_mixed_domain_sequence(tmp_path):
     for t in s.tasks:
         assert t.num_classes == 10 and len(t.train) == 300 and len(t.test) == 100
         assert tuple(t.train.tensors[0].shape[1:]) == (1, 28, 28)
-    assert s.tasks[1].class_names == ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+    assert s.tasks[1].class_names == [
+        "T-shirt/top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle boot",
+    ]
     with pytest.raises(ValueError, match="exceeds"):
         get_suite("mixed-domain", fashion_root=str(tmp_path), train_per_class=300, test_per_class=50)
 
@@ -164,7 +179,14 @@ def test_recipes_and_schedules():
     assert (c.lr, c.beta, c.epochs, c.milestones, c.momentum, c.batch_size) == (0.01, 0.5, 100, [50, 80], 0.9, 32)
     cub = get_recipe("cub-to-sketches", epochs=4)
     assert (cub.lr, cub.beta, cub.epochs) == (0.001, 0.1, 4)
-    assert [lr_factor(c, e) for e in (0, 49, 50, 79, 80, 99)] == [1, 1, 0.1, 0.1, pytest.approx(0.01), pytest.approx(0.01)]
+    assert [lr_factor(c, e) for e in (0, 49, 50, 79, 80, 99)] == [
+        1,
+        1,
+        0.1,
+        0.1,
+        pytest.approx(0.01),
+        pytest.approx(0.01),
+    ]
     cos = TrainConfig(schedule="cosine", epochs=4)
     assert [lr_factor(cos, e) for e in range(4)] == pytest.approx([1, 0.8535534, 0.5, 0.1464466])
     assert c.for_pools().milestones == [50, 80]

@@ -6,14 +6,13 @@ import json
 
 import pytest
 import torch
+from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
 import nwsconvert
 from nwsconvert import RunDir, TaskPack, Trainer, evaluate, nws_layers
 from nwsconvert.train.checkpoint import load_checkpoint
 from nwsconvert.train.heads import head_classes
 from nwsconvert.train.rundir import model_sha256
-
-from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +24,9 @@ def finished_run(tmp_path_factory):
     pre = blobs(64, 4, seed=1)
     pool_metrics = trainer.fit_pools(pre, blobs(32, 4, seed=2), num_classes=4)
     tasks = [(blobs(48, 3, seed=3), blobs(24, 3, seed=4)), (blobs(48, 2, seed=5), blobs(24, 2, seed=6))]
-    metrics = [trainer.fit_task(t, tr, te, tr.tensors[1].max().item() + 1, name=f"t{t}") for t, (tr, te) in enumerate(tasks)]
+    metrics = [
+        trainer.fit_task(t, tr, te, tr.tensors[1].max().item() + 1, name=f"t{t}") for t, (tr, te) in enumerate(tasks)
+    ]
     return out, trainer, tasks, metrics, pool_metrics
 
 
@@ -47,7 +48,11 @@ def test_run_directory_layout_and_manifest(finished_run):
         assert pack.num_classes == entry["num_classes"]
         # state_dtype=float16 (the default): the float32 state is stored in float16, and the bytes recorded say so
         assert {v.dtype for v in pack.state.values() if v.is_floating_point()} == {torch.float16}
-        assert entry["bytes"]["state"] == pack.state_bytes == sum(v.numel() * v.element_size() for v in pack.state.values())
+        assert (
+            entry["bytes"]["state"]
+            == pack.state_bytes
+            == sum(v.numel() * v.element_size() for v in pack.state.values())
+        )
     # The stage checkpoint is removed once its stage is recorded.
     assert not run.checkpoint_path.exists()
     log = run.read_log()
@@ -90,7 +95,9 @@ def test_task_heads_keep_rows_and_tasks_share_pools(finished_run):
 
 def test_next_task_starts_from_previous_chosen_kernels(tmp_path):
     model = tiny_model()
-    trainer = Trainer(model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer = Trainer(
+        model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False
+    )
     trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
     pack0 = TaskPack.load(tmp_path / "r" / "tasks" / "task_0.nwspack")
     # fit_task(1) with zero epochs of change would start from pack 0: check the start state directly.
@@ -103,7 +110,9 @@ def test_next_task_starts_from_previous_chosen_kernels(tmp_path):
 def test_without_pool_learning_the_converted_pools_are_the_run_pools(tmp_path):
     model = tiny_model()
     before = nwsconvert.pool_set(model).sha256
-    trainer = Trainer(model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer = Trainer(
+        model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False
+    )
     trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
     m = RunDir(tmp_path / "r").read()
     assert m["pools"]["sha256"] == before and m["pools"]["learned"] is False
@@ -111,7 +120,9 @@ def test_without_pool_learning_the_converted_pools_are_the_run_pools(tmp_path):
 
 def test_tasks_in_order_and_existing_runs_are_protected(tmp_path):
     model = tiny_model()
-    trainer = Trainer(model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer = Trainer(
+        model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False
+    )
     with pytest.raises(ValueError, match="next is 0, not 1"):
         trainer.fit_task(1, blobs(32, 2, 1), blobs(16, 2, 2), 2)
     with pytest.raises(FileExistsError, match="already holds a run"):
@@ -143,7 +154,9 @@ def test_resume_skips_finished_tasks_and_continues_from_checkpoint(tmp_path):
     assert m["rebuilt_acc"] == m["val_acc"]
     resumed = [r for r in run.read_log() if r.get("event") == "resumed"]
     assert resumed and resumed[-1]["stage"] == "task:1" and resumed[-1]["epoch"] == 1
-    epochs = [r["epoch"] for r in run.read_log() if r.get("stage") == "task:1" and "train_loss" in r and "event" not in r]
+    epochs = [
+        r["epoch"] for r in run.read_log() if r.get("stage") == "task:1" and "train_loss" in r and "event" not in r
+    ]
     assert epochs == [1, 2]  # epoch 1 from the first process, epoch 2 after the resume
 
 
@@ -152,7 +165,9 @@ def test_a_stage_killed_after_its_last_checkpoint_keeps_its_metrics(tmp_path, mo
     still report the trained epoch's metrics, equal to an uninterrupted run's."""
     cfg = tiny_config(epochs=2)
     train, val = blobs(32, 2, 1), blobs(16, 2, 2)
-    ref = Trainer(tiny_model(), tmp_path / "ref", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False).fit_task(0, train, val, 2)
+    ref = Trainer(tiny_model(), tmp_path / "ref", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False).fit_task(
+        0, train, val, 2
+    )
 
     class Killed(BaseException):
         pass
@@ -181,7 +196,14 @@ def test_a_stage_killed_after_its_last_checkpoint_keeps_its_metrics(tmp_path, mo
 @pytest.mark.parametrize("how", ["original", "random"])
 def test_task_init_options(tmp_path, how):
     model = tiny_model()
-    trainer = Trainer(model, tmp_path / "r", tiny_config(epochs=1, task_init=how), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer = Trainer(
+        model,
+        tmp_path / "r",
+        tiny_config(epochs=1, task_init=how),
+        model_spec=SPEC,
+        model_kwargs=KWARGS,
+        progress=False,
+    )
     trainer.fit_pools(blobs(32, 4, 1), num_classes=4)
     base = {l.name: l.weight.detach().clone() for l in nws_layers(trainer.model)}
     trainer._enter_task_state(None)
@@ -207,11 +229,17 @@ def test_ema_pool_update_moves_pools_and_adam(tmp_path):
 def test_gradient_pool_learning_moves_pools_and_reseeds(tmp_path):
     model = tiny_model()
     before = nwsconvert.pool_set(model).sha256
-    trainer = Trainer(model, tmp_path / "r", tiny_config(pool_epochs=3), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer = Trainer(
+        model, tmp_path / "r", tiny_config(pool_epochs=3), model_spec=SPEC, model_kwargs=KWARGS, progress=False
+    )
     trainer.fit_pools(blobs(64, 4, 1), num_classes=4)
     assert RunDir(tmp_path / "r").read()["pools"]["sha256"] != before
     assert all(l.nws.mode == "task" for l in nws_layers(trainer.model))  # pools frozen again afterwards
-    log = [r for r in RunDir(tmp_path / "r").read_log() if r.get("stage") == "pools" and "train_loss" in r and "event" not in r]
+    log = [
+        r
+        for r in RunDir(tmp_path / "r").read_log()
+        if r.get("stage") == "pools" and "train_loss" in r and "event" not in r
+    ]
     assert len(log) == 3 and all("reseeded" in r for r in log[:-1])
 
 
@@ -237,7 +265,14 @@ def test_manifest_errors_name_the_directory(tmp_path):
 def test_pack_base_options(tmp_path, how):
     """``pack_base`` decides what the packs are delta-coded against; every choice decodes to the same
     indices as the trained model, and a task's base is never delta-coded itself."""
-    trainer = Trainer(tiny_model(), tmp_path / "r", tiny_config(epochs=1, pack_base=how), model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    trainer = Trainer(
+        tiny_model(),
+        tmp_path / "r",
+        tiny_config(epochs=1, pack_base=how),
+        model_spec=SPEC,
+        model_kwargs=KWARGS,
+        progress=False,
+    )
     trained = []
     for t in range(2):
         trainer.fit_task(t, blobs(32, 2, 5 + t), blobs(16, 2, 7 + t), 2)
@@ -249,7 +284,10 @@ def test_pack_base_options(tmp_path, how):
         assert pack.base is None or pack.base.base_sha256 is None
         assert pack.content_sha256() == trained[t]
     if how == "pools":  # task 0 keeps most of the choices made in pool learning: stored as changes
-        assert any(c.startswith("delta") for c in TaskPack.load(tmp_path / "r" / "tasks" / "task_0.nwspack").layer_codings().values())
+        assert any(
+            c.startswith("delta")
+            for c in TaskPack.load(tmp_path / "r" / "tasks" / "task_0.nwspack").layer_codings().values()
+        )
     with pytest.raises(ValueError, match="pack_base"):
         tiny_config(pack_base="task1")
 
@@ -258,7 +296,9 @@ class DefaultNet(torch.nn.Sequential):
     """A user's own model class whose constructor needs no arguments."""
 
     def __init__(self, num_classes: int = 3):
-        super().__init__(torch.nn.Conv2d(1, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, num_classes))
+        super().__init__(
+            torch.nn.Conv2d(1, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, num_classes)
+        )
 
 
 def test_recorded_spec_of_a_plain_class_rebuilds_it_or_says_what_to_do():
@@ -281,7 +321,13 @@ def test_recorded_spec_of_a_plain_class_rebuilds_it_or_says_what_to_do():
 
 def test_a_diverging_stage_stops_with_one_line(tmp_path):
     """The running loss is read back every few steps and at the end of each epoch: a NaN or inf stops the stage."""
-    trainer = Trainer(tiny_model(), tmp_path / "r", tiny_config(epochs=2, lr=1e30), model_spec=SPEC, model_kwargs=KWARGS,
-                      progress=False)
+    trainer = Trainer(
+        tiny_model(),
+        tmp_path / "r",
+        tiny_config(epochs=2, lr=1e30),
+        model_spec=SPEC,
+        model_kwargs=KWARGS,
+        progress=False,
+    )
     with pytest.raises(FloatingPointError, match=r"task:0: loss is (nan|inf) at epoch 1: lower the learning rate"):
         trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
 import nwsconvert
 from nwsconvert import Trainer
@@ -30,18 +29,24 @@ from nwsconvert.errors import FormatError, NWSError, PackMismatchError, RunLocke
 from nwsconvert.export import Runtime, export_bundle
 from nwsconvert.export.cli import infer_main
 from nwsconvert.formats.packs import PACK_FORMAT, PACK_VERSION
-from nwsconvert.train.rundir import model_sha256
-from nwsconvert.train.runlock import RunLock
 from nwsconvert.formats.stfile import read_header
 from nwsconvert.formats.storage import atomic_write_bytes, read_tensors, write_tensors
-
-from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
+from nwsconvert.train.rundir import model_sha256
+from nwsconvert.train.runlock import RunLock
 
 DATA = {"channels": 1, "input_size": [16, 16], "mean": [0.5], "std": [0.25]}
 
 
 def _train(out: Path, seed: int) -> Path:
-    with Trainer(tiny_model(seed=seed), out, tiny_config(epochs=1, seed=seed), model_spec=SPEC, model_kwargs=KWARGS, data_info=DATA, progress=False) as trainer:
+    with Trainer(
+        tiny_model(seed=seed),
+        out,
+        tiny_config(epochs=1, seed=seed),
+        model_spec=SPEC,
+        model_kwargs=KWARGS,
+        data_info=DATA,
+        progress=False,
+    ) as trainer:
         trainer.fit_pools(blobs(32, 4, seed=seed), num_classes=4)
         for t, classes in enumerate((3, 2)):
             trainer.fit_task(t, blobs(32, classes, 10 + t + seed), blobs(16, classes, 20 + t), classes, name=f"t{t}")
@@ -85,14 +90,26 @@ def test_a_manifest_spec_never_runs_code(run_a, tmp_path):
     with pytest.raises(UntrustedCodeError, match=r"manifest.json: .*'subprocess:getoutput'.*trust_code=True"):
         nwsconvert.load(run_a, task=0)
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from nwsconvert.export.cli import export_main; sys.exit(export_main(sys.argv[1:]))", str(run_a), "--task", "0", "--onnx", "--out", str(tmp_path / "b")],
+        [
+            sys.executable,
+            "-c",
+            "import sys; from nwsconvert.export.cli import export_main; sys.exit(export_main(sys.argv[1:]))",
+            str(run_a),
+            "--task",
+            "0",
+            "--onnx",
+            "--out",
+            str(tmp_path / "b"),
+        ],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 1 and "--trust-code" in proc.stderr and "Traceback" not in proc.stderr
     job = {"model": "subprocess:getoutput", "model_kwargs": {"cmd": f"touch {sentinel}"}, "out": str(run_a)}
     _edit_manifest(run_a, lambda m: m["data"].update(job=job))
-    resumed = subprocess.run([sys.executable, "-m", "nwsconvert.cli.train", "--resume", f"out={run_a}"], capture_output=True, text=True)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "nwsconvert.cli.train", "--resume", f"out={run_a}"], capture_output=True, text=True
+    )
     assert resumed.returncode != 0 and "--trust-code" in resumed.stderr and "Traceback" not in resumed.stderr
     assert not sentinel.exists()
 
@@ -129,7 +146,13 @@ def test_a_manifest_from_before_conversion_configs_still_loads(run_a):
     def to_v2(m):
         conv = m["model"]["convert"]
         m["version"] = 2
-        m["model"]["convert"] = {"pool_size": conv["pool_size"], "group_size": conv["group_size"], "skip": [], "layer_pool_size": {}, "layer_group_size": {}}
+        m["model"]["convert"] = {
+            "pool_size": conv["pool_size"],
+            "group_size": conv["group_size"],
+            "skip": [],
+            "layer_pool_size": {},
+            "layer_group_size": {},
+        }
 
     _edit_manifest(run_a, to_v2)
     with torch.no_grad():
@@ -158,7 +181,9 @@ def test_a_model_entry_that_cannot_be_built_names_the_manifest(run_a, edit, matc
 def test_null_and_mistyped_manifest_fields_are_read_or_named(run_a, tmp_path):
     from nwsconvert.analysis.summary import format_summary, run_summary
 
-    _edit_manifest(run_a, lambda m: (m.update(data=None), m["tasks"][0]["metrics"].pop("val_acc"), m["pools"].update(bytes=None)))
+    _edit_manifest(
+        run_a, lambda m: (m.update(data=None), m["tasks"][0]["metrics"].pop("val_acc"), m["pools"].update(bytes=None))
+    )
     text = format_summary(run_summary(run_a))
     assert "n/a" in text and "pool set (shared)" in text
     export_bundle(run_a, tmp_path / "b", 0)  # data null: exported with defaults
@@ -194,9 +219,13 @@ def test_swapped_and_foreign_packs_are_refused_by_name(runs, run_a):
         nwsconvert.TaskPack.load(tasks / "task_0.nwspack", task=0)
     own = nwsconvert.TaskPack.load(b / "tasks" / "task_0.nwspack")  # another run's pack, read on its own
     with pytest.raises(PackMismatchError, match="run is"):
-        nwsconvert.TaskPack.load(b / "tasks" / "task_0.nwspack", run_id=json.loads((run_a / "manifest.json").read_text())["run_id"])
+        nwsconvert.TaskPack.load(
+            b / "tasks" / "task_0.nwspack", run_id=json.loads((run_a / "manifest.json").read_text())["run_id"]
+        )
     with pytest.raises(PackMismatchError, match="pool set"):
-        nwsconvert.TaskPack.load(b / "tasks" / "task_0.nwspack", pool_sha256=nwsconvert.PoolSet.load(run_a / "pools.safetensors").sha256)
+        nwsconvert.TaskPack.load(
+            b / "tasks" / "task_0.nwspack", pool_sha256=nwsconvert.PoolSet.load(run_a / "pools.safetensors").sha256
+        )
     assert own.task == 0 and own.run_id is not None
 
 
@@ -282,7 +311,12 @@ def test_a_crafted_bits_layer_cannot_claim_more_indices_than_its_bytes(run_a):
     pack = nwsconvert.TaskPack.load(path)
     bits_layer = next(i for i, c in enumerate(pack.layer_codings().values()) if c == "bits")
     shape = pack.layers[bits_layer]["shape"]
-    _rewrite(path, lambda h: h["layers"][bits_layer].update(shape=[shape[0] * 1000, *shape[1:]], count=pack.layers[bits_layer]["count"] * 1000))
+    _rewrite(
+        path,
+        lambda h: h["layers"][bits_layer].update(
+            shape=[shape[0] * 1000, *shape[1:]], count=pack.layers[bits_layer]["count"] * 1000
+        ),
+    )
     with pytest.raises(FormatError, match=f"indices/{pack.layers[bits_layer]['name']}.*bytes"):
         nwsconvert.TaskPack.load(path)
 
@@ -462,7 +496,17 @@ def test_resume_before_the_manifest_starts_the_run_and_cleans_temporaries(tmp_pa
 
     out = tmp_path / "r"
     out.mkdir()
-    job = resolve_job(["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1", "tasks=1", "progress=false", f"out={out}"])
+    job = resolve_job(
+        [
+            "model=timm:test_resnet",
+            "pool_size=32",
+            "pool_epochs=1",
+            "epochs=1",
+            "tasks=1",
+            "progress=false",
+            f"out={out}",
+        ]
+    )
     (out / JOB_FILE).write_text(json.dumps(job))  # what a run killed during startup leaves
     (out / "checkpoints").mkdir()
     stale = out / "checkpoints" / ".base_weights.safetensors.x1y2.tmp"
@@ -490,14 +534,22 @@ def test_disk_full_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
         return 0
 
     assert run_cli("nws-train", job, [], resume_hint="run the same command with --resume") == 1
-    assert capsys.readouterr().err == f"nws-train: disk full while writing {target}: free space and run the same command with --resume\n"
+    assert (
+        capsys.readouterr().err
+        == f"nws-train: disk full while writing {target}: free space and run the same command with --resume\n"
+    )
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     if sys.platform != "linux" or os.geteuid() != 0:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_disk_full_on_a_small_tmpfs_then_resume(tmp_path):
@@ -505,7 +557,15 @@ def test_disk_full_on_a_small_tmpfs_then_resume(tmp_path):
     if not _mount_tmpfs(mnt, "160k"):
         pytest.skip("no tmpfs can be mounted here (needs root on Linux)")
     try:
-        args = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1", "tasks=1", "progress=false", f"out={mnt / 'r'}"]
+        args = [
+            "model=timm:test_resnet",
+            "pool_size=32",
+            "pool_epochs=1",
+            "epochs=1",
+            "tasks=1",
+            "progress=false",
+            f"out={mnt / 'r'}",
+        ]
         full = subprocess.run([sys.executable, "-m", "nwsconvert.cli.train", *args], capture_output=True, text=True)
         assert full.returncode == 1, full.stderr[-2000:]
         assert "disk full while writing" in full.stderr and "Traceback" not in full.stderr
@@ -513,7 +573,11 @@ def test_disk_full_on_a_small_tmpfs_then_resume(tmp_path):
         if (mnt / "r" / "manifest.json").exists():
             nwsconvert.RunDir(mnt / "r").read()  # the manifest stayed valid
         subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
-        done = subprocess.run([sys.executable, "-m", "nwsconvert.cli.train", "--resume", f"out={mnt / 'r'}"], capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "nwsconvert.cli.train", "--resume", f"out={mnt / 'r'}"],
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         assert [t["id"] for t in nwsconvert.RunDir(mnt / "r").read()["tasks"]] == [0]
     finally:
@@ -528,7 +592,9 @@ _PROBE = (
 
 
 def _probe(mod: str, fn: str, args: list[str]):
-    return subprocess.run([sys.executable, "-c", _PROBE.format(mod=mod, fn=fn), *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE.format(mod=mod, fn=fn), *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def _bad_values(tmp_path: Path):
@@ -579,8 +645,18 @@ def test_other_commands_refuse_bad_paths_in_one_line(runs, tmp_path):
         ("export.cli", "export_main", [str(afile), "--task", "0"], "is a file, not a run directory"),
         ("export.cli", "export_main", [str(a), "--task", "9"], "no finished task 9"),
         ("cli.report", "report_main", [str(tmp_path / "none")], "does not exist"),
-        ("export.cli", "infer_main", ["--bundle", str(a / "export"), "--task", "0", str(afile)], "cannot read it as an image"),
-        ("export.cli", "infer_main", ["--bundle", str(a / "export"), "--task", "0", str(tmp_path / "none.png")], "no such image file"),
+        (
+            "export.cli",
+            "infer_main",
+            ["--bundle", str(a / "export"), "--task", "0", str(afile)],
+            "cannot read it as an image",
+        ),
+        (
+            "export.cli",
+            "infer_main",
+            ["--bundle", str(a / "export"), "--task", "0", str(tmp_path / "none.png")],
+            "no such image file",
+        ),
         ("export.cli", "infer_main", ["--bundle", str(afile), "--task", "0"], "is a file, not a bundle folder"),
     ):
         proc = _probe(mod, fn, args)
@@ -590,7 +666,11 @@ def test_other_commands_refuse_bad_paths_in_one_line(runs, tmp_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "nwsconvert.cli.train", "pool_size=abc", f"out={tmp_path}", "--debug"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nwsconvert.cli.train", "pool_size=abc", f"out={tmp_path}", "--debug"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "UsageError" in proc.stderr
 
 
@@ -599,7 +679,9 @@ def test_version_2_packs_still_load_and_verify_their_content(run_a):
     path = run_a / "tasks" / "task_0.nwspack"
     base = nwsconvert.TaskPack.load(run_a / "base.nwspack")
     tensors, header = read_tensors(path, PACK_FORMAT, PACK_VERSION)
-    fields = {k: v for k, v in header.items() if k not in ("format", "version", "sha256", "header_sha256", "run_id", "task")}
+    fields = {
+        k: v for k, v in header.items() if k not in ("format", "version", "sha256", "header_sha256", "run_id", "task")
+    }
     old = run_a / "tasks" / "old.nwspack"
     write_tensors(old, tensors, PACK_FORMAT, 2, **fields)
     _rewrite(old, lambda h: h.pop("header_sha256"), keep_hashes=True)  # as version 2 wrote them

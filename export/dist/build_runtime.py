@@ -46,6 +46,15 @@ KEEP = ("numpy", "constriction", "onnxruntime", "onnxruntime-gpu")
 EXTRA = ["pillow>=9"]
 
 
+def library_version() -> str:
+    """``nwsconvert.__version__``, read from its one place without importing the package."""
+    text = (ROOT / "nwsconvert" / "__init__.py").read_text()
+    found = re.search(r'^__version__ = "([^"]+)"$', text, re.M)
+    if found is None:
+        raise RuntimeError("nwsconvert/__init__.py has no __version__ line")
+    return found.group(1)
+
+
 def runtime_pyproject() -> str:
     """The runtime distribution's ``pyproject.toml``, derived from the main one."""
     try:
@@ -61,7 +70,7 @@ def runtime_pyproject() -> str:
         "",
         "[project]",
         'name = "nwsconvert-runtime"',
-        f'version = "{main["version"]}"',
+        f'version = "{library_version()}"',
         'description = "Run nwsconvert deployment bundles with onnxruntime, without torch: Runtime, nws-infer, bundle and pack readers."',
         f'requires-python = "{main["requires-python"]}"',
         "dependencies = [",

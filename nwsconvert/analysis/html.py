@@ -25,12 +25,12 @@ import html
 import io
 import json
 import os
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
-from .selection import analyse_run
 from ..conversion.report import format_bytes
 from ..formats.storage import atomic_write_bytes
+from .selection import analyse_run
 
 __all__ = [
     "heatmap_figure",
@@ -69,8 +69,14 @@ def _task_ticks(ax, tasks: list[dict], width: int = 14) -> None:
         name = str(t["name"])
         name = name if len(name) <= width else name[: width - 1] + "…"
         labels.append(f"{t['id']}: {name}" if many else f"{t['id']}\n{name}")
-    ax.set_xticks(range(len(tasks)), labels, fontsize=8, rotation=40 if many else 0, ha="right" if many else "center",
-                  rotation_mode="anchor")
+    ax.set_xticks(
+        range(len(tasks)),
+        labels,
+        fontsize=8,
+        rotation=40 if many else 0,
+        ha="right" if many else "center",
+        rotation_mode="anchor",
+    )
 
 
 def _byte_formatter(compact: bool = False):
@@ -87,7 +93,9 @@ def _byte_formatter(compact: bool = False):
     return FuncFormatter(lambda v, _pos: "0" if v <= 0 else short(v) if compact else format_bytes(v))
 
 
-def heatmap_figure(values: list[list], layers: Sequence[str], tasks: list[dict], title: str, label: str, vmax: float | None = None):
+def heatmap_figure(
+    values: list[list], layers: Sequence[str], tasks: list[dict], title: str, label: str, vmax: float | None = None
+):
     """A layers × tasks heatmap (paper Fig. 4 style).
 
     Args:
@@ -102,13 +110,19 @@ def heatmap_figure(values: list[list], layers: Sequence[str], tasks: list[dict],
     """
     import numpy as np
 
-    data = np.array([[np.nan if v is None else float(v) for v in row] for row in values], dtype=float).reshape(len(layers), len(tasks))
+    data = np.array([[np.nan if v is None else float(v) for v in row] for row in values], dtype=float).reshape(
+        len(layers), len(tasks)
+    )
     n_l, n_t = data.shape
     annotate = n_t <= 24 and n_l <= 80
-    fig = _figure(max(5.0, 1.6 + 0.62 * n_t + 0.07 * max((len(s) for s in layers), default=0)), max(3.0, 1.3 + 0.3 * n_l))
+    fig = _figure(
+        max(5.0, 1.6 + 0.62 * n_t + 0.07 * max((len(s) for s in layers), default=0)), max(3.0, 1.3 + 0.3 * n_l)
+    )
     ax = fig.add_subplot()
     hi = vmax if vmax is not None else 1.0
-    im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap="viridis", vmin=0.0, vmax=hi, interpolation="nearest")
+    im = ax.imshow(
+        np.ma.masked_invalid(data), aspect="auto", cmap="viridis", vmin=0.0, vmax=hi, interpolation="nearest"
+    )
     _task_ticks(ax, tasks)
     ax.set_yticks(range(n_l), list(layers), fontsize=8)
     ax.set_xlabel("task (id, name)")
@@ -145,8 +159,9 @@ def selection_figure(analysis: dict, task: int):
     # Fixed margins in inches instead of constrained layout: half the drawing time for 20+ subplots.
     width, height = 3.4 * cols, 0.9 + 2.0 * rows
     fig = _figure(width, height, layout=None)
-    fig.subplots_adjust(left=0.65 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.95 / height,
-                        wspace=0.28, hspace=0.75)
+    fig.subplots_adjust(
+        left=0.65 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.95 / height, wspace=0.28, hspace=0.75
+    )
     axes = fig.subplots(rows, cols, squeeze=False)
     for k, layer in enumerate(layers):
         ax = axes[k // cols][k % cols]
@@ -224,8 +239,15 @@ def bytes_layer_figure(analysis: dict):
     fig = _figure(max(6.5, 3.5 + 0.07 * max((len(s) for s in names), default=0)), max(3.0, 1.7 + 0.32 * len(layers)))
     ax = fig.add_subplot()
     y = np.arange(len(layers))
-    ax.barh(y - 0.2, mean, height=0.4, color=_COLORS["indices"], label="indices, per task (mean; min-max whiskers)",
-            xerr=np.vstack([mean - lo, hi - mean]) if (hi > lo).any() else None, error_kw={"elinewidth": 0.8, "capsize": 2})
+    ax.barh(
+        y - 0.2,
+        mean,
+        height=0.4,
+        color=_COLORS["indices"],
+        label="indices, per task (mean; min-max whiskers)",
+        xerr=np.vstack([mean - lo, hi - mean]) if (hi > lo).any() else None,
+        error_kw={"elinewidth": 0.8, "capsize": 2},
+    )
     ax.barh(y + 0.2, pool, height=0.4, color=_COLORS["pool"], label="pool, shared by all tasks")
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(_byte_formatter(compact=True))
@@ -256,8 +278,15 @@ def accuracy_figure(analysis: dict):
     for i, a in enumerate(acc):
         if a is not None:  # inside the bar's top, clear of the mean line
             inside = a > 12
-            ax.text(i, a - 1.5 if inside else a + 1, f"{a:.1f}", ha="center", va="top" if inside else "bottom",
-                    fontsize=8, color="white" if inside else "black")
+            ax.text(
+                i,
+                a - 1.5 if inside else a + 1,
+                f"{a:.1f}",
+                ha="center",
+                va="top" if inside else "bottom",
+                fontsize=8,
+                color="white" if inside else "black",
+            )
     title = "Accuracy per task"
     if analysis.get("avg_acc") is not None:
         mean = 100 * analysis["avg_acc"]
@@ -283,8 +312,24 @@ def render_figures(analysis: dict) -> dict[str, bytes]:
     tasks = analysis["tasks"]
     out = {
         "accuracy.png": _png(accuracy_figure(analysis)),
-        "kur.png": _png(heatmap_figure(analysis["kur"], names, tasks, "Kernel utilisation ratio KUR\n(pool entries chosen at least once / pool size)", "KUR")),
-        "ls.png": _png(heatmap_figure(analysis["ls"], names, tasks, "Layer sparsity LS\n(share of kernels whose pool entry is chosen < √d times)", "LS")),
+        "kur.png": _png(
+            heatmap_figure(
+                analysis["kur"],
+                names,
+                tasks,
+                "Kernel utilisation ratio KUR\n(pool entries chosen at least once / pool size)",
+                "KUR",
+            )
+        ),
+        "ls.png": _png(
+            heatmap_figure(
+                analysis["ls"],
+                names,
+                tasks,
+                "Layer sparsity LS\n(share of kernels whose pool entry is chosen < √d times)",
+                "LS",
+            )
+        ),
         "bytes_task.png": _png(bytes_task_figure(analysis)),
         "bytes_layer.png": _png(bytes_layer_figure(analysis)),
     }
@@ -343,11 +388,30 @@ def render_html(analysis: dict, figures: dict[str, bytes]) -> str:
         f"<style>{_CSS}</style></head><body>",
         f"<h1>Neural Weight Search report: {html.escape(a['run'])}</h1>",
         _table(
-            ("model", "suite", "tasks", "NWS layers", "pool set (shared)", "base pack (shared)", "all tasks + shared", "mean accuracy"),
-            [(a["model"], a["suite"], len(tasks), len(names), format_bytes(a["pools_bytes"]),
-              "not needed" if a.get("base_bytes") is None else format_bytes(a["base_bytes"]),
-              format_bytes(a["pools_bytes"] + (a.get("base_bytes") or 0) + sum(t["bytes"]["total"] for t in tasks)),
-              _f(None if a["avg_acc"] is None else 100 * a["avg_acc"], "{:.2f}%"))],
+            (
+                "model",
+                "suite",
+                "tasks",
+                "NWS layers",
+                "pool set (shared)",
+                "base pack (shared)",
+                "all tasks + shared",
+                "mean accuracy",
+            ),
+            [
+                (
+                    a["model"],
+                    a["suite"],
+                    len(tasks),
+                    len(names),
+                    format_bytes(a["pools_bytes"]),
+                    "not needed" if a.get("base_bytes") is None else format_bytes(a["base_bytes"]),
+                    format_bytes(
+                        a["pools_bytes"] + (a.get("base_bytes") or 0) + sum(t["bytes"]["total"] for t in tasks)
+                    ),
+                    _f(None if a["avg_acc"] is None else 100 * a["avg_acc"], "{:.2f}%"),
+                )
+            ],
             left=2,
         ),
         "<h2>Accuracy and bytes per task</h2>",
@@ -356,9 +420,16 @@ def render_html(analysis: dict, figures: dict[str, bytes]) -> str:
         _table(
             ("task", "name", "classes", "accuracy", "indices", "BN / state", "head", "total"),
             [
-                (t["id"], t["name"], t["classes"], _f(None if t["acc"] is None else 100 * t["acc"], "{:.2f}%"),
-                 format_bytes(t["bytes"]["indices"]), format_bytes(t["bytes"]["state"]),
-                 format_bytes(t["bytes"]["head"]), format_bytes(t["bytes"]["total"]))
+                (
+                    t["id"],
+                    t["name"],
+                    t["classes"],
+                    _f(None if t["acc"] is None else 100 * t["acc"], "{:.2f}%"),
+                    format_bytes(t["bytes"]["indices"]),
+                    format_bytes(t["bytes"]["state"]),
+                    format_bytes(t["bytes"]["head"]),
+                    format_bytes(t["bytes"]["total"]),
+                )
                 for t in tasks
             ],
             left=2,
@@ -378,13 +449,35 @@ def render_html(analysis: dict, figures: dict[str, bytes]) -> str:
         "<h2>Bytes per layer</h2>",
         fig("bytes_layer.png", "bytes per layer"),
         _table(
-            ("layer", "role", "shape", "kernels d", "pool n", "fixed bits", "coding", "stored bits/kernel",
-             "entropy bits/kernel", "index bytes", "pool bytes", "max SR"),
+            (
+                "layer",
+                "role",
+                "shape",
+                "kernels d",
+                "pool n",
+                "fixed bits",
+                "coding",
+                "stored bits/kernel",
+                "entropy bits/kernel",
+                "index bytes",
+                "pool bytes",
+                "max SR",
+            ),
             [
-                (r["name"], r["role"], "×".join(map(str, r["shape"])), _f(_first(a["kernels"][k]), "{:,}"), r["pool_size"],
-                 r["bits"], " / ".join(sorted({c for c in a["coding"][k] if c is not None})) or "–",
-                 _f(_mean(a["index_bits"][k]), "{:.2f}"), _f(_mean(a["entropy_bits"][k]), "{:.2f}"),
-                 format_bytes(_mean(a["index_bytes"][k])), format_bytes(r["pool_bytes"]), _f(_max(a["max_rate"][k]), "{:.3f}"))
+                (
+                    r["name"],
+                    r["role"],
+                    "×".join(map(str, r["shape"])),
+                    _f(_first(a["kernels"][k]), "{:,}"),
+                    r["pool_size"],
+                    r["bits"],
+                    " / ".join(sorted({c for c in a["coding"][k] if c is not None})) or "–",
+                    _f(_mean(a["index_bits"][k]), "{:.2f}"),
+                    _f(_mean(a["entropy_bits"][k]), "{:.2f}"),
+                    format_bytes(_mean(a["index_bytes"][k])),
+                    format_bytes(r["pool_bytes"]),
+                    _f(_max(a["max_rate"][k]), "{:.3f}"),
+                )
                 for k, r in enumerate(a["layers"])
             ],
             left=3,
@@ -423,7 +516,9 @@ def _max(row):
     return max(k) if k else None
 
 
-def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, tasks: Sequence[int] | None = None) -> dict:
+def write_report(
+    run_dir: str | os.PathLike, out: str | os.PathLike | None = None, tasks: Sequence[int] | None = None
+) -> dict:
     """Analyse a run and write its PNGs, ``analysis.json`` and ``report.html`` into ``out``.
 
     Args:

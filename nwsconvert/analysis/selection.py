@@ -131,7 +131,11 @@ def _pool_bytes(run: RunDir, layers: list[dict]) -> dict[str, int]:
         out = {}
         for r in layers:
             key = r.get("pool", r["name"])
-            out[r["name"]] = pools[key].numel() * pools[key].element_size() if key in pools else 4 * r["pool_size"] * r["vector_size"]
+            out[r["name"]] = (
+                pools[key].numel() * pools[key].element_size()
+                if key in pools
+                else 4 * r["pool_size"] * r["vector_size"]
+            )
         return out
     return {r["name"]: 4 * r["pool_size"] * r["vector_size"] for r in layers}
 
@@ -194,7 +198,9 @@ def analyse_run(run_dir: str | os.PathLike, tasks: Sequence[int] | None = None) 
         for row in layers:
             row["pool_bytes"] = pool_bytes[row["name"]]
     keys = ("kernels", "unique", "kur", "ls", "max_rate", "entropy_bits", "counts")
-    grid: dict[str, list[list]] = {k: [[None] * len(packs) for _ in layers] for k in (*keys, "index_bytes", "index_bits", "coding")}
+    grid: dict[str, list[list]] = {
+        k: [[None] * len(packs) for _ in layers] for k in (*keys, "index_bytes", "index_bits", "coding")
+    }
     for t, pack in enumerate(packs):
         rows = {r["name"]: r for r in pack.layers}
         index_bytes = pack.layer_index_bytes()

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import os
 
-from ..formats.packs import TaskPack
 from ..conversion.report import format_bytes
+from ..formats.packs import TaskPack
 from ..train.rundir import RunDir
 
 __all__ = ["run_summary", "format_summary", "shared_base_bytes", "task_bytes"]
@@ -143,7 +143,9 @@ def format_summary(s: dict) -> str:
     ]
     out += [line(r) for r in rows]
     out.append("")
-    out.append(f"pool set (shared)        {format_bytes(s['pools_bytes'])}   (file {format_bytes(s.get('pools_file_bytes', 0))} with its header)")
+    out.append(
+        f"pool set (shared)        {format_bytes(s['pools_bytes'])}   (file {format_bytes(s.get('pools_file_bytes', 0))} with its header)"
+    )
     if s.get("base_bytes"):
         out.append(
             f"base pack (shared)       {format_bytes(s['base_bytes'])}   (file {format_bytes(s.get('base_file_bytes', 0))}; "
@@ -151,7 +153,9 @@ def format_summary(s: dict) -> str:
         )
     if t["tasks"]:
         shared = "pool set + base pack" if s.get("base_bytes") else "pool set"
-        out.append(f"NWS total ({t['tasks']} tasks)     {format_bytes(t['nws_bytes'])}   ({shared} + every task's indices, BN/state, head)")
+        out.append(
+            f"NWS total ({t['tasks']} tasks)     {format_bytes(t['nws_bytes'])}   ({shared} + every task's indices, BN/state, head)"
+        )
         out.append(f"dense finetune total     {format_bytes(t['dense_finetune_bytes'])}   (one float32 model per task)")
         avg = f"{100 * t['avg_acc']:.2f}%" if t["avg_acc"] is not None else "n/a"
         out.append(f"NWS is {t['ratio']:.1f}x smaller; average accuracy {avg}")

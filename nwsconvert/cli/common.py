@@ -29,7 +29,9 @@ def fail(prog: str, message: str, code: int) -> int:
     return code
 
 
-def run_cli(prog: str, main: Callable[[list[str] | None], int], argv: list[str] | None, *, resume_hint: str = "") -> int:
+def run_cli(
+    prog: str, main: Callable[[list[str] | None], int], argv: list[str] | None, *, resume_hint: str = ""
+) -> int:
     """Run ``main(argv)`` and turn what it raises into one line and an exit code (see the module docstring).
 
     Args:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import sys
 import time
 
-from .train import launch, resolve_job, validate_job
-from .common import run_cli
 from ..train.rundir import RunDir
+from .common import run_cli
+from .train import launch, resolve_job, validate_job
 
 DEMO = ["suite=split-mnist", "model=timm:resnet18", "recipe=demo", "out=runs/demo"]
 
@@ -38,11 +38,15 @@ def _demo(argv: list[str] | None) -> int:
     validate_job(job)
     resume = RunDir(job["out"]).exists()
     if resume:
-        print(f"{job['out']} holds a demo run: continuing it (finished stages are skipped; rm -r {job['out']} to start over)")
+        print(
+            f"{job['out']} holds a demo run: continuing it (finished stages are skipped; rm -r {job['out']} to start over)"
+        )
     tic = time.perf_counter()
     launch(job, resume=resume)
-    print(f"\ndemo finished in {time.perf_counter() - tic:.0f} s; run directory {job['out']} "
-          f"(nws-info {job['out']}, nwsconvert.load('{job['out']}', task=0))")
+    print(
+        f"\ndemo finished in {time.perf_counter() - tic:.0f} s; run directory {job['out']} "
+        f"(nws-info {job['out']}, nwsconvert.load('{job['out']}', task=0))"
+    )
     return 0
 
 

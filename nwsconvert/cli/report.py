@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import run_cli
 from ..errors import UsageError
 from ..train.rundir import RunDir
+from .common import run_cli
 
 __all__ = ["report_main"]
 
@@ -43,8 +43,14 @@ def _report(argv: list[str] | None) -> int:
     )
     parser.add_argument("run", metavar="RUN", help="run directory written by nws-train / nwsconvert.Trainer")
     parser.add_argument("--out", metavar="DIR", default=None, help="output folder (default: RUN/report)")
-    parser.add_argument("--tasks", metavar="ID", type=int, nargs="+", default=None,
-                        help="task ids to include, in this order (default: every finished task)")
+    parser.add_argument(
+        "--tasks",
+        metavar="ID",
+        type=int,
+        nargs="+",
+        default=None,
+        help="task ids to include, in this order (default: every finished task)",
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = parser.parse_args(argv)
     try:
@@ -54,7 +60,9 @@ def _report(argv: list[str] | None) -> int:
     done = [e["id"] for e in manifest["tasks"]]
     missing = [t for t in args.tasks or () if t not in done]
     if missing:
-        raise UsageError(f"--tasks {missing[0]}: run {args.run} has no finished task {missing[0]}; finished tasks: {done or 'none'}")
+        raise UsageError(
+            f"--tasks {missing[0]}: run {args.run} has no finished task {missing[0]}; finished tasks: {done or 'none'}"
+        )
 
     from ..analysis.html import write_report
 

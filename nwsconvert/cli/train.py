@@ -17,14 +17,14 @@ import os
 import sys
 from pathlib import Path
 
-from ..formats.atomic import atomic_write_bytes
-from .common import run_cli
-from ..train.config import TrainConfig
 from ..devices import check_device
 from ..errors import FormatError, RunExistsError, UntrustedCodeError, UsageError
+from ..formats.atomic import atomic_write_bytes
 from ..formats.limits import MAX_POOL_SIZE
+from ..train.config import TrainConfig
 from ..train.rundir import RunDir
 from ..train.specs import LOADING_KWARGS, is_registry_spec
+from .common import run_cli
 
 __all__ = ["train_main", "run_job", "resolve_job", "validate_job", "launch", "DEFAULT_JOB"]
 
@@ -162,6 +162,7 @@ def validate_job(job: dict) -> None:
         UsageError: the first key of the wrong type, out of range, naming a missing
             or wrong kind of file, or a device this machine lacks (the message names the key).
     """
+
     def expect(key, ok, what):
         if not ok:
             raise UsageError(f"{key}={job[key]!r}: expected {what}")
@@ -178,8 +179,14 @@ def validate_job(job: dict) -> None:
             raise UsageError(f"{key}: expected a mapping, got {job[key]!r}")
     loading = sorted(k for k in job["model_kwargs"] if k in LOADING_KWARGS)
     if loading:
-        raise UsageError(f"model.{loading[0]}: runs never load weights or files through the model factory (pools and packs carry them)")
-    expect("pool_size", whole(job["pool_size"], 2) and job["pool_size"] <= MAX_POOL_SIZE, f"a whole number in [2, {MAX_POOL_SIZE}]")
+        raise UsageError(
+            f"model.{loading[0]}: runs never load weights or files through the model factory (pools and packs carry them)"
+        )
+    expect(
+        "pool_size",
+        whole(job["pool_size"], 2) and job["pool_size"] <= MAX_POOL_SIZE,
+        f"a whole number in [2, {MAX_POOL_SIZE}]",
+    )
     expect("group_size", whole(job["group_size"], 1), "a whole number >= 1")
     expect("tasks", job["tasks"] is None or whole(job["tasks"], 1), "a whole number >= 1 (or leave it out: every task)")
     expect("preset", job["preset"] is None or isinstance(job["preset"], str), "a preset name or auto")
@@ -210,7 +217,9 @@ def _check_pool_file(path: Path) -> None:
     except FormatError:
         kind = None
     if kind != "nwsconvert.poolset":
-        what = {"nwsconvert.taskpack": "a task pack", "nwsconvert.train.checkpoint": "a checkpoint"}.get(kind, "not an nwsconvert pool file")
+        what = {"nwsconvert.taskpack": "a task pack", "nwsconvert.train.checkpoint": "a checkpoint"}.get(
+            kind, "not an nwsconvert pool file"
+        )
         raise UsageError(f"init={str(path)!r} is {what}; init takes a pool file (pools.safetensors of a run)")
 
 
@@ -225,8 +234,8 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
 
     from nwsconvert.zoo import get_suite
 
-    from ..train.specs import build_model
     from ..analysis.summary import format_summary, run_summary
+    from ..train.specs import build_model
     from ..train.trainer import Trainer
 
     config = _train_config(job)
@@ -278,12 +287,20 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
         if job["learn_pools"] and suite.pretrain is not None:
             m = trainer.fit_pools(suite.pretrain, suite.pretrain_test, num_classes=suite.pretrain_classes)
             if main and m:
-                print(f"pools: val acc {100 * m.get('val_acc', 0):.2f}%  pool usage {100 * m.get('pool_usage', 0):.1f}%", flush=True)
+                print(
+                    f"pools: val acc {100 * m.get('val_acc', 0):.2f}%  pool usage {100 * m.get('pool_usage', 0):.1f}%",
+                    flush=True,
+                )
         tasks = suite.tasks[: job["tasks"]] if job["tasks"] else suite.tasks
         for t, task in enumerate(tasks):
-            m = trainer.fit_task(t, task.train, task.test, task.num_classes, name=task.name, class_names=task.class_names)
+            m = trainer.fit_task(
+                t, task.train, task.test, task.num_classes, name=task.name, class_names=task.class_names
+            )
             if main:
-                print(f"task {t} ({task.name}): acc {100 * m['val_acc']:.2f}%  rebuilt from pack {100 * m['rebuilt_acc']:.2f}%", flush=True)
+                print(
+                    f"task {t} ({task.name}): acc {100 * m['val_acc']:.2f}%  rebuilt from pack {100 * m['rebuilt_acc']:.2f}%",
+                    flush=True,
+                )
     if main:
         print(format_summary(run_summary(out)))
     return out
@@ -313,7 +330,9 @@ def _recorded_job(out: Path) -> tuple[dict | None, str]:
     if run.exists():
         job = (run.read().get("data") or {}).get("job")
         if not isinstance(job, dict):
-            raise FormatError(f"{run.manifest_path}: field data.job: the run's job is missing; restate it with key=value items")
+            raise FormatError(
+                f"{run.manifest_path}: field data.job: the run's job is missing; restate it with key=value items"
+            )
         return job, "manifest"
     path = out / JOB_FILE
     if path.is_file():
@@ -339,14 +358,23 @@ def _train(argv: list[str] | None) -> int:
         "  nws-train job.yaml epochs=10 out=runs/a     YAML config with overrides\n"
         "  nws-train --resume out=runs/a               continue a killed run\n",
     )
-    parser.add_argument("items", nargs="*", metavar="CONFIG.yaml|key=value", help="YAML config files and key=value overrides, applied in order")
-    parser.add_argument("--resume", action="store_true", help="continue the run in out=DIR (its recorded job, then your overrides)")
+    parser.add_argument(
+        "items",
+        nargs="*",
+        metavar="CONFIG.yaml|key=value",
+        help="YAML config files and key=value overrides, applied in order",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the run in out=DIR (its recorded job, then your overrides)"
+    )
     parser.add_argument(
         "--trust-code",
         action="store_true",
         help="on --resume, let the run's recorded package.module:factory model spec import and run its code",
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors (also NWS_DEBUG=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help="show tracebacks instead of one-line errors (also NWS_DEBUG=1)"
+    )
     args = parser.parse_args(argv)
     user = resolve_job(args.items)
     base = held = None
@@ -364,10 +392,16 @@ def _train(argv: list[str] | None) -> int:
                 held = RunLock.acquire(out)  # refuse a second writer before saying anything; launch() re-enters it
             base, source = _recorded_job(out)
             if base is None:
-                print(f"nws-train: {out} holds no run yet (stopped before its manifest was written, or new): starting it", file=sys.stderr)
+                print(
+                    f"nws-train: {out} holds no run yet (stopped before its manifest was written, or new): starting it",
+                    file=sys.stderr,
+                )
                 resume = False
             elif source == JOB_FILE:
-                print(f"nws-train: {out} was stopped before its manifest was written: starting it again from {JOB_FILE}", file=sys.stderr)
+                print(
+                    f"nws-train: {out} was stopped before its manifest was written: starting it again from {JOB_FILE}",
+                    file=sys.stderr,
+                )
                 resume = False
         job = resolve_job(args.items, base)
         validate_job(job)

@@ -98,7 +98,9 @@ class NWSConfig:
         if type(self.seed) is not int:
             raise UsageError(f"seed must be an integer, got {self.seed!r}")
         if self.init not in INITS:
-            raise UsageError(f"init must be one of {', '.join(INITS)} (or a PoolSet / pool file given to convert), got {self.init!r}")
+            raise UsageError(
+                f"init must be one of {', '.join(INITS)} (or a PoolSet / pool file given to convert), got {self.init!r}"
+            )
         if not isinstance(self.layers, dict):
             raise UsageError(f"layers must be a dict {{pattern: LayerConfig | None}}, got {type(self.layers).__name__}")
         for pattern, entry in self.layers.items():
@@ -170,14 +172,18 @@ class NWSConfig:
         if type(version) is not int or version < 1:
             raise UsageError(f"version must be an integer >= 1, got {version!r}")
         if version > CONFIG_VERSION:
-            raise UsageError(f"conversion config version {version} is newer than this nwsconvert reads ({CONFIG_VERSION}): upgrade nwsconvert")
+            raise UsageError(
+                f"conversion config version {version} is newer than this nwsconvert reads ({CONFIG_VERSION}): upgrade nwsconvert"
+            )
         layers = data.pop("layers", {})
         if not isinstance(layers, dict):
             raise UsageError(f"layers must be an object {{pattern: {{pool_size, group_size}} | null}}, got {layers!r}")
         parsed = {}
         for pattern, entry in layers.items():
             if entry is not None and (not isinstance(entry, dict) or set(entry) - {"pool_size", "group_size"}):
-                raise UsageError(f"layers[{pattern!r}] must be null or an object with pool_size / group_size, got {entry!r}")
+                raise UsageError(
+                    f"layers[{pattern!r}] must be null or an object with pool_size / group_size, got {entry!r}"
+                )
             parsed[pattern] = None if entry is None else LayerConfig(**entry)
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:

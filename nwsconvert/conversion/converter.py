@@ -68,7 +68,9 @@ class NWSConverter:
             overrides["init"] = "pools"
         self.config = (config or NWSConfig()).replace(**overrides)
         if self.config.init == "pools" and self.pools is None:
-            raise UsageError("config.init is 'pools': pass the pool set to convert as init=PoolSet or init='pools.safetensors'")
+            raise UsageError(
+                "config.init is 'pools': pass the pool set to convert as init=PoolSet or init='pools.safetensors'"
+            )
         self.report: ConversionReport | None = None
 
     def plan(self, model: nn.Module) -> list[LayerPlan]:
@@ -98,10 +100,14 @@ class NWSConverter:
         if missing:
             raise ConversionError(f"plan names layers {type(model).__name__} does not have: {missing[:5]}")
         if not any(not p.skipped for p in plans):
-            raise ConversionError(f"{type(model).__name__} has no layer to convert: every plan is skipped; NWS needs at least one")
+            raise ConversionError(
+                f"{type(model).__name__} has no layer to convert: every plan is skipped; NWS needs at least one"
+            )
         config = config_from_plans(plans, self.config)
         gen = torch.Generator().manual_seed(config.seed)
-        trace = getattr(plans, "trace", None) or ("torch.fx" if any(p.found_by == "torch.fx" for p in plans) else "module walk")
+        trace = getattr(plans, "trace", None) or (
+            "torch.fx" if any(p.found_by == "torch.fx" for p in plans) else "module walk"
+        )
         report = ConversionReport(trace=trace, options=config.to_dict())
         for p in plans:
             if p.skipped:
@@ -112,12 +118,26 @@ class NWSConverter:
             if self.pools is not None:
                 pool = self.pools[p.name].to(device=weight.device, dtype=torch.float32)
             else:
-                pool = init_pool(weight.detach().reshape(-1, p.vector_size), p.pool_size, config.init, gen, config.kmeans_iters)
+                pool = init_pool(
+                    weight.detach().reshape(-1, p.vector_size), p.pool_size, config.init, gen, config.kmeans_iters
+                )
             nws = NWSWeight(weight, p.vector_size, pool, role=p.role)
             nws.train(module.training)
             parametrize.register_parametrization(module, "weight", nws)
             report.layers.append(
-                LayerRecord(p.name, p.role, p.module, p.kind, p.shape, nws.num_vectors, p.vector_size, p.pool_size, p.bits, p.found_by, p.note)
+                LayerRecord(
+                    p.name,
+                    p.role,
+                    p.module,
+                    p.kind,
+                    p.shape,
+                    nws.num_vectors,
+                    p.vector_size,
+                    p.pool_size,
+                    p.bits,
+                    p.found_by,
+                    p.note,
+                )
             )
         self.report = report
         model.nws_report = report

@@ -208,7 +208,11 @@ def plan(model: nn.Module, config: NWSConfig | None = None, pools: PoolSet | Non
             continue
         pattern = config.skipped(name)
         if pattern is not None:
-            out.append(base.dense(f"skipped by the skip option ({pattern!r})" if pattern != name else "skipped by the skip option"))
+            out.append(
+                base.dense(
+                    f"skipped by the skip option ({pattern!r})" if pattern != name else "skipped by the skip option"
+                )
+            )
             continue
         owners[id(weight)] = name
         layer: LayerConfig = config.resolve(name)
@@ -263,7 +267,9 @@ def config_from_plans(plans: list[LayerPlan], base: NWSConfig) -> NWSConfig:
         if pool is not None or group is not None:
             layers[p.name] = LayerConfig(pool, group)
     if any(any(c in name for c in "*?[") for name in layers):
-        raise UsageError(f"module names with fnmatch characters cannot be recorded exactly: {[n for n in layers if any(c in n for c in '*?[')][:3]}")
+        raise UsageError(
+            f"module names with fnmatch characters cannot be recorded exactly: {[n for n in layers if any(c in n for c in '*?[')][:3]}"
+        )
     return base.replace(layers={**layers, **base.layers})
 
 

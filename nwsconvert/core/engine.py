@@ -139,8 +139,9 @@ class _Group:
         counts = torch.tensor([count for _, count in self.rows], device=device)
         self.row_layer = torch.repeat_interleave(torch.arange(len(layers), device=device), counts)
         self.row_pool = torch.tensor([off for off, _ in self.pools], device=device).index_select(0, self.row_layer)
-        self.pool_layer = torch.repeat_interleave(torch.arange(len(layers), device=device),
-                                                  torch.tensor([n for _, n in self.pools], device=device))
+        self.pool_layer = torch.repeat_interleave(
+            torch.arange(len(layers), device=device), torch.tensor([n for _, n in self.pools], device=device)
+        )
         self.ones = torch.ones(dim, device=device)
         self.ref = torch.zeros(r, dim, device=device)
         self.budget = torch.full((r,), -1.0, device=device)  # no state: searched at the first update
@@ -165,8 +166,11 @@ class _Group:
             # which searches far fewer kernels than the radius budget. Valid while the pools are the
             # ones the intervals were cut from; a layer whose pool moves goes back to its budgets.
             preps = [PreparedPool(layer.nws.pool.detach()) for layer in layers]
-            self.cells = (torch.cat([p.lo32 for p in preps]).to(device), torch.cat([p.hi32 for p in preps]).to(device),
-                          torch.cat([p.pool for p in preps]).to(device))
+            self.cells = (
+                torch.cat([p.lo32 for p in preps]).to(device),
+                torch.cat([p.hi32 for p in preps]).to(device),
+                torch.cat([p.pool for p in preps]).to(device),
+            )
         self.pieces = None
         self._scales = None
         self.searched = torch.zeros(len(layers), device=device)
@@ -178,7 +182,10 @@ class _Group:
         if not any(scales):
             return None
         if self._scales is None or self._scales[0] != scales:  # built once per commitment setting
-            self._scales = (scales, torch.tensor(scales, device=self.ref.device).index_select(0, self.row_layer)[:, None])
+            self._scales = (
+                scales,
+                torch.tensor(scales, device=self.ref.device).index_select(0, self.row_layer)[:, None],
+            )
         return self._scales[1]
 
     def update(self) -> None:
@@ -217,11 +224,14 @@ class _Group:
             native = [layer.nws.pool.detach() for layer in self.layers]
             flat = pools if all(p.dtype == torch.float32 for p in native) else torch.cat(native)
             k = flat.index_select(0, self.index + self.row_pool)
-            torch._foreach_copy_([layer.nws.indices for layer in self.layers],
-                                 list(self.index.split([count for _, count in self.rows])))
+            torch._foreach_copy_(
+                [layer.nws.indices for layer in self.layers], list(self.index.split([count for _, count in self.rows]))
+            )
         if w.requires_grad:
             k = _FlatGatherSTE.apply(w, k, self._scale())
-        self.pieces = [piece.view(layer.nws.weight_shape) for piece, layer in zip(k.view(-1).split(self.sizes), self.layers)]
+        self.pieces = [
+            piece.view(layer.nws.weight_shape) for piece, layer in zip(k.view(-1).split(self.sizes), self.layers)
+        ]
 
     @torch.no_grad()
     def hand_back(self) -> None:
@@ -261,16 +271,20 @@ class SearchEngine:
         if kernel == "auto":
             kernel = "triton" if device.type == "cuda" and fused_search.available(device) else "torch"
         if kernel == "triton" and not fused_search.available(device):
-            raise RuntimeError(f"SearchEngine(kernel='triton') on {device} needs Triton, and on CPU "
-                               "TRITON_INTERPRET=1; kernel='torch' runs everywhere")
+            raise RuntimeError(
+                f"SearchEngine(kernel='triton') on {device} needs Triton, and on CPU "
+                "TRITON_INTERPRET=1; kernel='torch' runs everywhere"
+            )
         if kernel not in ("triton", "torch"):
             raise ValueError(f"kernel={kernel!r}: choose auto, triton or torch")
         self.kernel = kernel
         dims: dict[int, list] = {}
         for layer in layers:
             dims.setdefault(layer.nws.vector_size, []).append(layer)
-        self.groups = [_Group(d, members, device, segmented_nearest_two if kernel == "triton" else _TorchSearch())
-                       for d, members in sorted(dims.items())]
+        self.groups = [
+            _Group(d, members, device, segmented_nearest_two if kernel == "triton" else _TorchSearch())
+            for d, members in sorted(dims.items())
+        ]
         self.total = sum(count for g in self.groups for _, count in g.rows)  # kernels of every layer
         self._place = {}
         for g in self.groups:
@@ -282,7 +296,7 @@ class SearchEngine:
         self._hook = model.register_forward_pre_hook(self._pre_forward)
 
     # ------------------------------------------------------------------ use
-    def __enter__(self) -> "SearchEngine":
+    def __enter__(self) -> SearchEngine:
         return self
 
     def __exit__(self, *exc) -> None:

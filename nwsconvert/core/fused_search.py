@@ -72,8 +72,23 @@ def _launch(x, pool, blocks, active, idx, d1, d2, acc: str) -> None:
     gated = active is not None
     blk_row, blk_end, blk_off, blk_n = blocks
     nearest_two_kernel[(blk_n.numel(),)](
-        x, pool, blk_row, blk_end, blk_off, blk_n, active if gated else blk_n, idx, d1, d2,
-        D=x.shape[1], ACC=tl.float64 if exact else tl.float32, GATED=gated, BLOCK_R=BLOCK_R, BLOCK_P=block_p, **extra)
+        x,
+        pool,
+        blk_row,
+        blk_end,
+        blk_off,
+        blk_n,
+        active if gated else blk_n,
+        idx,
+        d1,
+        d2,
+        D=x.shape[1],
+        ACC=tl.float64 if exact else tl.float32,
+        GATED=gated,
+        BLOCK_R=BLOCK_R,
+        BLOCK_P=block_p,
+        **extra,
+    )
 
 
 def segmented_nearest_two(x: torch.Tensor, pool: torch.Tensor, blocks: tuple, active: torch.Tensor | None = None):
@@ -133,8 +148,10 @@ def fused_nearest_two(vectors: torch.Tensor, pool: torch.Tensor) -> tuple[torch.
         resolved in float64. All on ``vectors``' device; no host sync.
     """
     if not available(vectors.device):
-        raise RuntimeError(f"fused search needs CUDA and Triton (device {vectors.device}; Triton "
-                           f"{'present' if _HAVE_TRITON else 'missing'}; TRITON_INTERPRET=1 runs it on CPU)")
+        raise RuntimeError(
+            f"fused search needs CUDA and Triton (device {vectors.device}; Triton "
+            f"{'present' if _HAVE_TRITON else 'missing'}; TRITON_INTERPRET=1 runs it on CPU)"
+        )
     if vectors.ndim != 2 or pool.ndim != 2 or vectors.shape[1] != pool.shape[1] or pool.shape[0] < 1:
         raise ValueError(f"vectors {tuple(vectors.shape)} and pool {tuple(pool.shape)} must be (N, D) and (n >= 1, D)")
     x = vectors.detach().to(torch.float32).contiguous()
@@ -142,7 +159,11 @@ def fused_nearest_two(vectors: torch.Tensor, pool: torch.Tensor) -> tuple[torch.
     n_rows = x.shape[0]
     if n_rows == 0:
         empty = torch.empty(0, dtype=torch.float64, device=x.device)
-        return torch.empty(0, dtype=torch.int64, device=x.device), empty, torch.zeros(0, dtype=torch.bool, device=x.device)
+        return (
+            torch.empty(0, dtype=torch.int64, device=x.device),
+            empty,
+            torch.zeros(0, dtype=torch.bool, device=x.device),
+        )
     # One pool: the block table made on the device (a table built on the host would be a blocking copy).
     starts = torch.arange(0, n_rows, BLOCK_R, dtype=torch.int32, device=x.device)
     blocks = (starts, torch.full_like(starts, n_rows), torch.zeros_like(starts), torch.full_like(starts, m.shape[0]))

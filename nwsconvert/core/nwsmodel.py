@@ -76,7 +76,9 @@ def conversion_report(model: nn.Module):
     """The :class:`ConversionReport` ``convert`` attached to ``model``."""
     report = getattr(model, "nws_report", None)
     if report is None:
-        raise ValueError(f"{type(model).__name__} carries no conversion report: was it converted with nwsconvert.convert?")
+        raise ValueError(
+            f"{type(model).__name__} carries no conversion report: was it converted with nwsconvert.convert?"
+        )
     return report
 
 

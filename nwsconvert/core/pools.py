@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kmeans import kmeans
 from ..formats.limits import MAX_POOL_SIZE, MAX_VECTOR_SIZE
 from ..formats.schema import Fields
 from ..formats.storage import FormatError, read_tensors, tensor_digest, write_tensors
+from .kmeans import kmeans
 
 __all__ = ["PoolSet", "init_pool", "POOLSET_FORMAT", "POOLSET_VERSION"]
 
@@ -93,7 +93,7 @@ class PoolSet:
         return write_tensors(path, self.pools, POOLSET_FORMAT, POOLSET_VERSION, layers=self.table())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "PoolSet":
+    def load(cls, path: str | os.PathLike) -> PoolSet:
         """Read a pool file.
 
         Raises:
@@ -119,11 +119,12 @@ def _check_header(header: dict, layout, path) -> None:
         if info is None:
             raise FormatError(f"{f.file}: field layers[{i}].name: layer {name!r} has no tensor in the file")
         if info.dtype not in ("F32", "F16", "BF16", "F64") or info.shape != (n, d):
-            raise FormatError(f"{f.file}: tensor {name!r} is {info.dtype} {list(info.shape)}, its layer row says float ({n}, {d})")
+            raise FormatError(
+                f"{f.file}: tensor {name!r} is {info.dtype} {list(info.shape)}, its layer row says float ({n}, {d})"
+            )
         names.append(name)
     if len(set(names)) != len(names):
         raise FormatError(f"{f.file}: field layers: a layer is listed twice")
     extra = sorted(set(layout.tensors) - set(names))
     if extra:
         raise FormatError(f"{f.file}: tensors {extra[:3]} are not in the layer table")
-

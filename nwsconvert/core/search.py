@@ -27,7 +27,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["SearchResult", "PreparedPool", "brute_force", "nearest_two", "nearest_scalar", "scalar_cells", "DEFAULT_CHUNK"]
+__all__ = [
+    "SearchResult",
+    "PreparedPool",
+    "brute_force",
+    "nearest_two",
+    "nearest_scalar",
+    "scalar_cells",
+    "DEFAULT_CHUNK",
+]
 
 #: Rows per ``addmm`` block. 2048 x 512 float32 distances = 4 MiB: fits in L2/L3
 #: caches on CPUs and is large enough to keep a GPU busy.

@@ -11,9 +11,23 @@ __all__ = ["nearest_two_kernel"]
 
 
 @triton.jit
-def nearest_two_kernel(x_ptr, pool_ptr, blk_row_ptr, blk_end_ptr, blk_off_ptr, blk_n_ptr, active_ptr, idx_ptr, d1_ptr, d2_ptr,
-                       D: tl.constexpr, ACC: tl.constexpr, GATED: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+def nearest_two_kernel(
+    x_ptr,
+    pool_ptr,
+    blk_row_ptr,
+    blk_end_ptr,
+    blk_off_ptr,
+    blk_n_ptr,
+    active_ptr,
+    idx_ptr,
+    d1_ptr,
+    d2_ptr,
+    D: tl.constexpr,
+    ACC: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     """Per row of ``x`` ``(n_rows, D)``: the nearest entry of its block's pool (lowest index on ties),
     that squared distance and the second smallest one, accumulated in ``ACC``.
 

@@ -44,7 +44,9 @@ def unpack_bits(data, bits: int, count: int) -> np.ndarray:
     """
     raw = np.asarray(data).astype(np.uint8, copy=False).ravel()
     if raw.size != packed_size(count, bits):
-        raise ValueError(f"{raw.size} bytes cannot hold exactly {count} values of {bits} bits ({packed_size(count, bits)} needed)")
+        raise ValueError(
+            f"{raw.size} bytes cannot hold exactly {count} values of {bits} bits ({packed_size(count, bits)} needed)"
+        )
     planes = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits)
     out = np.zeros(count, dtype=np.int64)
     for j in range(bits):  # one vector op per bit plane

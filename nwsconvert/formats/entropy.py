@@ -25,7 +25,17 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PRECISION", "entropy_bits", "quantize", "encode_table", "decode_table", "ans_encode", "ans_decode", "encode_varints", "decode_varints"]
+__all__ = [
+    "PRECISION",
+    "entropy_bits",
+    "quantize",
+    "encode_table",
+    "decode_table",
+    "ans_encode",
+    "ans_decode",
+    "encode_varints",
+    "decode_varints",
+]
 
 PRECISION = 24  # bits of the coder's fixed-point probabilities
 
@@ -145,7 +155,9 @@ def decode_table(data: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
 def _model(counts: np.ndarray):
     import constriction  # submodules are attributes of the extension, not importable modules
 
-    return constriction.stream.model.Categorical(quantize(counts).astype(np.float64) / float(1 << PRECISION), perfect=False)
+    return constriction.stream.model.Categorical(
+        quantize(counts).astype(np.float64) / float(1 << PRECISION), perfect=False
+    )
 
 
 def ans_encode(ranks: np.ndarray, counts: np.ndarray) -> bytes:

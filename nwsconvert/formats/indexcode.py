@@ -112,11 +112,21 @@ def encode_indices(indices, pool_size: int, bits: int, base=None, codings=CODING
     if ref is not None and ref.size == values.size and values.size:
         changed = values != ref
         k = int(changed.sum())
-        mask = {"indices": _u8(ans_encode(changed.astype(np.int64), _changes(values.size, k)))} if 0 < k < values.size else {"indices": _u8(b"")}
+        mask = (
+            {"indices": _u8(ans_encode(changed.astype(np.int64), _changes(values.size, k)))}
+            if 0 < k < values.size
+            else {"indices": _u8(b"")}
+        )
         for name, entropy in (("delta+bits", False), ("delta+ans", True)):
             if name in codings and (k or not entropy):
                 new = _stream(values[changed], pool_size, bits, entropy) if k else {}
-                candidates.append(EncodedLayer(name, {**mask, **{("values" if s == "indices" else f"values_{s}"): t for s, t in new.items()}}, changes=k))
+                candidates.append(
+                    EncodedLayer(
+                        name,
+                        {**mask, **{("values" if s == "indices" else f"values_{s}"): t for s, t in new.items()}},
+                        changes=k,
+                    )
+                )
     if not candidates:
         raise ValueError(f"no coding in {codings} applies")
     return min(candidates, key=lambda e: (e.nbytes, CODINGS.index(e.coding)))
@@ -145,7 +155,11 @@ def decode_indices(encoded: EncodedLayer, count: int, pool_size: int, bits: int,
         else:
             changed = np.full(count, k == count)
         if k:
-            sub = {s.removeprefix("values_") if s != "values" else "indices": v for s, v in t.items() if s.startswith("values")}
+            sub = {
+                s.removeprefix("values_") if s != "values" else "indices": v
+                for s, v in t.items()
+                if s.startswith("values")
+            }
             values[changed] = _unstream(sub, k, pool_size, bits, coding == "delta+ans")
     else:
         raise ValueError(f"unknown index coding {coding!r} (this nwsconvert reads {', '.join(CODINGS)})")

@@ -23,14 +23,26 @@ from pathlib import Path
 
 import numpy as np
 
-from .bitpack import packed_size
 from ..errors import FormatError, PackMismatchError
+from .bitpack import packed_size
 from .indexcode import CODINGS, EncodedLayer, decode_indices
 from .limits import MAX_KERNELS, MAX_POOL_SIZE, MAX_VECTOR_SIZE
 from .schema import Fields
 from .stfile import read_arrays
 
-__all__ = ["PACK_FORMAT", "PACK_VERSION", "BASE_FILE", "STANDALONE", "PackArrays", "check_header", "decode_layers", "expect", "base_candidates", "resolve_base", "read_pack_arrays"]
+__all__ = [
+    "PACK_FORMAT",
+    "PACK_VERSION",
+    "BASE_FILE",
+    "STANDALONE",
+    "PackArrays",
+    "check_header",
+    "decode_layers",
+    "expect",
+    "base_candidates",
+    "resolve_base",
+    "read_pack_arrays",
+]
 
 PACK_FORMAT = "nwsconvert.taskpack"
 PACK_VERSION = 3  # 3: header_sha256 and the pack's identity (run, task); versions 1 and 2 still load
@@ -59,7 +71,7 @@ class PackArrays:
     indices: dict
     state: dict
     encoded: dict
-    base: "PackArrays | None" = field(default=None, repr=False)
+    base: PackArrays | None = field(default=None, repr=False)
     source: Path | None = None
 
     @property
@@ -89,7 +101,10 @@ def expect(path: Path, header: dict, **want) -> None:
         if key in ("run_id", "task") and have is None:
             continue  # a pack that names no run or task (version <= 2, or made outside a run): its hash pins it
         if have != value:
-            show = (lambda v: f"{v[:12]}..." if isinstance(v, str) and len(v) > 16 else repr(v))
+
+            def show(v):
+                return f"{v[:12]}..." if isinstance(v, str) and len(v) > 16 else repr(v)
+
             raise PackMismatchError(
                 f"{path}: the pack's {names[key]} is {show(have)}, expected {show(value)} "
                 "(a pack swapped for another task's or another run's, or read against the wrong pool set)"
@@ -154,13 +169,21 @@ def check_header(header: dict, layout, path) -> None:
 
 def _coded_tensors(r: Fields, coding: str, count: int, bits: int, layout, name: str) -> set[str]:
     """The suffixes a layer's coding stores, with the sizes that follow from the header checked."""
+
     def u8(suffix, size=None, words=False):
         info = layout.tensors.get(f"{suffix}/{name}")
         if info is None:
             raise FormatError(f"{r.file}: layer {name!r} ({coding}) has no tensor {suffix}/{name}")
-        if info.dtype != "U8" or len(info.shape) != 1 or (size is not None and info.shape[0] != size) or (words and info.shape[0] % 4):
+        if (
+            info.dtype != "U8"
+            or len(info.shape) != 1
+            or (size is not None and info.shape[0] != size)
+            or (words and info.shape[0] % 4)
+        ):
             expect = f"{size} bytes" if size is not None else "whole 32-bit words" if words else "bytes"
-            raise FormatError(f"{r.file}: tensor {suffix}/{name} is {info.dtype} {list(info.shape)}, the header's {coding} coding needs uint8 {expect}")
+            raise FormatError(
+                f"{r.file}: tensor {suffix}/{name} is {info.dtype} {list(info.shape)}, the header's {coding} coding needs uint8 {expect}"
+            )
 
     if coding == "bits":
         u8("indices", packed_size(count, bits))
@@ -207,7 +230,11 @@ def decode_layers(header: dict, u8: dict, path, base_layers: list | None = None,
         for row in header["layers"]:
             r = {k: v for k, v in row.items() if k not in ("coding", "changes")}
             name = r["name"]
-            e = EncodedLayer(row.get("coding", "bits"), {s: np.asarray(u8[f"{s}/{name}"]) for s in SUFFIXES if f"{s}/{name}" in u8}, row.get("changes"))
+            e = EncodedLayer(
+                row.get("coding", "bits"),
+                {s: np.asarray(u8[f"{s}/{name}"]) for s in SUFFIXES if f"{s}/{name}" in u8},
+                row.get("changes"),
+            )
             ref = base_indices.get(name) if base_indices is not None and same_layer(r, base_layers) else None
             indices[name] = decode_indices(e, r["count"], r["pool_size"], r["bits"], ref)
             layers.append(r)
@@ -246,12 +273,16 @@ def resolve_base(path: Path, header: dict, given, *, kind: type, load):
     if not info:
         return None
     if given is STANDALONE:
-        raise FormatError(f"{path}: is delta-coded itself, so it cannot serve as a base pack (a task pack in place of {BASE_FILE}?)")
+        raise FormatError(
+            f"{path}: is delta-coded itself, so it cannot serve as a base pack (a task pack in place of {BASE_FILE}?)"
+        )
     want = info["sha256"]
     base = None
     if isinstance(given, kind):
         if given.sha256 != want:
-            raise FormatError(f"{path}: coded against base pack {want[:12]}..., the base given is {str(given.sha256)[:12]}...")
+            raise FormatError(
+                f"{path}: coded against base pack {want[:12]}..., the base given is {str(given.sha256)[:12]}..."
+            )
         base = given
     else:
         candidates = [Path(given)] if given is not None else base_candidates(path, info)
@@ -265,10 +296,18 @@ def resolve_base(path: Path, header: dict, given, *, kind: type, load):
                     break
                 seen.append(f"{c} is {str(found.sha256)[:12]}...")
         if base is None:
-            where = "; ".join(seen) if seen else f"no {info.get('file') or BASE_FILE} at {' or '.join(str(c) for c in candidates)}"
-            raise FormatError(f"{path}: indices are stored as changes against base pack {want[:12]}... ({where}); pass base= or keep the base beside the pack")
+            where = (
+                "; ".join(seen)
+                if seen
+                else f"no {info.get('file') or BASE_FILE} at {' or '.join(str(c) for c in candidates)}"
+            )
+            raise FormatError(
+                f"{path}: indices are stored as changes against base pack {want[:12]}... ({where}); pass base= or keep the base beside the pack"
+            )
     if base.pool_sha256 != header["pool_sha256"]:
-        raise FormatError(f"{path}: its base {base.source} is on pool set {base.pool_sha256[:12]}..., the pack on {header['pool_sha256'][:12]}...")
+        raise FormatError(
+            f"{path}: its base {base.source} is on pool set {base.pool_sha256[:12]}..., the pack on {header['pool_sha256'][:12]}..."
+        )
     return base
 
 
@@ -279,7 +318,12 @@ def _cached_base(path: str, mtime_ns: int, size: int) -> PackArrays:
 
 
 def read_pack_arrays(
-    path: str | os.PathLike, base: "PackArrays | str | os.PathLike | None" = None, *, sha256: str | None = None, pool_sha256: str | None = None, task: int | None = None
+    path: str | os.PathLike,
+    base: PackArrays | str | os.PathLike | None = None,
+    *,
+    sha256: str | None = None,
+    pool_sha256: str | None = None,
+    task: int | None = None,
 ) -> PackArrays:
     """Read and verify a ``.nwspack`` without torch (every check :meth:`TaskPack.load` makes).
 

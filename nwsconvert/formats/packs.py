@@ -38,15 +38,34 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..core.nwsmodel import _require, pool_set
 from ..errors import PackMismatchError
 from .indexcode import CODINGS, EncodedLayer, encode_indices
 from .limits import MAX_KERNELS
-from ..core.nwsmodel import _require, pool_set
-from .packfile import BASE_FILE, HASHED_SINCE, PACK_FORMAT, PACK_VERSION, STANDALONE, check_header, decode_layers, expect, resolve_base, same_layer
+from .packfile import (
+    BASE_FILE,
+    HASHED_SINCE,
+    PACK_FORMAT,
+    PACK_VERSION,
+    STANDALONE,
+    check_header,
+    decode_layers,
+    expect,
+    resolve_base,
+    same_layer,
+)
 from .storage import read_tensors, tensor_digest, write_tensors
 
 __all__ = [
-    "TaskPack", "PackMismatchError", "extract_task", "apply_task", "round_state_", "STATE_DTYPES", "PACK_FORMAT", "PACK_VERSION", "MAX_KERNELS",
+    "TaskPack",
+    "PackMismatchError",
+    "extract_task",
+    "apply_task",
+    "round_state_",
+    "STATE_DTYPES",
+    "PACK_FORMAT",
+    "PACK_VERSION",
+    "MAX_KERNELS",
 ]
 
 #: ``state_dtype`` name -> the dtype float32 state entries are stored in (``float32``: as they are).
@@ -109,7 +128,7 @@ class TaskPack:
     num_classes: int | None = None
     model_spec: str | None = None
     meta: dict = field(default_factory=dict)
-    base: "TaskPack | None" = field(default=None, repr=False, compare=False)
+    base: TaskPack | None = field(default=None, repr=False, compare=False)
     sha256: str | None = field(default=None, compare=False)
     base_sha256: str | None = field(default=None, compare=False)
     source: Path | None = field(default=None, repr=False, compare=False)
@@ -119,7 +138,12 @@ class TaskPack:
 
     def content_sha256(self) -> str:
         """SHA-256 of the decoded indices and the state, whatever coding a file uses."""
-        return tensor_digest({**{f"indices/{k}": v.long() for k, v in self.indices.items()}, **{f"state/{k}": v for k, v in self.state.items()}})
+        return tensor_digest(
+            {
+                **{f"indices/{k}": v.long() for k, v in self.indices.items()},
+                **{f"state/{k}": v for k, v in self.state.items()},
+            }
+        )
 
     def encode(self, codings=CODINGS) -> dict[str, EncodedLayer]:
         """Layer name -> the smallest allowed coding of its indices (delta codings against ``base``)."""
@@ -129,10 +153,12 @@ class TaskPack:
             ref = base.indices.get(r["name"]) if base is not None else None
             if ref is not None and not same_layer(r, base.layers):
                 ref = None
-            out[r["name"]] = encode_indices(self.indices[r["name"]].cpu(), r["pool_size"], r["bits"], None if ref is None else ref.cpu(), codings)
+            out[r["name"]] = encode_indices(
+                self.indices[r["name"]].cpu(), r["pool_size"], r["bits"], None if ref is None else ref.cpu(), codings
+            )
         return out
 
-    def _checked_base(self) -> "TaskPack | None":
+    def _checked_base(self) -> TaskPack | None:
         base = self.base
         if base is None:
             return None
@@ -141,7 +167,9 @@ class TaskPack:
         if base.base_sha256 is not None:
             raise ValueError("the base pack is delta-coded itself: a task must decode from its base in one step")
         if base.pool_sha256 != self.pool_sha256:
-            raise PackMismatchError(f"base pack is on pool set {base.pool_sha256[:12]}..., this pack on {self.pool_sha256[:12]}...")
+            raise PackMismatchError(
+                f"base pack is on pool set {base.pool_sha256[:12]}..., this pack on {self.pool_sha256[:12]}..."
+            )
         return base
 
     def _stored(self) -> dict[str, EncodedLayer]:
@@ -180,7 +208,9 @@ class TaskPack:
             The file's content SHA-256.
         """
         encoded = self.encode(codings)
-        tensors = {f"{suffix}/{name}": torch.from_numpy(t) for name, e in encoded.items() for suffix, t in e.tensors.items()}
+        tensors = {
+            f"{suffix}/{name}": torch.from_numpy(t) for name, e in encoded.items() for suffix, t in e.tensors.items()
+        }
         tensors.update({f"state/{k}": v.detach().cpu() for k, v in self.state.items()})
         rows = []
         for r in self.layers:
@@ -213,13 +243,13 @@ class TaskPack:
     def load(
         cls,
         path: str | os.PathLike,
-        base: "TaskPack | str | os.PathLike | None" = None,
+        base: TaskPack | str | os.PathLike | None = None,
         *,
         sha256: str | None = None,
         pool_sha256: str | None = None,
         run_id: str | None = None,
         task: int | None = None,
-    ) -> "TaskPack":
+    ) -> TaskPack:
         """Read a pack file and verify it: header and content hashes, every header field, its base.
 
         Args:
@@ -248,7 +278,9 @@ class TaskPack:
         base_pack = resolve_base(path, header, base, kind=TaskPack, load=_load_base)
         u8 = {k: v.numpy() for k, v in tensors.items() if not k.startswith("state/")}
         base_idx = {k: v.numpy() for k, v in base_pack.indices.items()} if base_pack is not None else None
-        layers, decoded, encoded = decode_layers(header, u8, path, base_pack.layers if base_pack is not None else None, base_idx)
+        layers, decoded, encoded = decode_layers(
+            header, u8, path, base_pack.layers if base_pack is not None else None, base_idx
+        )
         indices = {k: torch.from_numpy(v) for k, v in decoded.items()}
         state = {k: tensors[f"state/{k}"] for k in header["state_keys"]}
         pack = cls(
@@ -374,12 +406,16 @@ def apply_task(model: nn.Module, pack: TaskPack) -> nn.Module:
     missing = [n for n in by_name if n not in rows]
     extra = [n for n in rows if n not in by_name]
     if missing or extra:
-        raise PackMismatchError(f"{where}pack and model disagree on NWS layers: model-only {missing[:5]}, pack-only {extra[:5]}")
+        raise PackMismatchError(
+            f"{where}pack and model disagree on NWS layers: model-only {missing[:5]}, pack-only {extra[:5]}"
+        )
     for name, layer in by_name.items():
         r = rows[name]
         if tuple(r["shape"]) != layer.nws.weight_shape:
             hint = " (head: the pack has another class count)" if layer.nws.role == "head" else ""
-            raise PackMismatchError(f"{where}layer {name!r}: pack weight shape {tuple(r['shape'])}, model {layer.nws.weight_shape}{hint}")
+            raise PackMismatchError(
+                f"{where}layer {name!r}: pack weight shape {tuple(r['shape'])}, model {layer.nws.weight_shape}{hint}"
+            )
         if r["pool_size"] != layer.nws.pool_size or r["vector_size"] != layer.nws.vector_size:
             raise PackMismatchError(
                 f"{where}layer {name!r}: pack pool {r['pool_size']}x{r['vector_size']}, model pool "
@@ -390,10 +426,14 @@ def apply_task(model: nn.Module, pack: TaskPack) -> nn.Module:
     missing = [k for k in own if k not in pack.state]
     extra = [k for k in pack.state if k not in own]
     if missing or extra:
-        raise PackMismatchError(f"{where}pack and model disagree on state entries: model-only {missing[:5]}, pack-only {extra[:5]}")
+        raise PackMismatchError(
+            f"{where}pack and model disagree on state entries: model-only {missing[:5]}, pack-only {extra[:5]}"
+        )
     for k, v in own.items():
         if tuple(pack.state[k].shape) != tuple(v.shape):
-            raise PackMismatchError(f"{where}state entry {k!r}: pack shape {tuple(pack.state[k].shape)}, model {tuple(v.shape)}")
+            raise PackMismatchError(
+                f"{where}state entry {k!r}: pack shape {tuple(pack.state[k].shape)}, model {tuple(v.shape)}"
+            )
     for name, layer in by_name.items():
         nws = layer.nws
         nws.indices.copy_(pack.indices[name].to(nws.indices.device))

@@ -62,7 +62,9 @@ class Fields:
     def __init__(self, obj, file, where: str = ""):
         self.file, self.where = file, where
         if not isinstance(obj, dict):
-            raise FormatError(f"{file}: {'field ' + where if where else 'header'}: expected a JSON object, got {_show(obj)}")
+            raise FormatError(
+                f"{file}: {'field ' + where if where else 'header'}: expected a JSON object, got {_show(obj)}"
+            )
         self.obj = obj
 
     def _name(self, key: str) -> str:
@@ -71,7 +73,7 @@ class Fields:
     def fail(self, key: str, expected: str, value) -> FormatError:
         return FormatError(f"{self.file}: field {self._name(key)}: expected {expected}, got {_show(value)}")
 
-    def sub(self, obj, where: str) -> "Fields":
+    def sub(self, obj, where: str) -> Fields:
         return Fields(obj, self.file, self._name(where) if self.where else where)
 
     def get(self, key: str, optional: bool, default):
@@ -86,7 +88,11 @@ class Fields:
         if not present or (optional and value is None):
             return value
         if type(value) is not int or (lo is not None and value < lo) or (hi is not None and value > hi):
-            rng = f" in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]" if lo is not None or hi is not None else ""
+            rng = (
+                f" in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+                if lo is not None or hi is not None
+                else ""
+            )
             raise self.fail(key, f"an integer{rng}", value)
         return value
 
@@ -110,8 +116,18 @@ class Fields:
         value, present = self.get(key, optional, default)
         if not present or (optional and value is None):
             return value
-        if not isinstance(value, str) or (choices is not None and value not in choices) or (pattern is not None and not pattern.fullmatch(value)):
-            what = f"one of {', '.join(map(repr, choices))}" if choices is not None else "a SHA-256 (64 hex digits)" if pattern is SHA256 else "a string"
+        if (
+            not isinstance(value, str)
+            or (choices is not None and value not in choices)
+            or (pattern is not None and not pattern.fullmatch(value))
+        ):
+            what = (
+                f"one of {', '.join(map(repr, choices))}"
+                if choices is not None
+                else "a SHA-256 (64 hex digits)"
+                if pattern is SHA256
+                else "a string"
+            )
             raise self.fail(key, what, value)
         return value
 
@@ -126,7 +142,15 @@ class Fields:
             raise self.fail(key, "a list" + (f" of at most {max_len} entries" if max_len is not None else ""), value)
         return value
 
-    def ints(self, key: str, *, lo: int | None = None, hi: int | None = None, optional: bool = False, max_len: int | None = None) -> list:
+    def ints(
+        self,
+        key: str,
+        *,
+        lo: int | None = None,
+        hi: int | None = None,
+        optional: bool = False,
+        max_len: int | None = None,
+    ) -> list:
         value = self.list(key, optional=optional, max_len=max_len)
         if value is None:
             return value
@@ -150,7 +174,7 @@ class Fields:
             raise self.fail(key, "a JSON object", value)
         return value
 
-    def obj_fields(self, key: str, *, optional: bool = False) -> "Fields | None":
+    def obj_fields(self, key: str, *, optional: bool = False) -> Fields | None:
         value = self.dict(key, optional=optional)
         return None if value is None else Fields(value, self.file, self._name(key))
 

@@ -22,7 +22,20 @@ from pathlib import Path
 
 from ..errors import FormatError
 
-__all__ = ["TensorInfo", "Header", "read_header", "parse_header", "raw_digest", "header_digest", "file_kind", "nws_header", "verify", "read_arrays", "TORCH_DTYPE", "ITEMSIZE"]
+__all__ = [
+    "TensorInfo",
+    "Header",
+    "read_header",
+    "parse_header",
+    "raw_digest",
+    "header_digest",
+    "file_kind",
+    "nws_header",
+    "verify",
+    "read_arrays",
+    "TORCH_DTYPE",
+    "ITEMSIZE",
+]
 
 #: safetensors dtype -> ``str(torch dtype)``, as :func:`nwsconvert.formats.storage.tensor_digest` hashes it.
 TORCH_DTYPE = {
@@ -42,9 +55,38 @@ TORCH_DTYPE = {
     "F8_E4M3": "torch.float8_e4m3fn",
     "F8_E5M2": "torch.float8_e5m2",
 }
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 #: safetensors dtype -> numpy dtype name, for :func:`read_arrays` (bfloat16 and float8 have none).
-NUMPY_DTYPE = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
+NUMPY_DTYPE = {
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+    "U64": "<u8",
+    "U32": "<u4",
+    "U16": "<u2",
+    "U8": "u1",
+    "BOOL": "?",
+}
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
 
@@ -85,7 +127,9 @@ def parse_header(head: bytes, file_size: int, path, kind: str = "safetensors") -
         raise FormatError(f"{path}: file is {file_size} bytes, too short to be a {kind} file (truncated?)")
     (hlen,) = struct.unpack("<Q", head[:8])
     if hlen > file_size - 8 or hlen > MAX_HEADER:
-        raise FormatError(f"{path}: header claims {hlen} bytes but the file holds {file_size - 8}: truncated or not a {kind} file")
+        raise FormatError(
+            f"{path}: header claims {hlen} bytes but the file holds {file_size - 8}: truncated or not a {kind} file"
+        )
     if len(head) < 8 + hlen:
         raise FormatError(f"{path}: header cut short (truncated?)")
     try:
@@ -112,9 +156,13 @@ def parse_header(head: bytes, file_size: int, path, kind: str = "safetensors") -
             raise FormatError(f"{where}: data_offsets {offsets!r} is not two integers")
         start, end = offsets
         if not 0 <= start <= end <= data_len:
-            raise FormatError(f"{where}: bytes {start}..{end} lie outside the file's {data_len} data bytes (truncated?)")
+            raise FormatError(
+                f"{where}: bytes {start}..{end} lie outside the file's {data_len} data bytes (truncated?)"
+            )
         if math.prod(shape) * ITEMSIZE[dtype] != end - start:
-            raise FormatError(f"{where}: shape {shape} of {dtype} needs {math.prod(shape) * ITEMSIZE[dtype]} bytes, the file gives {end - start}")
+            raise FormatError(
+                f"{where}: shape {shape} of {dtype} needs {math.prod(shape) * ITEMSIZE[dtype]} bytes, the file gives {end - start}"
+            )
         tensors[name] = TensorInfo(dtype, tuple(shape), data_start + start, data_start + end)
     spans = sorted((t.start, t.end, n) for n, t in tensors.items() if t.end > t.start)
     for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
@@ -230,11 +278,15 @@ def verify(data, path, kind: str, version: int, *, hashed_since: int | None = No
     if check is not None:
         check(header, layout, path)
     if raw_digest(data, layout) != header["sha256"]:
-        raise FormatError(f"{path}: content does not match its SHA-256 {header['sha256'][:12]}...: the file is corrupted")
+        raise FormatError(
+            f"{path}: content does not match its SHA-256 {header['sha256'][:12]}...: the file is corrupted"
+        )
     return layout, header
 
 
-def read_arrays(path: str | os.PathLike, kind: str, version: int, *, hashed_since: int | None = None, check=None) -> tuple[dict, dict]:
+def read_arrays(
+    path: str | os.PathLike, kind: str, version: int, *, hashed_since: int | None = None, check=None
+) -> tuple[dict, dict]:
     """Load an nwsconvert file as numpy arrays, checked as :func:`nwsconvert.formats.storage.read_tensors`
     checks it (layout against the length, kind, version, ``header_sha256``, ``check(header, layout,
     path)``, content ``sha256``), without torch: ``(header, {name: array})``. The arrays are copies,
@@ -254,6 +306,8 @@ def read_arrays(path: str | os.PathLike, kind: str, version: int, *, hashed_sinc
     arrays = {}
     for name, t in layout.tensors.items():
         if t.dtype not in NUMPY_DTYPE:
-            raise FormatError(f"{path}: tensor {name!r} is {t.dtype}, which numpy cannot hold (load this file with torch)")
+            raise FormatError(
+                f"{path}: tensor {name!r} is {t.dtype}, which numpy cannot hold (load this file with torch)"
+            )
         arrays[name] = data[t.start : t.end].view(NUMPY_DTYPE[t.dtype]).reshape(t.shape).copy()
     return header, arrays

@@ -16,13 +16,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .atomic import atomic_write_bytes, disk_error
 from ..errors import FormatError
+from .atomic import atomic_write_bytes, disk_error
 from .stfile import header_digest, verify
 
 __all__ = ["FormatError", "atomic_write_bytes", "write_tensors", "read_tensors", "tensor_digest", "disk_error"]
 
 META_KEY = "nwsconvert"
+
+
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 over names, dtypes, shapes and bytes of ``tensors``, in name order.
 

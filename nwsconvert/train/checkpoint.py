@@ -55,7 +55,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict, dict]:
         ready for ``optimizer.load_state_dict``.
     """
     tensors, header = read_tensors(path, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, hashed_since=2)
-    model_state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    model_state = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
     opt_state: dict[int, dict] = {}
     for k, v in tensors.items():
         if k.startswith("optim/"):

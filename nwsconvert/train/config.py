@@ -58,7 +58,9 @@ def _check_types(config) -> None:
         else:
             ok = type(value) in (int, float) and math.isfinite(value)
             ok = ok and (value > lo if key in _POSITIVE else value >= lo) and (hi is None or value <= hi)
-            what = f"a number {'>' if key in _POSITIVE else '>='} {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+            what = f"a number {'>' if key in _POSITIVE else '>='} {lo:g}" + (
+                f" and <= {hi:g}" if hi is not None else ""
+            )
         if not ok:
             raise UsageError(f"{key}={value!r}: expected {what}")
 
@@ -155,17 +157,17 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
         return cls(**d)
 
-    def replace(self, **changes) -> "TrainConfig":
+    def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
-    def for_pools(self) -> "TrainConfig":
+    def for_pools(self) -> TrainConfig:
         """The configuration of the pool-learning stage."""
         epochs = self.pool_epochs or self.epochs
         scale = epochs / self.epochs

@@ -39,7 +39,9 @@ def find_head(model: nn.Module) -> tuple[str, nn.Module]:
     if callable(get):
         clf = get()
         for name, m in modules.items():
-            if m is clf and (parametrize.is_parametrized(m, "weight") or isinstance(getattr(m, "weight", None), torch.Tensor)):
+            if m is clf and (
+                parametrize.is_parametrized(m, "weight") or isinstance(getattr(m, "weight", None), torch.Tensor)
+            ):
                 return name, m
     linears = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear)]
     if linears:

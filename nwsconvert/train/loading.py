@@ -1,7 +1,7 @@
 """Rebuild a task's model from a run directory, for PyTorch inference, without the training code.
 
-    model = nwsconvert.load("runs/mnist", task=2)               # NWS model, eval mode
-    dense = nwsconvert.load("runs/mnist", task=2, dense=True)   # ordinary Conv2d / Linear layers
+model = nwsconvert.load("runs/mnist", task=2)               # NWS model, eval mode
+dense = nwsconvert.load("runs/mnist", task=2, dense=True)   # ordinary Conv2d / Linear layers
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from torch import nn
 
 from ..conversion.config import NWSConfig
 from ..conversion.converter import ConversionError, convert
-from ..errors import FormatError, NWSError, PackMismatchError, UntrustedCodeError
-from .heads import resize_head
 from ..core.nwsmodel import materialize
-from ..formats.packs import TaskPack, apply_task
 from ..core.pools import PoolSet
+from ..errors import FormatError, NWSError, PackMismatchError, UntrustedCodeError
+from ..formats.packs import TaskPack, apply_task
+from .heads import resize_head
 from .rundir import RunDir
 from .specs import build_model
 
@@ -35,7 +35,9 @@ def load_run_pools(run: RunDir, manifest: dict) -> PoolSet:
     pools = PoolSet.load(run.pool_path)
     want = manifest["pools"]["sha256"]
     if pools.sha256 != want:
-        raise FormatError(f"{run.pool_path}: pool set {pools.sha256[:12]}..., the manifest records {want[:12]}... (a pool file of another run?)")
+        raise FormatError(
+            f"{run.pool_path}: pool set {pools.sha256[:12]}..., the manifest records {want[:12]}... (a pool file of another run?)"
+        )
     return pools
 
 
@@ -45,7 +47,11 @@ def load_task_files(run: RunDir, manifest: dict, task: int, pools: PoolSet | Non
     entry = run.task_entry(manifest, task)
     try:
         pack = TaskPack.load(
-            run.task_path(manifest, task), sha256=entry["sha256"], pool_sha256=pools.sha256, run_id=manifest.get("run_id"), task=task
+            run.task_path(manifest, task),
+            sha256=entry["sha256"],
+            pool_sha256=pools.sha256,
+            run_id=manifest.get("run_id"),
+            task=task,
         )
     except PackMismatchError as e:
         raise PackMismatchError(f"{e} [as task {task} of {run.manifest_path}]") from None
@@ -71,7 +77,9 @@ def build_task_model(
         except NWSError:
             raise
         except Exception as e:  # a factory given recorded kwargs may raise anything (RuntimeError, AssertionError...)
-            raise ValueError(f"model spec {model_info['spec']!r} cannot be built with kwargs {kwargs} ({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"model spec {model_info['spec']!r} cannot be built with kwargs {kwargs} ({type(e).__name__}: {e})"
+            ) from None
     convert(model, NWSConfig.from_dict(model_info.get("convert") or {}), init=pools)
     if pack.num_classes is not None:
         resize_head(model, pack.num_classes)
@@ -80,7 +88,13 @@ def build_task_model(
 
 
 def build_run_model(
-    run: RunDir, manifest: dict, pools: PoolSet, pack: TaskPack, model: nn.Module | None = None, *, trust_code: bool = False
+    run: RunDir,
+    manifest: dict,
+    pools: PoolSet,
+    pack: TaskPack,
+    model: nn.Module | None = None,
+    *,
+    trust_code: bool = False,
 ) -> nn.Module:
     """:func:`build_task_model` for a run's manifest; every failure names the manifest.
 
@@ -93,7 +107,9 @@ def build_run_model(
     except UntrustedCodeError as e:
         raise UntrustedCodeError(f"{run.manifest_path}: {e}") from None
     except ConversionError as e:
-        raise FormatError(f"{run.manifest_path}: field model: the model cannot be converted as recorded ({e})") from None
+        raise FormatError(
+            f"{run.manifest_path}: field model: the model cannot be converted as recorded ({e})"
+        ) from None
     except PackMismatchError as e:
         raise PackMismatchError(f"{e} [model built as {run.manifest_path} records it]") from None
     except NWSError:

@@ -35,13 +35,20 @@ from pathlib import Path
 
 from ..conversion.config import NWSConfig
 from ..errors import FormatError, TaskNotFoundError, UsageError
+from ..formats.atomic import atomic_write_bytes, disk_error
 from ..formats.limits import MAX_FACTORY_INT
 from ..formats.schema import Fields, is_relative_inside
-from ..formats.atomic import atomic_write_bytes, disk_error
 
 __all__ = [
-    "RunDir", "MANIFEST_FORMAT", "MANIFEST_VERSION", "library_versions", "check_manifest", "TaskNotFoundError", "new_run_id",
-    "model_sha256", "check_data_info",
+    "RunDir",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "library_versions",
+    "check_manifest",
+    "TaskNotFoundError",
+    "new_run_id",
+    "model_sha256",
+    "check_data_info",
 ]
 
 MANIFEST_FORMAT = "nwsconvert.run"
@@ -220,7 +227,9 @@ class RunDir:
             raise FormatError(f"{self.manifest_path}: not an nwsconvert run manifest")
         version = manifest.get("version")
         if type(version) is not int or version < 1:
-            raise FormatError(f"{self.manifest_path}: field version: expected an integer >= 1, got {str(version)[:40]!r}")
+            raise FormatError(
+                f"{self.manifest_path}: field version: expected an integer >= 1, got {str(version)[:40]!r}"
+            )
         if version > MANIFEST_VERSION:
             raise FormatError(
                 f"{self.manifest_path}: manifest version {version} is newer than this nwsconvert "
@@ -238,12 +247,19 @@ class RunDir:
         root = self.path.resolve()
         target = (root / rel).resolve() if is_relative_inside(rel) else None
         if target is None or not target.is_relative_to(root):
-            raise FormatError(f"{self.manifest_path}: {what} {str(rel)[:80]!r} points outside the run directory {self.path}")
+            raise FormatError(
+                f"{self.manifest_path}: {what} {str(rel)[:80]!r} points outside the run directory {self.path}"
+            )
         return target
 
     def write(self, manifest: dict) -> None:
         """Write the manifest atomically."""
-        manifest = {"format": MANIFEST_FORMAT, **manifest, "version": MANIFEST_VERSION, "model_sha256": model_sha256(manifest["model"])}
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            **manifest,
+            "version": MANIFEST_VERSION,
+            "model_sha256": model_sha256(manifest["model"]),
+        }
         atomic_write_bytes(self.manifest_path, (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode())
 
     def task_entry(self, manifest: dict, task: int) -> dict:

@@ -37,13 +37,13 @@ LOCK_FILE = ".lock"
 class RunLock:
     """The lock of one run directory (see the module docstring). Use :meth:`acquire`."""
 
-    _held: dict[str, "RunLock"] = {}
+    _held: dict[str, RunLock] = {}
 
     def __init__(self, path: Path, fd: int):
         self.path, self.fd, self.depth = path, fd, 1
 
     @classmethod
-    def acquire(cls, run_dir: str | os.PathLike) -> "RunLock":
+    def acquire(cls, run_dir: str | os.PathLike) -> RunLock:
         """Lock ``run_dir`` for this process (creating the folder), or refuse.
 
         Raises:
@@ -67,7 +67,12 @@ class RunLock:
                 f"{run_dir} is being written by another process ({holder}): wait for it to end or stop it; "
                 "one process writes a run at a time"
             ) from None
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv[:6]}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "argv": sys.argv[:6],
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         lock = cls(path, fd)
@@ -90,7 +95,7 @@ class RunLock:
         self.fd = None
         self._held.pop(str(self.path.parent.resolve()), None)
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -118,7 +123,9 @@ def _unlock(fd: int) -> None:
 def _holder(fd: int) -> str:
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"pid {info['pid']} on {info['host']} since {info['since']}: {' '.join(info.get('argv', []))}".strip(": ")
+        return f"pid {info['pid']} on {info['host']} since {info['since']}: {' '.join(info.get('argv', []))}".strip(
+            ": "
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return "holder unknown"
 

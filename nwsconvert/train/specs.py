@@ -28,7 +28,16 @@ if TYPE_CHECKING:  # torch loads only when a model is built: the command lines c
 __all__ = ["build_model", "parse_spec", "is_registry_spec", "LOADING_KWARGS"]
 
 #: Factory arguments that load files or weights: never taken from a spec's kwargs.
-LOADING_KWARGS = ("pretrained", "checkpoint_path", "pretrained_cfg", "pretrained_cfg_overlay", "cache_dir", "weights", "weights_backbone", "progress")
+LOADING_KWARGS = (
+    "pretrained",
+    "checkpoint_path",
+    "pretrained_cfg",
+    "pretrained_cfg_overlay",
+    "cache_dir",
+    "weights",
+    "weights_backbone",
+    "progress",
+)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -61,7 +70,7 @@ def is_registry_spec(spec: str) -> bool:
     return False
 
 
-def build_model(spec: str, *, trust_code: bool = False, **kwargs) -> "nn.Module":
+def build_model(spec: str, *, trust_code: bool = False, **kwargs) -> nn.Module:
     """Build the (randomly initialised) model a spec names.
 
     Args:
@@ -76,7 +85,9 @@ def build_model(spec: str, *, trust_code: bool = False, **kwargs) -> "nn.Module"
     source, name = parse_spec(spec)
     loading = sorted(k for k in kwargs if k in LOADING_KWARGS)
     if loading:
-        raise ValueError(f"model spec {spec!r}: keyword argument(s) {loading} would load files or weights; runs never do")
+        raise ValueError(
+            f"model spec {spec!r}: keyword argument(s) {loading} would load files or weights; runs never do"
+        )
     if not trust_code and not is_registry_spec(spec):
         raise UntrustedCodeError(
             f"model spec {spec!r} would import and call {name!r} from module {source!r}: pass trust_code=True "
@@ -92,7 +103,9 @@ def build_model(spec: str, *, trust_code: bool = False, **kwargs) -> "nn.Module"
         import torchvision
 
         if name not in torchvision.models.list_models():
-            raise ValueError(f"model spec {spec!r}: torchvision has no model {name!r} (see torchvision.models.list_models())")
+            raise ValueError(
+                f"model spec {spec!r}: torchvision has no model {name!r} (see torchvision.models.list_models())"
+            )
         if "in_chans" in kwargs:
             raise ValueError(f"model spec {spec!r}: torchvision models take 3-channel input (no in_chans)")
         return torchvision.models.get_model(name, weights=None, **kwargs)

@@ -27,12 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
 from tqdm.auto import tqdm
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainConfig, lr_factor
-from .distributed import average_buffers, gather_strings, setup
 from ..core.engine import search_engine
-from .heads import head_classes, resize_head
-from .loading import build_task_model, load_run_pools
 from ..core.nwsmodel import (
     _require,
     commitment_loss,
@@ -46,12 +41,17 @@ from ..core.nwsmodel import (
     set_commitment,
     set_mode,
 )
+from ..core.pools import PoolSet
 from ..errors import FormatError, RunExistsError, UntrustedCodeError
 from ..formats.packs import TaskPack, apply_task, extract_task, model_spec_of, round_state_
-from ..core.pools import PoolSet
+from ..formats.storage import read_tensors, write_tensors
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import TrainConfig, lr_factor
+from .distributed import average_buffers, gather_strings, setup
+from .heads import head_classes, resize_head
+from .loading import build_task_model, load_run_pools
 from .rundir import RunDir, library_versions, new_run_id
 from .runlock import RunLock, remove_stale_temporaries
-from ..formats.storage import read_tensors, write_tensors
 
 __all__ = ["Trainer", "evaluate", "pool_usage"]
 
@@ -82,7 +82,9 @@ def _autocast(device: torch.device, amp: str):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Data, *, device: torch.device | str = "cpu", batch_size: int = 256, amp: str = "off") -> dict:
+def evaluate(
+    model: nn.Module, data: Data, *, device: torch.device | str = "cpu", batch_size: int = 256, amp: str = "off"
+) -> dict:
     """Top-1 accuracy and mean cross-entropy of ``model`` on ``data`` (eval mode).
 
     Returns:
@@ -145,7 +147,9 @@ class Trainer:
     ):
         layers = _require(model)
         self.run = RunDir(run_dir)
-        device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = (
+            torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self.dist = setup(device)
         if self.dist.enabled and device.type == "cuda":
             device = torch.device("cuda", self.dist.local_rank)
@@ -199,8 +203,11 @@ class Trainer:
                 self.run.write(self.manifest)
             self.dist.barrier()
         if self.config.deterministic:
-            self._restore = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-                             torch.backends.cudnn.benchmark)
+            self._restore = (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.backends.cudnn.deterministic,
+                torch.backends.cudnn.benchmark,
+            )
             # cuBLAS needs a fixed workspace before its first call; cuDNN fixed algorithms, no autotuning.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -220,7 +227,7 @@ class Trainer:
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = self._restore[1:]
             self._restore = None
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -240,7 +247,12 @@ class Trainer:
             return data
         if train and self.dist.enabled:
             sampler = DistributedSampler(
-                data, self.dist.world_size, self.dist.rank, shuffle=True, seed=seed, drop_last=len(data) >= 2 * self.dist.world_size
+                data,
+                self.dist.world_size,
+                self.dist.rank,
+                shuffle=True,
+                seed=seed,
+                drop_last=len(data) >= 2 * self.dist.world_size,
             )
         elif train:
             sampler = RandomSampler(data, generator=torch.Generator().manual_seed(seed))
@@ -260,7 +272,11 @@ class Trainer:
         if cfg.optimizer == "adam":
             return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0, weight_decay=cfg.weight_decay
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov and cfg.momentum > 0,
+            weight_decay=cfg.weight_decay,
         )
 
     def _nws_buffer_names(self) -> set[str]:
@@ -376,11 +392,16 @@ class Trainer:
                 steps += 1
                 correct += (out.detach().argmax(1) == y).sum()
                 loss_sum += loss.detach().double() * n
-                searched = searched + (engine.searched_fraction() if engine is not None else search_stats(model)["fraction"])
+                searched = searched + (
+                    engine.searched_fraction() if engine is not None else search_stats(model)["fraction"]
+                )
                 if steps % _READ_EVERY == 0:
                     self._check_loss(stage, epoch, loss_sum)
-                    bar.set_postfix(loss=f"{float(loss_sum) / seen:.3f}", acc=f"{int(correct) / seen:.3f}",
-                                    searched=f"{float(searched) / steps:.1%}")
+                    bar.set_postfix(
+                        loss=f"{float(loss_sum) / seen:.3f}",
+                        acc=f"{int(correct) / seen:.3f}",
+                        searched=f"{float(searched) / steps:.1%}",
+                    )
             bar.close()
             self._check_loss(stage, epoch, loss_sum)
             record = {
@@ -402,7 +423,12 @@ class Trainer:
                 record.update(val_acc=ev["acc"], val_loss=ev["loss"])
             if self.dist.is_main and ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs):
                 save_checkpoint(
-                    self.run.checkpoint_path, model, optimizer, stage=stage, epoch=epoch + 1, num_classes=head_classes(model),
+                    self.run.checkpoint_path,
+                    model,
+                    optimizer,
+                    stage=stage,
+                    epoch=epoch + 1,
+                    num_classes=head_classes(model),
                     record=record,
                 )
             self._log(record)  # after the checkpoint: a logged epoch can always be resumed from
@@ -444,7 +470,9 @@ class Trainer:
 
     def _write_pools(self, metrics: dict, learned: bool) -> None:
         pools = pool_set(self.model)
-        base = extract_task(self.model, model_spec=self.manifest["model"]["spec"], meta={"stage": "pools"}, run_id=self.run_id)
+        base = extract_task(
+            self.model, model_spec=self.manifest["model"]["spec"], meta={"stage": "pools"}, run_id=self.run_id
+        )
         if self.dist.is_main:
             sha = pools.save(self.run.pool_path)
             base_sha = base.save(self.run.base_path)
@@ -461,7 +489,11 @@ class Trainer:
                 "learned": learned,
                 "metrics": metrics,
             }
-            self.manifest["base"] = {"file": self.run.base_path.name, "sha256": base_sha, "num_classes": base.num_classes}
+            self.manifest["base"] = {
+                "file": self.run.base_path.name,
+                "sha256": base_sha,
+                "num_classes": base.num_classes,
+            }
             self.run.write(self.manifest)
             self.run.log({"stage": "pools", "event": "done", "pool_sha256": sha, **metrics})
             self.run.checkpoint_path.unlink(missing_ok=True)
@@ -502,7 +534,9 @@ class Trainer:
     def _init_weights(self, how: str) -> None:
         layers = nws_layers(self.model)
         if how == "original":
-            tensors, _ = read_tensors(self.run.base_weights_path, BASE_WEIGHTS_FORMAT, BASE_WEIGHTS_VERSION, hashed_since=2)
+            tensors, _ = read_tensors(
+                self.run.base_weights_path, BASE_WEIGHTS_FORMAT, BASE_WEIGHTS_VERSION, hashed_since=2
+            )
             with torch.no_grad():
                 for layer in layers:
                     saved = tensors[layer.name]
@@ -551,7 +585,9 @@ class Trainer:
             self._log({"stage": f"task:{task}", "event": "skipped: already done"})
             return done[task]["metrics"]
         if task != len(done):
-            raise ValueError(f"tasks are learned in order: the run has finished {len(done)} task(s), so the next is {len(done)}, not {task}")
+            raise ValueError(
+                f"tasks are learned in order: the run has finished {len(done)} task(s), so the next is {len(done)}, not {task}"
+            )
         stage = f"task:{task}"
         cfg = self.config
         ckpt = self._checkpoint_for(stage)
@@ -572,7 +608,12 @@ class Trainer:
         ev = evaluate(model, self._loader(val, self.config, False, 0), device=self.device, amp=self.config.amp)
         meta = {"task": task, "name": name or f"task_{task}", "class_names": class_names}
         pack = extract_task(
-            model, model_spec=self.manifest["model"]["spec"], meta=meta, run_id=self.run_id, task=task, state_dtype=self.config.state_dtype
+            model,
+            model_spec=self.manifest["model"]["spec"],
+            meta=meta,
+            run_id=self.run_id,
+            task=task,
+            state_dtype=self.config.state_dtype,
         )
         digests = gather_strings(pack.content_sha256(), self.dist)
         if len(set(digests)) != 1:
@@ -636,7 +677,10 @@ class Trainer:
         trusted = self.manifest["model"]["spec"] == self._own_spec
         try:
             net = build_task_model(self.manifest["model"], pools, pack, trust_code=trusted)
-        except (ValueError, UntrustedCodeError):  # spec not buildable by name: reuse the architecture, never the weights
+        except (
+            ValueError,
+            UntrustedCodeError,
+        ):  # spec not buildable by name: reuse the architecture, never the weights
             net = copy.deepcopy(self.model)
             apply_task(net, pack)
         return net.to(self.device).eval()

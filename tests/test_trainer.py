@@ -34,9 +34,9 @@ def test_run_directory_layout_and_manifest(finished_run):
     out, trainer, tasks, metrics, pool_metrics = finished_run
     run = RunDir(out)
     m = run.read()
-    assert m["format"] == "nwsconvert.run" and m["version"] == 2 and m["model_sha256"] == model_sha256(m["model"])
+    assert m["format"] == "nwsconvert.run" and m["version"] == 3 and m["model_sha256"] == model_sha256(m["model"])
     assert m["model"]["spec"] == SPEC and m["model"]["kwargs"] == KWARGS
-    assert m["model"]["convert"]["pool_size"] == 32
+    assert m["model"]["convert"]["pool_size"] == 32 and m["model"]["convert"]["version"] == 1  # the whole NWSConfig
     assert m["pools"]["sha256"] == nwsconvert.PoolSet.load(run.pool_path).sha256
     assert m["pools"]["learned"] is True and "val_acc" in pool_metrics
     assert [t["id"] for t in m["tasks"]] == [0, 1]

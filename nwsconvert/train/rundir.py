@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import platform
+import time
 import uuid
 from pathlib import Path
 
@@ -72,6 +73,23 @@ def model_sha256(model: dict) -> str:
 def new_run_id() -> str:
     """A random identity for a new run; its packs carry it, so a pack of another run is refused."""
     return uuid.uuid4().hex
+
+
+def new_manifest(spec: str, kwargs: dict | None, convert: dict, layers: int, data: dict | None, config: dict) -> dict:
+    """The manifest of a new run, before any stage: a fresh ``run_id``, the model entry (spec, factory
+    kwargs, the conversion config as a dict, NWS layer count), data info, the training config and
+    library versions. :meth:`RunDir.write` adds the format, version and ``model_sha256``."""
+    return {
+        "run_id": new_run_id(),
+        "model": {"spec": spec, "kwargs": dict(kwargs or {}), "convert": convert, "layers": layers},
+        "data": dict(data or {}),
+        "config": config,
+        "versions": library_versions(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "pools": None,
+        "base": None,
+        "tasks": [],
+    }
 
 
 def check_data_info(f: Fields, key: str = "data") -> None:
@@ -261,6 +279,14 @@ class RunDir:
             "model_sha256": model_sha256(manifest["model"]),
         }
         atomic_write_bytes(self.manifest_path, (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode())
+
+    def commit_stage(self, manifest: dict, done: dict) -> None:
+        """The end of a finished stage, in the order that keeps a killed run consistent: the manifest
+        that lists the stage's files (written atomically), then the ``done`` line of the log, then
+        the stage's checkpoint is removed (a run killed before that resumes to a finished stage)."""
+        self.write(manifest)
+        self.log(done)
+        self.checkpoint_path.unlink(missing_ok=True)
 
     def task_entry(self, manifest: dict, task: int) -> dict:
         """The manifest entry of ``task``; a clear error listing the finished tasks otherwise.

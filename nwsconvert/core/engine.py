@@ -38,6 +38,7 @@ goes on from it).
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -47,6 +48,9 @@ from .fused_search import row_blocks, segmented_nearest_two
 from .layers import _budget_sq
 from .search import PreparedPool, flat_nonzero, nearest_two, round_down_f32
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
 __all__ = ["SearchEngine", "search_engine"]
 
 
@@ -55,7 +59,7 @@ class _TorchSearch:
     layer by layer over the flagged rows (CPU: reading their number back costs nothing there). Each
     layer's :class:`~nwsconvert.core.search.PreparedPool` is kept while its pool's values stay the same."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.preps: dict[int, PreparedPool] = {}
 
     def _prepared(self, off: int, pool: torch.Tensor) -> PreparedPool:
@@ -171,8 +175,8 @@ class _Group:
                 torch.cat([p.hi32 for p in preps]).to(device),
                 torch.cat([p.pool for p in preps]).to(device),
             )
-        self.pieces = None
-        self._scales = None
+        self.pieces: list[torch.Tensor] | None = None
+        self._scales: tuple[tuple[float, ...], torch.Tensor] | None = None  # (per-layer scales, per-row tensor)
         self.searched = torch.zeros(len(layers), device=device)
         self.exact_rows = torch.zeros(len(layers), device=device)
 
@@ -291,9 +295,9 @@ class SearchEngine:
             for i, layer in enumerate(g.layers):
                 self._place[id(layer.nws)] = (g, i)
                 layer.nws._engine = weakref.ref(self)
-        self._stamp = None
-        self._used = {}
-        self._hook = model.register_forward_pre_hook(self._pre_forward)
+        self._stamp: dict[int, tuple] | None = None
+        self._used: dict[int, bool] = {}
+        self._hook: RemovableHandle | None = model.register_forward_pre_hook(self._pre_forward)
 
     # ------------------------------------------------------------------ use
     def __enter__(self) -> SearchEngine:
@@ -332,6 +336,7 @@ class SearchEngine:
         if self._stamp is None or self._stamp[id(nws)] != self._state(g.layers[i]) or self._used[id(nws)]:
             self.update()  # W or a pool changed, or this layer's weight already went into a forward
         self._used[id(nws)] = True
+        assert g.pieces is not None  # update() gathered every group's pieces before _stamp was set
         return g.pieces[i]
 
     def manages(self, layers) -> bool:

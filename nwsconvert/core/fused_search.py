@@ -180,7 +180,7 @@ def row_blocks(segments: list[tuple[int, int]], device) -> tuple[torch.Tensor, .
         ``(blk_row, blk_end, blk_off, blk_n)``, ``(B,)`` int32 each on ``device``: every layer's rows in
         blocks of :data:`BLOCK_R` that never cross into the next layer.
     """
-    cols = [[], [], [], []]
+    cols: list[list[int]] = [[], [], [], []]
     row = off = 0
     for count, size in segments:
         for start in range(row, row + count, BLOCK_R):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .search import DEFAULT_CHUNK, PreparedPool, flat_nonzero, nearest_scalar, nearest_two, round_down_f32
+
+if TYPE_CHECKING:
+    from .engine import SearchEngine
 
 __all__ = ["NWSWeight", "index_bits"]
 
@@ -140,6 +144,10 @@ class NWSWeight(nn.Module):
             (``searched``: rows re-searched, ``total``: N, ``exact_rows``: float64 fallbacks).
     """
 
+    # Registered in __init__ (buffers, or pool an nn.Parameter in pool mode); declared for the type checker.
+    pool: torch.Tensor
+    indices: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, vector_size: int, pool: torch.Tensor, role: str = "body"):
         super().__init__()
         if weight.numel() % vector_size:
@@ -159,23 +167,30 @@ class NWSWeight(nn.Module):
         # (float32, rounded down, shrunk by pool movement; <= 0 or NaN: search again).
         # Plain attributes, not buffers: .half() or .to() must not round them;
         # after a device move the next update searches everything.
-        self._ref = None
-        self._budget_sq = None
-        self._ones_vec = None
+        self._ref: torch.Tensor | None = None
+        self._budget_sq: torch.Tensor | None = None
+        self._ones_vec: torch.Tensor | None = None
         self._scalar_ready = False
-        self._cache = None  # M[indices] in W's shape, kept across forwards (see _gathered)
-        self._cache_key = None  # (a copy of the pool it was gathered from, id and version of `pool` then)
-        self._cache_indices = None  # (a copy of the indices it holds, id and version of `indices` then)
-        self._touched = None  # (rows, id, version before, version after) of the last lazy index update
-        self._handed_out = weakref.WeakSet()  # views of the cache given to callers and autograd graphs
-        self._last = None  # (key, weakref to K) of the last training forward, for the commitment loss
-        self._ema = None
-        self._prep = None  # PreparedPool of the current pool
+        self._cache: torch.Tensor | None = None  # M[indices] in W's shape, kept across forwards (see _gathered)
+        # (a copy of the pool it was gathered from, id and version of `pool` then)
+        self._cache_key: tuple[torch.Tensor, int, int] | None = None
+        # (a copy of the indices it holds, id and version of `indices` then)
+        self._cache_indices: tuple[torch.Tensor, int, int] | None = None
+        # (rows, id, version before, version after) of the last lazy index update
+        self._touched: tuple[torch.Tensor, int, int, int] | None = None
+        # views of the cache given to callers and autograd graphs
+        self._handed_out: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        # (key, weakref to K) of the last training forward, for the commitment loss
+        self._last: tuple[tuple, weakref.ref[torch.Tensor]] | None = None
+        self._ema: tuple[torch.Tensor, torch.Tensor] | None = None  # (running count, running sum) per entry
+        self._prep: PreparedPool | None = None  # PreparedPool of the current pool
         self.commitment_weight = 0.0  # > 0: commitment gradient fused into the backward
         self.export_gather = False  # True while exporting to ONNX (see nwsconvert.export)
-        self._engine = None  # weakref to the SearchEngine keeping this layer's search state, while one runs
+        # weakref to the SearchEngine keeping this layer's search state, while one runs
+        self._engine: weakref.ref[SearchEngine] | None = None
         self.chunk = DEFAULT_CHUNK
-        self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
+        # exact_rows: a 0-dim device tensor after a fused (CUDA) search
+        self.stats: dict[str, int | torch.Tensor] = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
         self.full_search(weight)
 
     # ------------------------------------------------------------------ info
@@ -212,8 +227,8 @@ class NWSWeight(nn.Module):
         pool = self.pool.detach()
         prep = self._prep
         if prep is None or prep.pool.device != pool.device or not torch.equal(prep.pool, pool.float()):
-            self._prep = PreparedPool(pool)
-        return self._prep
+            prep = self._prep = PreparedPool(pool)
+        return prep
 
     def _key(self) -> tuple:
         p, i = self.pool, self.indices
@@ -224,7 +239,7 @@ class NWSWeight(nn.Module):
     def full_search(self, weight: torch.Tensor) -> None:
         """Search every kernel of ``weight`` and restart the lazy-search state."""
         vec = self._vectors(weight)
-        exact_rows = 0
+        exact_rows: int | torch.Tensor = 0
         if self.vector_size == 1:
             self.indices.copy_(nearest_scalar(vec, self._prepared()))
             self._scalar_ready = True
@@ -300,6 +315,7 @@ class NWSWeight(nn.Module):
         # (1e-5 relative slack covers the float32 norm), computed in float64 and
         # rounded down, and the search tables follow the new pool.
         move = float((pool.float() - seen.pool).norm(dim=1).max())
+        assert self._budget_sq is not None  # set and reset together with _ref, which is not None here
         left = self._budget_sq.double().clamp_min(0).sqrt() - move * (1 + 1e-5)
         left = torch.where(self._budget_sq > 0, left.clamp_min(0), 0.0)  # none left stays none
         self._budget_sq = round_down_f32(left.square())
@@ -323,9 +339,15 @@ class NWSWeight(nn.Module):
 
     def _update_vectors(self, weight: torch.Tensor) -> None:
         prep = self._track_pool()
-        if prep is None or self._ref.shape[0] != self.num_vectors or self._ref.device != weight.device:
-            self.full_search(weight)
+        if (
+            prep is None
+            or self._ref is None
+            or self._ref.shape[0] != self.num_vectors
+            or self._ref.device != weight.device
+        ):
+            self.full_search(weight)  # (_track_pool returns None whenever _ref is None)
             return
+        assert self._budget_sq is not None  # set and reset together with _ref
         vec = self._vectors(weight)
         diff = torch.sub(vec, self._ref, out=_scratch(vec.numel(), vec).view_as(vec))
         # Squared drift per row: a matrix-vector product sums rows of D far faster
@@ -385,6 +407,7 @@ class NWSWeight(nn.Module):
             self._cache_indices = (idx.clone(), id(idx), idx._version)
             self._handed_out = weakref.WeakSet()
             return self._cache
+        assert self._cache_indices is not None  # set and reset together with _cache
         seen, seen_id, seen_version = self._cache_indices
         if (seen_id, seen_version) == (id(idx), idx._version):
             return cache
@@ -409,6 +432,7 @@ class NWSWeight(nn.Module):
         """Whether the cache was gathered from ``pool``: by value in training (a step costs far
         more than comparing n x D floats, and ``.data`` edits count), by identity and version
         in eval mode (no device sync per inference forward on a GPU)."""
+        assert self._cache_key is not None  # set and reset together with _cache (only called while it is set)
         saved, saved_id, saved_version = self._cache_key
         if not self.training and (saved_id, saved_version) == (id(self.pool), self.pool._version):
             return True
@@ -428,10 +452,10 @@ class NWSWeight(nn.Module):
         if not self.training and torch.compiler.is_compiling():
             # Traced by torch.compile: the plain gather, without the cache's bookkeeping (which would
             # break the graph); the compiled model computes the same weights.
-            k = self.gather()
+            gathered = self.gather()
             if torch.is_grad_enabled() and weight.requires_grad:
-                return _GatherSTE.apply(weight, k, self._fused_scale())
-            return k
+                return _GatherSTE.apply(weight, gathered, self._fused_scale())
+            return gathered
         if self.training:
             engine = self._engine() if self._engine is not None else None
             k = engine.weight(self) if engine is not None else None  # already straight-through to W

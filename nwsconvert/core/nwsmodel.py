@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -47,7 +48,13 @@ class NWSLayer:
     @property
     def weight(self) -> nn.Parameter:
         """The temporary weights W (trainable, original shape)."""
-        return self.module.parametrizations.weight.original
+        return _original_weight(self.module)
+
+
+def _original_weight(module: nn.Module) -> nn.Parameter:
+    """``module.parametrizations.weight.original`` (casts: ``nn.Module.__getattr__`` is typed ``Tensor | Module``)."""
+    weight_list = cast(nn.Module, cast(nn.Module, module.parametrizations).weight)
+    return cast(nn.Parameter, weight_list.original)
 
 
 def nws_layers(model: nn.Module) -> list[NWSLayer]:
@@ -87,7 +94,8 @@ def commitment_loss(model: nn.Module) -> torch.Tensor:
 
     Detached (for logging) in layers whose commitment gradient is fused, see :func:`set_commitment`.
     """
-    return sum(layer.nws.commitment_loss(layer.weight) for layer in _require(model))
+    # _require returns at least one layer: the sum is a tensor, never the start value 0
+    return cast(torch.Tensor, sum(layer.nws.commitment_loss(layer.weight) for layer in _require(model)))
 
 
 def set_commitment(model: nn.Module, weight: float) -> nn.Module:
@@ -105,7 +113,8 @@ def set_commitment(model: nn.Module, weight: float) -> nn.Module:
 
 def distillation_loss(model: nn.Module) -> torch.Tensor:
     """Sum over NWS layers of ``mean((sg[W] - K)^2)`` (paper Eq. 4), differentiable in the pools."""
-    return sum(layer.nws.distillation_loss(layer.weight) for layer in _require(model))
+    # _require returns at least one layer: the sum is a tensor, never the start value 0
+    return cast(torch.Tensor, sum(layer.nws.distillation_loss(layer.weight) for layer in _require(model)))
 
 
 def set_mode(model: nn.Module, mode: str) -> nn.Module:
@@ -182,7 +191,7 @@ def _to_dense(module: nn.Module, weight: torch.Tensor) -> None:
     removing the parametrization deletes the ``weight`` property from that
     shared class, breaking the original.
     """
-    requires_grad = module.parametrizations.weight.original.requires_grad
+    requires_grad = _original_weight(module).requires_grad
     base = type(module).__bases__[0]
     del module._modules["parametrizations"]
     module.__class__ = base

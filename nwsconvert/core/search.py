@@ -339,8 +339,8 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
     vectors = vectors.detach().float()
     num = vectors.shape[0]
     if 0 < num <= FLOAT64_ROWS and vectors.device.type == "cpu":
-        idx, rad, exact_rows = _nearest_two_f64(vectors, prep)
-        return SearchResult(torch.from_numpy(idx), torch.from_numpy(rad), exact_rows)
+        idx_np, rad_np, exact_rows = _nearest_two_f64(vectors, prep)
+        return SearchResult(torch.from_numpy(idx_np), torch.from_numpy(rad_np), exact_rows)
     if vectors.device.type == "cuda":
         from . import fused_search  # it imports this module's constants: not at the top
 

@@ -37,7 +37,7 @@ from .search import _RADIUS_SHRINK, _U32
 
 __all__ = ["BLOCK_R", "available", "fused_nearest_two", "row_blocks", "segmented_nearest_two"]
 
-#: Triton is imported on first search (0.3 s), from :mod:`nwsconvert.core.triton_kernels`. CPU-only torch
+#: Triton is imported on first search (it is slow to import), from :mod:`nwsconvert.core.triton_kernels`. CPU-only torch
 #: wheels come without it.
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -118,8 +118,8 @@ def round_down_f32(x: torch.Tensor) -> torch.Tensor:
 def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
     """Positions of the ``True`` elements of a 1-D bool tensor, ``(k,)`` int64, ascending.
 
-    On CPU NumPy's ``flatnonzero`` is about 3x faster than ``torch.nonzero``
-    (0.13 against 0.40 ms for 262,144 elements), and the lazy update calls this
+    On CPU NumPy's ``flatnonzero`` is several times faster than ``torch.nonzero``
+    (measured with torch 2.14 on 262,144 elements), and the lazy update calls this
     for every layer at every training step.
     """
     if mask.device.type == "cpu":

@@ -1,4 +1,4 @@
-"""Triton kernels (imported on first use: importing Triton costs about 0.3 s).
+"""Triton kernels (imported on first use: importing Triton takes a noticeable part of a second).
 
 Decorated when this module is first imported: under ``TRITON_INTERPRET=1`` set before that, they run
 in Triton's interpreter on CPU tensors.

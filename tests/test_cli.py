@@ -80,6 +80,7 @@ def test_clear_errors(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_losing_tasks(tmp_path):
     out = tmp_path / "run"
     args = [*FAST, "epochs=4", "tasks=3", f"out={out}"]
@@ -140,6 +141,7 @@ def test_killed_run_resumes_without_losing_tasks(tmp_path):
     assert fresh.returncode != 0 and "already holds a run" in fresh.stderr
 
 
+@pytest.mark.slow
 def test_same_seed_same_run(tmp_path):
     """A seed reproduces a run bit for bit on one machine: model init, pools, indices, state (on CUDA
     with ``deterministic=true``); the process's deterministic setting is restored afterwards."""

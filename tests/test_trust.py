@@ -552,6 +552,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_disk_full_on_a_small_tmpfs_then_resume(tmp_path):
     mnt = tmp_path / "small"
     if not _mount_tmpfs(mnt, "160k"):

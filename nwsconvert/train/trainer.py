@@ -20,6 +20,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -149,37 +150,45 @@ class Trainer:
         existed = self.run.exists()
         self.dist.barrier()  # every rank looks before rank 0 may create the run below
         if existed:
-            if not resume:
-                self.close()
-                raise RunExistsError(
-                    f"{str(self.run.path)!r} already holds a run: resume it (resume=True, --resume) or choose another directory"
-                )
-            self.manifest = self.run.read()
-            try:
-                self.config = config or TrainConfig.from_dict(self.manifest.get("config") or {})
-            except ValueError as e:
-                raise FormatError(f"{self.run.manifest_path}: field config: {e}") from None
-            recorded = self.manifest["model"]
-            if model_spec is not None and model_spec != recorded["spec"]:
-                raise ValueError(f"run {str(self.run.path)!r} trains {recorded['spec']!r}, not {model_spec!r}")
+            self._read_run(resume, config, model_spec)
         else:
-            self.config = config or TrainConfig()
-            report = getattr(model, "nws_report", None)
-            self.manifest = new_manifest(
-                model_spec or model_spec_of(model),
-                model_kwargs,
-                dict(report.options) if report is not None else {},
-                len(layers),
-                data_info,
-                self.config.to_dict(),
-            )
-            if self.dist.is_main:
-                self.run.write(self.manifest)
-            self.dist.barrier()
+            self._create_run(model, len(layers), config, model_spec, model_kwargs, data_info)
         if self.config.deterministic:
             self._restore = use_deterministic()
         torch.manual_seed(self.config.seed)
         self.model = model.to(self.device)
+
+    def _read_run(self, resume: bool, config: TrainConfig | None, model_spec: str | None) -> None:
+        """Take the run already in the directory: refused unless resuming it, with the same model."""
+        if not resume:
+            self.close()
+            raise RunExistsError(
+                f"{str(self.run.path)!r} already holds a run: resume it (resume=True, --resume) or choose another directory"
+            )
+        self.manifest = self.run.read()
+        try:
+            self.config = config or TrainConfig.from_dict(self.manifest.get("config") or {})
+        except ValueError as e:
+            raise FormatError(f"{self.run.manifest_path}: field config: {e}") from None
+        recorded = self.manifest["model"]
+        if model_spec is not None and model_spec != recorded["spec"]:
+            raise ValueError(f"run {str(self.run.path)!r} trains {recorded['spec']!r}, not {model_spec!r}")
+
+    def _create_run(self, model, layers: int, config, model_spec, model_kwargs, data_info) -> None:
+        """Start a new run: its first manifest, written by the main process before any rank goes on."""
+        self.config = config or TrainConfig()
+        report = getattr(model, "nws_report", None)
+        self.manifest = new_manifest(
+            model_spec or model_spec_of(model),
+            model_kwargs,
+            dict(report.options) if report is not None else {},
+            layers,
+            data_info,
+            self.config.to_dict(),
+        )
+        if self.dist.is_main:
+            self.run.write(self.manifest)
+        self.dist.barrier()
 
     def close(self) -> None:
         """Release the run's lock (also released when the process ends) and restore the process's
@@ -303,26 +312,32 @@ class Trainer:
                 "pool_usage": pool_usage(model),
                 "seconds": time.perf_counter() - tic,
             }
-            if pool and cfg.reseed_every and (epoch + 1) % cfg.reseed_every == 0 and epoch + 1 < cfg.epochs:
-                record["reseeded"] = reseed_unused(model)
-            average_buffers(model, self.dist, self._nws_buffer_names())
-            if val is not None:
-                ev = evaluate(model, self._loader(val, cfg, False, 0), device=self.device, amp=cfg.amp)
-                record.update(val_acc=ev["acc"], val_loss=ev["loss"])
-            if self.dist.is_main and ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs):
-                save_checkpoint(
-                    self.run.checkpoint_path,
-                    model,
-                    optimizer,
-                    stage=stage,
-                    epoch=epoch + 1,
-                    num_classes=head_classes(model),
-                    record=record,
-                )
-            self._log(record)  # after the checkpoint: a logged epoch can always be resumed from
-            self.dist.barrier()
+            self._end_epoch(stage, epoch, record, val, cfg, pool, optimizer)
         set_commitment(model, 0.0)
         return record
+
+    def _end_epoch(self, stage: str, epoch: int, record: dict, val, cfg: TrainConfig, pool: bool, optimizer) -> None:
+        """After an epoch: reseed unused pool entries (pool learning), average buffers over the ranks,
+        validate, checkpoint, then log the epoch's ``record`` (completed in place)."""
+        model = self.model
+        if pool and cfg.reseed_every and (epoch + 1) % cfg.reseed_every == 0 and epoch + 1 < cfg.epochs:
+            record["reseeded"] = reseed_unused(model)
+        average_buffers(model, self.dist, self._nws_buffer_names())
+        if val is not None:
+            ev = evaluate(model, self._loader(val, cfg, False, 0), device=self.device, amp=cfg.amp)
+            record.update(val_acc=ev["acc"], val_loss=ev["loss"])
+        if self.dist.is_main and ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs):
+            save_checkpoint(
+                self.run.checkpoint_path,
+                model,
+                optimizer,
+                stage=stage,
+                epoch=epoch + 1,
+                num_classes=head_classes(model),
+                record=record,
+            )
+        self._log(record)  # after the checkpoint: a logged epoch can always be resumed from
+        self.dist.barrier()
 
     # ---------------------------------------------------------------- pools
     def fit_pools(self, train: Data, val: Data | None = None, *, num_classes: int | None = None) -> dict:
@@ -488,26 +503,13 @@ class Trainer:
         return self._finish_task(task, val, num_classes, name, class_names, record, seconds)
 
     def _finish_task(self, task, val, num_classes, name, class_names, record, seconds) -> dict:
+        """Round the state to what the pack stores, write the pack, check that the model rebuilt from
+        it scores exactly what the trained model scores, and commit the task to the manifest."""
         model = round_state_(self.model, self.config.state_dtype)  # what the pack stores, before it is evaluated
         ev = evaluate(model, self._loader(val, self.config, False, 0), device=self.device, amp=self.config.amp)
         meta = {"task": task, "name": name or f"task_{task}", "class_names": class_names}
-        pack = extract_task(
-            model,
-            model_spec=self.manifest["model"]["spec"],
-            meta=meta,
-            run_id=self.run_id,
-            task=task,
-            state_dtype=self.config.state_dtype,
-        )
-        digests = gather_strings(pack.content_sha256(), self.dist)
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"task {task}: ranks ended with different indices or state (pack digests {digests})")
-        path = self.run.pack_path(task)
-        if self.dist.is_main:
-            pack.base = self._pack_base(task)  # store what changed against it (see nwsconvert.formats.packs)
-            sha = pack.save(path)
-        self.dist.barrier()
-        rebuilt = self._rebuild(path, task, sha if self.dist.is_main else None)
+        pack, path, sha = self._write_pack(task, meta)
+        rebuilt = self._rebuild(path, task, sha)
         ev2 = evaluate(rebuilt, self._loader(val, self.config, False, 0), device=self.device, amp=self.config.amp)
         if ev2["correct"] != ev["correct"]:
             raise RuntimeError(
@@ -540,6 +542,27 @@ class Trainer:
             self.run.commit_stage(self.manifest, {"stage": f"task:{task}", "event": "done", **metrics})
         self._sync_manifest()
         return metrics
+
+    def _write_pack(self, task: int, meta: dict) -> tuple[TaskPack, Path, str | None]:
+        """Task ``task``'s pack, checked equal on every rank and written by the main process:
+        ``(pack, path, its SHA-256 on the main process else None)``."""
+        pack = extract_task(
+            self.model,
+            model_spec=self.manifest["model"]["spec"],
+            meta=meta,
+            run_id=self.run_id,
+            task=task,
+            state_dtype=self.config.state_dtype,
+        )
+        digests = gather_strings(pack.content_sha256(), self.dist)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"task {task}: ranks ended with different indices or state (pack digests {digests})")
+        path, sha = self.run.pack_path(task), None
+        if self.dist.is_main:
+            pack.base = self._pack_base(task)  # store what changed against it (see nwsconvert.formats.packs)
+            sha = pack.save(path)
+        self.dist.barrier()
+        return pack, path, sha
 
     def _pack_base(self, task: int) -> TaskPack | None:
         """The pack task ``task``'s indices are delta-coded against (``config.pack_base``)."""

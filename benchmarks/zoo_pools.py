@@ -128,13 +128,14 @@ def label(cfg: dict) -> str:
     return f"{cfg['preset']} ({base})" if cfg["preset"] else base
 
 
-def convert_kwargs(model, cfg: dict, kmeans_iters: int | None) -> dict:
+def conversion_config(model, cfg: dict, kmeans_iters: int | None, seed: int) -> nc.NWSConfig:
+    """The NWSConfig of one grid row: a preset's (it edits the planner's plans) or plain sizes."""
     extra = {} if kmeans_iters is None else {"kmeans_iters": kmeans_iters}
     if cfg["preset"]:
-        return get_preset(cfg["preset"]).convert_kwargs(
-            model, pool_size=cfg["pool_size"], group_size=cfg["group_size"], **extra
+        return get_preset(cfg["preset"]).config(
+            model, pool_size=cfg["pool_size"], group_size=cfg["group_size"], init="kmeans", seed=seed, **extra
         )
-    return {"pool_size": cfg["pool_size"], "group_size": cfg["group_size"], **extra}
+    return nc.NWSConfig(pool_size=cfg["pool_size"], group_size=cfg["group_size"], init="kmeans", seed=seed, **extra)
 
 
 # ------------------------------------------------------------------ grid
@@ -153,7 +154,7 @@ def grid(configs: list[dict], x: torch.Tensor, kmeans_iters: int | None) -> tupl
     for cfg in configs:
         model = copy.deepcopy(dense)
         tic = time.perf_counter()
-        nc.convert(model, init="kmeans", seed=0, **convert_kwargs(model, cfg, kmeans_iters))
+        nc.convert(model, conversion_config(model, cfg, kmeans_iters, seed=0))
         seconds = time.perf_counter() - tic
         model.eval()
         with torch.no_grad():
@@ -199,7 +200,7 @@ def train_nws(cfg: dict, suite, recipe: str, seed: int, kmeans_iters: int | None
     # real weights too; fit_task resizes it to each task (keeping rows, as always).
     model = entry.build(**_task_kwargs(suite))
     tic = time.perf_counter()
-    nc.convert(model, init="kmeans", seed=seed, **convert_kwargs(model, cfg, kmeans_iters))
+    nc.convert(model, conversion_config(model, cfg, kmeans_iters, seed=seed))
     accs, rebuilt = [], []
     with tempfile.TemporaryDirectory() as tmp:
         trainer = nc.Trainer(

@@ -59,7 +59,7 @@ class LayerConfig:
 
     def __post_init__(self):
         if self.pool_size is not None:
-            _int("pool_size", self.pool_size, 2, MAX_POOL_SIZE)
+            _int("pool_size", self.pool_size, 1, MAX_POOL_SIZE)  # 1 as run manifests of version 2 allowed
         if self.group_size is not None:
             _int("group_size", self.group_size, 1, MAX_VECTOR_SIZE)
 

@@ -220,7 +220,8 @@ def plan(model: nn.Module, config: NWSConfig | None = None, pools: PoolSet | Non
         owners[id(weight)] = name
         layer: LayerConfig = config.resolve(name)
         # resolve() sets both fields (NWSConfig's own are validated ints)
-        p = base.with_group_size(cast(int, layer.group_size)).with_pool_size(cast(int, layer.pool_size))
+        p = base.with_group_size(cast(int, layer.group_size))
+        p = dataclasses.replace(p, pool_size=cast(int, layer.pool_size))  # as configured (presets clamp to 2)
         if pools is not None:
             p = _fit_pool(p, pools)
         out.append(p)

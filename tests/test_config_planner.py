@@ -188,3 +188,15 @@ def test_presets_only_edit_plans_and_their_config_reconverts_identically():
     user = preset.config(model, pool_size=16, layer_pool_size={"features.*": 3})
     assert next(iter(user.layers)) == "features.*"
     assert all(p.pool_size == 3 for p in plan(model, user) if p.name.startswith("features.") and not p.skipped)
+
+
+def test_plans_that_leave_every_layer_dense_are_refused_naming_why():
+    model = _net()
+    converter = nc.NWSConverter(NWSConfig(pool_size=8, init="random"))
+    dense = [p.dense("skipped by the user") for p in converter.plan(model)]
+    with pytest.raises(
+        nc.ConversionError,
+        match=r"Sequential has no layer to convert: all 4 weight layers were skipped \(0: skipped by the user",
+    ):
+        converter.apply(model, dense)
+    assert not nc.is_converted(model)

@@ -25,7 +25,7 @@ from ..core.layers import NWSWeight
 from ..core.pools import PoolSet, init_pool
 from ..errors import UsageError
 from .config import NWSConfig
-from .planner import ConversionError, LayerPlan, check_convertible, plan
+from .planner import ConversionError, LayerPlan, check_convertible, config_from_plans, plan, require_a_converted_layer
 from .report import ConversionReport, LayerRecord, SkippedRecord
 
 __all__ = ["NWSConverter", "convert", "ConversionError"]
@@ -90,8 +90,6 @@ class NWSConverter:
                 layer to convert (every Conv2d / Linear skipped, or none at all); a plan
                 names a layer ``model`` does not have.
         """
-        from .planner import config_from_plans
-
         if plans is None:
             plans = self.plan(model)
         else:
@@ -100,10 +98,7 @@ class NWSConverter:
         missing = [p.name for p in plans if p.name not in modules]
         if missing:
             raise ConversionError(f"plan names layers {type(model).__name__} does not have: {missing[:5]}")
-        if not any(not p.skipped for p in plans):
-            raise ConversionError(
-                f"{type(model).__name__} has no layer to convert: every plan is skipped; NWS needs at least one"
-            )
+        require_a_converted_layer(model, plans)
         config = config_from_plans(plans, self.config)
         gen = torch.Generator().manual_seed(config.seed)
         trace = getattr(plans, "trace", None) or (

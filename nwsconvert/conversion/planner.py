@@ -27,7 +27,16 @@ from ..errors import NWSError, UsageError
 from .config import LayerConfig, NWSConfig
 from .graph import analyse, is_weight_layer, roles_by_name
 
-__all__ = ["LayerPlan", "Plans", "plan", "layer_family", "config_from_plans", "check_convertible", "ConversionError"]
+__all__ = [
+    "LayerPlan",
+    "Plans",
+    "plan",
+    "layer_family",
+    "config_from_plans",
+    "check_convertible",
+    "require_a_converted_layer",
+    "ConversionError",
+]
 
 
 class ConversionError(NWSError, ValueError):
@@ -229,15 +238,25 @@ def plan(model: nn.Module, config: NWSConfig | None = None, pools: PoolSet | Non
         extra = sorted(set(pools.pools) - {p.name for p in out if not p.skipped})
         if extra:
             raise ConversionError(f"pool set has pools for layers the model does not convert: {extra[:5]}")
-    if not any(not p.skipped for p in out):
-        first = next(iter(out), None)
-        why = (
-            f"all {len(out)} weight layers were skipped ({first.name}: {first.skip}...)"
-            if first is not None
-            else "it has no nn.Conv2d, nn.Linear or CondConv2d"
-        )
-        raise ConversionError(f"{type(model).__name__} has no layer to convert: {why}; NWS needs at least one")
+    require_a_converted_layer(model, out)
     return out
+
+
+def require_a_converted_layer(model: nn.Module, plans: list[LayerPlan]) -> None:
+    """Refuse plans that leave every layer dense (or a model without weight layers), naming why.
+
+    Raises:
+        ConversionError: no plan converts a layer.
+    """
+    if any(not p.skipped for p in plans):
+        return
+    first = next(iter(plans), None)
+    why = (
+        f"all {len(plans)} weight layers were skipped ({first.name}: {first.skip}...)"
+        if first is not None
+        else "it has no nn.Conv2d, nn.Linear or CondConv2d"
+    )
+    raise ConversionError(f"{type(model).__name__} has no layer to convert: {why}; NWS needs at least one")
 
 
 def _fit_pool(p: LayerPlan, pools: PoolSet) -> LayerPlan:
@@ -256,8 +275,8 @@ def _fit_pool(p: LayerPlan, pools: PoolSet) -> LayerPlan:
 def config_from_plans(plans: list[LayerPlan], base: NWSConfig) -> NWSConfig:
     """A config that plans ``model`` exactly as ``plans`` say: ``base`` plus one exact-name entry per layer that differs.
 
-    The names are fnmatch patterns too; ``[`` is the only character of a module name fnmatch reads
-    specially, and module names do not hold it.
+    The entries are fnmatch patterns too, so a layer whose name holds ``*``, ``?`` or ``[`` cannot
+    be named exactly and is refused.
     """
     layers: dict[str, LayerConfig | None] = {}
     for p in plans:
@@ -266,19 +285,13 @@ def config_from_plans(plans: list[LayerPlan], base: NWSConfig) -> NWSConfig:
             if not p.forced and base.skipped(p.name) is None:
                 layers[p.name] = None
             continue
-        want_g = p.group_size if p.family == "1x1" else None
-        # resolve() sets both fields (NWSConfig's own are validated ints)
-        group = want_g if want_g is not None and want_g != _effective_group(p, cast(int, default.group_size)) else None
+        # What the planner would give this layer from ``base`` (resolve() sets both fields).
+        planned = p.with_group_size(cast(int, default.group_size))
+        group = p.group_size if p.group_size != planned.group_size else None
         pool = p.pool_size if p.pool_size != default.pool_size else None
         if pool is not None or group is not None:
             layers[p.name] = LayerConfig(pool, group)
-    if any(any(c in name for c in "*?[") for name in layers):
-        raise UsageError(
-            f"module names with fnmatch characters cannot be recorded exactly: {[n for n in layers if any(c in n for c in '*?[')][:3]}"
-        )
+    unnamable = [name for name in layers if any(c in name for c in "*?[")]
+    if unnamable:
+        raise UsageError(f"module names with fnmatch characters cannot be recorded exactly: {unnamable[:3]}")
     return base.replace(layers={**layers, **base.layers})
-
-
-def _effective_group(p: LayerPlan, g: int) -> int:
-    """The group size the planner gives ``p`` for a requested ``g`` (1 when the width is not a multiple)."""
-    return 1 if p.fan_in % g else g

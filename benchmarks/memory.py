@@ -123,13 +123,13 @@ def measure_run(run: str) -> dict:
     r = nc.RunDir(run)
     manifest = r.read()
     rows, packs = [], []
-    for entry in sorted(manifest["tasks"], key=lambda e: e["id"]):
-        pack = nc.TaskPack.load(r.path / entry["file"])  # also decodes (and caches) the base once
+    for entry in sorted(manifest.tasks, key=lambda e: e.id):
+        pack = nc.TaskPack.load(r.path / entry.file)  # also decodes (and caches) the base once
         packs.append(pack)
         times = []
         for _ in range(5):
             tic = time.perf_counter()
-            nc.TaskPack.load(r.path / entry["file"])
+            nc.TaskPack.load(r.path / entry.file)
             times.append(time.perf_counter() - tic)
         nine = sum(packed_size(l["count"], l["bits"]) for l in pack.layers)
         h0 = sum(entropy_bits(pack.indices[l["name"]].numpy()) for l in pack.layers) / 8
@@ -155,28 +155,28 @@ def measure_run(run: str) -> dict:
             codings[c] = codings.get(c, 0) + 1
         rows.append(
             {
-                "task": entry["id"],
-                "classes": entry["num_classes"],
+                "task": entry.id,
+                "classes": entry.num_classes,
                 "kernels": sum(l["count"] for l in pack.layers),
                 "stored_indices": pack.index_bytes,
                 "nine_bit_indices": nine,
                 "order0_entropy": h0,
                 "order0_limit": limit,
                 "state": pack.state_bytes,
-                "file": (r.path / entry["file"]).stat().st_size,
+                "file": (r.path / entry.file).stat().st_size,
                 "codings": codings,
                 "load_ms": 1e3 * min(times),
-                "acc": entry["metrics"]["val_acc"],
+                "acc": entry.metrics["val_acc"],
                 "layers": layers,
             }
         )
     base = shared_base_bytes(manifest, packs)
-    total = manifest["pools"]["bytes"] + base + sum(t["stored_indices"] + t["state"] for t in rows)
+    total = manifest.pools.bytes + base + sum(t["stored_indices"] + t["state"] for t in rows)
     return {
         "run": run,
-        "model": manifest["model"]["spec"],
-        "suite": manifest["data"].get("suite"),
-        "pool_bytes": manifest["pools"]["bytes"],
+        "model": manifest.model.spec,
+        "suite": manifest.data.get("suite"),
+        "pool_bytes": manifest.pools.bytes,
         "base_bytes": base,
         "total": total,
         "tasks": rows,

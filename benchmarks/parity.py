@@ -64,14 +64,14 @@ def run_parity(run: str) -> dict:
     from nwsconvert.zoo import get_suite
 
     manifest = nc.RunDir(run).read()
-    job = manifest["data"]["job"]
+    job = manifest.data["job"]
     suite = get_suite(job["suite"], **job.get("suite_options", {}))
     out = {}
     with tempfile.TemporaryDirectory() as d:
         export_bundle(run, d, "all", onnx=True)
         rt = Runtime(d, device="cpu")
-        for entry in manifest["tasks"]:
-            t = entry["id"]
+        for entry in manifest.tasks:
+            t = entry.id
             test = suite.tasks[t].test
             x = torch.stack([test[i][0] for i in range(len(test))])
             labels = np.array([int(test[i][1]) for i in range(len(test))])

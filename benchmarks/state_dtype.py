@@ -38,15 +38,15 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     manifest = RunDir(args.run).read()
-    if manifest["config"].get("state_dtype", "float32") != "float32":
+    if manifest.config.get("state_dtype", "float32") != "float32":
         p.error(
-            f"{args.run}: trained with state_dtype={manifest['config']['state_dtype']}; this compares against a float32 run"
+            f"{args.run}: trained with state_dtype={manifest.config['state_dtype']}; this compares against a float32 run"
         )
-    info = manifest["data"]  # the suite the run was trained on (nws-train records it)
+    info = manifest.data  # the suite the run was trained on (nws-train records it)
     suite = get_suite(info["suite"], **info.get("options", {}))
     rows = []
-    for entry in manifest["tasks"]:
-        t = entry["id"]
+    for entry in manifest.tasks:
+        t = entry.id
         model = nwsconvert.load(args.run, task=t)
         test = suite.tasks[t].test
         y = test.tensors[1]
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
             json.dump(
                 {
                     "run": str(args.run),
-                    "model": manifest["model"]["spec"],
+                    "model": manifest.model.spec,
                     "suite": info["suite"],
                     "suite_options": info.get("options", {}),
                     "tasks": rows,

@@ -28,6 +28,7 @@ from nwsconvert import PoolSet, RunDir
 from nwsconvert.errors import FormatError, NWSError
 from nwsconvert.formats.storage import atomic_write_bytes
 from nwsconvert.train.loading import build_run_model, load_run_pools, load_task_files
+from nwsconvert.train.manifest import Manifest
 
 from .bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256, read_bundle
 from .onnx_graph import export_onnx
@@ -72,7 +73,7 @@ def export_bundle(
     run = RunDir(run_dir)
     manifest = run.read()
     out = Path(out_dir) if out_dir is not None else run.path / "export"
-    finished = [e["id"] for e in manifest.get("tasks", [])]
+    finished = [e.id for e in manifest.tasks]
     ids = finished if tasks == "all" else [tasks] if isinstance(tasks, int) else list(tasks)
     entries = [run.task_entry(manifest, t) for t in ids]
     pools = load_run_pools(run, manifest)
@@ -82,8 +83,8 @@ def export_bundle(
         "format": BUNDLE_FORMAT,
         "version": BUNDLE_VERSION,
         "pool_sha256": pool_sha,
-        "model": manifest["model"],
-        "data": {k: v for k, v in (manifest.get("data") or {}).items() if k != "job"},
+        "model": manifest.model.to_dict(),
+        "data": {k: v for k, v in manifest.data.items() if k != "job"},
         "tasks": {},
     }
     if desc_path.is_file():
@@ -100,17 +101,17 @@ def export_bundle(
         tmp = out / ".pools.safetensors.tmp"
         shutil.copyfile(run.pool_path, tmp)
         os.replace(tmp, pool_dst)
-    data = manifest.get("data") or {}
+    data = manifest.data
     shape = (data.get("channels", 3), *(data.get("input_size") or [224, 224]))
     common = {  # every graph's metadata
         "nwsconvert.mean": data.get("mean"),
         "nwsconvert.std": data.get("std"),
         "nwsconvert.input_size": list(shape),
         "nwsconvert.pool_sha256": pool_sha,
-        "nwsconvert.model": manifest["model"]["spec"],
+        "nwsconvert.model": manifest.model.spec,
     }
     for entry in entries:
-        t = entry["id"]
+        t = entry.id
         pack_dst = out / f"task_{t}.nwspack"
         _, src = load_task_files(run, manifest, t, pools)  # checks the file against the manifest (and finds its base)
         if src.base is not None:  # delta-coded: the bundle needs the base file under its name
@@ -120,9 +121,9 @@ def export_bundle(
                 atomic_write_bytes(base_dst, base_bytes)
         atomic_write_bytes(pack_dst, src.source.read_bytes())
         row = {
-            "name": entry["name"],
-            "num_classes": entry["num_classes"],
-            "class_names": entry.get("class_names"),
+            "name": entry.name,
+            "num_classes": entry.num_classes,
+            "class_names": entry.class_names,
             "pack": pack_dst.name,
             "pack_bytes": pack_dst.stat().st_size,
             "pack_sha256": src.sha256,
@@ -133,8 +134,8 @@ def export_bundle(
             model = build_run_model(run, manifest, pools, src, trust_code=trust_code).eval()
             meta = {
                 "nwsconvert.task": t,
-                "nwsconvert.task_name": entry["name"],
-                "nwsconvert.class_names": entry.get("class_names") or [str(i) for i in range(entry["num_classes"])],
+                "nwsconvert.task_name": entry.name,
+                "nwsconvert.class_names": entry.class_names or [str(i) for i in range(entry.num_classes)],
                 **common,
             }
             info = export_onnx(
@@ -160,7 +161,7 @@ def export_bundle(
 
 def _export_switch(
     run: RunDir,
-    manifest: dict,
+    manifest: Manifest,
     pools: PoolSet,
     desc: dict,
     path: Path,

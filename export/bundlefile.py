@@ -15,7 +15,7 @@ from pathlib import Path
 
 from nwsconvert.errors import FormatError
 from nwsconvert.formats.schema import Fields
-from nwsconvert.train.rundir import check_data_info
+from nwsconvert.train.manifest import check_data_info
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "read_bundle", "check_bundle", "file_sha256"]
 

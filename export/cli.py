@@ -66,7 +66,7 @@ def _export(argv: list[str] | None) -> int:
         manifest = RunDir(args.run).read()
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
-    done = [e["id"] for e in manifest["tasks"]]
+    done = manifest.finished
     if args.task != "all" and args.task not in done:
         raise UsageError(
             f"--task {args.task}: run {args.run} has no finished task {args.task}; finished tasks: {done or 'none'}"

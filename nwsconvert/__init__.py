@@ -57,9 +57,10 @@ _EXPORTS = {
     "RunExistsError": "errors",
     "TaskNotFoundError": "errors",
     "Trainer": "train.trainer",
-    "evaluate": "train.trainer",
+    "evaluate": "train.evaluation",
     "load": "train.loading",
     "RunDir": "train.rundir",
+    "Manifest": "train.manifest",
 }
 
 
@@ -109,6 +110,7 @@ __all__ = [
     "evaluate",
     "load",
     "RunDir",
+    "Manifest",
     "find_head",
     "resize_head",
 ]

@@ -104,16 +104,16 @@ def test_killed_run_resumes_without_losing_tasks(tmp_path):
     finally:
         proc.wait()
     manifest = run.read()
-    assert [t["id"] for t in manifest["tasks"]] == [0]
-    sha0 = manifest["tasks"][0]["sha256"]
-    assert TaskPack.load(out / manifest["tasks"][0]["file"])  # intact
+    assert manifest.finished == [0]
+    sha0 = manifest.tasks[0].sha256
+    assert TaskPack.load(out / manifest.tasks[0].file)  # intact
 
     done = _cli("--resume", f"out={out}")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     manifest = run.read()
-    assert [t["id"] for t in manifest["tasks"]] == [0, 1, 2]
-    assert manifest["tasks"][0]["sha256"] == sha0
-    assert all(t["metrics"]["rebuilt_acc"] == t["metrics"]["val_acc"] for t in manifest["tasks"])
+    assert [t.id for t in manifest.tasks] == [0, 1, 2]
+    assert manifest.tasks[0].sha256 == sha0
+    assert all(t.metrics["rebuilt_acc"] == t.metrics["val_acc"] for t in manifest.tasks)
     resumed = [r for r in run.read_log() if r.get("event") == "resumed"]
     assert resumed and resumed[0]["stage"] == "task:1" and resumed[0]["epoch"] >= 1
     for t in range(3):
@@ -126,7 +126,7 @@ def test_killed_run_resumes_without_losing_tasks(tmp_path):
     )
     summary = json.loads(info.stdout)
     assert [r["id"] for r in summary["tasks"]] == [0, 1, 2]
-    pack = TaskPack.load(out / manifest["tasks"][1]["file"])
+    pack = TaskPack.load(out / manifest.tasks[1].file)
     row = summary["tasks"][1]
     assert row["indices"] + row["state"] + row["head"] == pack.index_bytes + pack.state_bytes == row["total"]
     base = TaskPack.load(out / "base.nwspack")  # every task is stored against it (pack_base=pools)
@@ -136,7 +136,7 @@ def test_killed_run_resumes_without_losing_tasks(tmp_path):
     )
     assert summary["total"]["avg_acc"] == pytest.approx(sum(r["acc"] for r in summary["tasks"]) / 3)
     again = _cli("--resume", f"out={out}")  # nothing left to do: every stage is skipped
-    assert again.returncode == 0 and run.read()["tasks"] == manifest["tasks"]
+    assert again.returncode == 0 and run.read().tasks == manifest.tasks
     fresh = _cli(*args)
     assert fresh.returncode != 0 and "already holds a run" in fresh.stderr
 
@@ -153,7 +153,7 @@ def test_same_seed_same_run(tmp_path):
             train_main([*FAST, "epochs=1", "tasks=1", "seed=11", "deterministic=true", f"out={tmp_path / name}"]) == 0
         )
         m = RunDir(tmp_path / name).read()
-        shas.append((m["pools"]["sha256"], m["base"]["sha256"], [t["sha256"] for t in m["tasks"]]))
+        shas.append((m.pools.sha256, m.base.sha256, [t.sha256 for t in m.tasks]))
         assert not torch.are_deterministic_algorithms_enabled()
     assert shas[0] == shas[1]
 
@@ -163,8 +163,8 @@ def test_preset_key_converts_with_the_family_preset_and_the_run_reloads(tmp_path
     assert train_main([*FAST, "epochs=1", "tasks=1", "preset=auto", f"out={out}"]) == 0
     assert "conversion preset 'resnet-bottleneck'" in capsys.readouterr().out  # timm test_resnet: Bottleneck blocks
     manifest = RunDir(out).read()
-    options = manifest["model"]["convert"]
-    assert manifest["data"]["job"]["preset"] == "auto"
+    options = manifest.model.convert
+    assert manifest.data["job"]["preset"] == "auto"
     # The preset capped the small layers' pools at their kernel count: recorded, and load() rebuilds them.
     capped = {name: e["pool_size"] for name, e in options["layers"].items() if e and "pool_size" in e}
     assert capped and all(n < 32 for n in capped.values()) and options["version"] == 1

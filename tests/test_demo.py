@@ -30,7 +30,7 @@ def test_demo_runs_and_continues(demo_run, capsys):
     out, printed = demo_run
     assert "task 1 (task1:2-3): acc" in printed and "rebuilt from pack" in printed
     assert "dense finetune total" in printed and "NWS total (2 tasks)" in printed
-    assert [t["id"] for t in RunDir(out).read()["tasks"]] == [0, 1]
+    assert RunDir(out).read().finished == [0, 1]
     assert demo.main([*DEMO_ARGS, f"out={out}"]) == 0  # a second run continues the existing one
     assert "continuing it" in capsys.readouterr().out
 

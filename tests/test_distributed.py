@@ -34,9 +34,9 @@ def test_two_gloo_ranks_agree(tmp_path, search):
     assert r0 == r1  # same indices, same pools, same pack content
     assert (tmp_path / "rank0.nwspack").read_bytes() == (tmp_path / "rank1.nwspack").read_bytes()
     manifest = RunDir(tmp_path / "run").read()
-    assert [t["id"] for t in manifest["tasks"]] == [0, 1]
+    assert [t.id for t in manifest.tasks] == [0, 1]
     # Rank 0 wrote the same task into the run (coded against the base pack: compare decoded content).
-    assert TaskPack.load(tmp_path / "run" / manifest["tasks"][1]["file"]).content_sha256() == r0["content"]
-    assert manifest["pools"]["sha256"] == r0["pools"]
+    assert TaskPack.load(tmp_path / "run" / manifest.tasks[1].file).content_sha256() == r0["content"]
+    assert manifest.pools.sha256 == r0["pools"]
     model = nwsconvert.load(tmp_path / "run", task=1)
     assert nwsconvert.extract_task(model).pool_sha256 == r0["pools"]

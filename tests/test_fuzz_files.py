@@ -23,6 +23,7 @@ from nwsconvert import PoolSet, RunDir, TaskPack
 from nwsconvert.errors import NWSError
 from nwsconvert.formats.storage import read_tensors, write_tensors
 from nwsconvert.train.loading import load_task_files
+from nwsconvert.train.manifest import BaseEntry, Manifest, ModelEntry, PoolsEntry, TaskEntry
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -48,25 +49,14 @@ def files(tmp_path_factory):
     task.base = TaskPack.load(run.base_path)
     sha = task.save(run.pack_path(0))
     assert {"delta+bits", "delta+ans"} & set(TaskPack.load(run.pack_path(0)).layer_codings().values())
-    run.write(
-        {
-            "run_id": "r" * 32,
-            "model": {"spec": "timm:test_resnet", "kwargs": {"in_chans": 1}},
-            "config": {},
-            "pools": {"file": "pools.safetensors", "sha256": pool_sha, "bytes": pools.nbytes},
-            "base": {"file": "base.nwspack", "sha256": base_sha, "num_classes": 3},
-            "tasks": [
-                {
-                    "id": 0,
-                    "name": "t0",
-                    "num_classes": 3,
-                    "file": "tasks/task_0.nwspack",
-                    "sha256": sha,
-                    "metrics": {"val_acc": 0.5},
-                }
-            ],
-        }
+    manifest = Manifest(
+        model=ModelEntry("timm:test_resnet", {"in_chans": 1}),
+        run_id="r" * 32,
+        pools=PoolsEntry(pool_sha, "pools.safetensors", pools.nbytes),
+        base=BaseEntry(base_sha, "base.nwspack", 3),
     )
+    manifest.put_task(TaskEntry(0, "t0", 3, "tasks/task_0.nwspack", sha, {"val_acc": 0.5}))
+    run.write(manifest)
     return root
 
 

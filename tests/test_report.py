@@ -15,6 +15,7 @@ from nwsconvert.analysis.html import write_report
 from nwsconvert.analysis.selection import analyse_run, index_entropy, layer_sparsity, layer_stats, selection_counts
 from nwsconvert.analysis.summary import run_summary
 from nwsconvert.cli.report import report_main
+from nwsconvert.train.manifest import Manifest, ModelEntry, PoolsEntry, TaskEntry
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -81,24 +82,9 @@ def hand_run(tmp_path_factory):
             model_spec="hand:made",
         )
         sha = pack.save(run.pack_path(t))
-        tasks.append(
-            {
-                "id": t,
-                "name": f"hand{t}",
-                "num_classes": classes,
-                "file": f"tasks/task_{t}.nwspack",
-                "sha256": sha,
-                "metrics": {"val_acc": acc},
-            }
-        )
-    run.write(
-        {
-            "model": {"spec": "hand:made"},
-            "data": {"suite": "hand"},
-            "pools": {"file": "pools.safetensors", "sha256": pools.sha256, "bytes": pools.nbytes},
-            "tasks": tasks,
-        }
-    )
+        tasks.append(TaskEntry(t, f"hand{t}", classes, f"tasks/task_{t}.nwspack", sha, {"val_acc": acc}))
+    pools_entry = PoolsEntry(pools.sha256, "pools.safetensors", pools.nbytes)
+    run.write(Manifest(ModelEntry("hand:made"), data={"suite": "hand"}, pools=pools_entry, tasks=tasks))
     return root
 
 
@@ -242,22 +228,9 @@ def test_real_model_pack(tmp_path):
     run = RunDir(tmp_path / "run")
     pool_sha = pool_set(model).save(run.pool_path)
     sha = extract_task(model).save(run.pack_path(0))
-    run.write(
-        {
-            "model": {"spec": "timm:test_resnet"},
-            "pools": {"sha256": pool_sha, "bytes": pool_set(model).nbytes},
-            "tasks": [
-                {
-                    "id": 0,
-                    "name": "t0",
-                    "num_classes": 3,
-                    "file": "tasks/task_0.nwspack",
-                    "sha256": sha,
-                    "metrics": {"val_acc": 0.5},
-                }
-            ],
-        }
-    )
+    task = TaskEntry(0, "t0", 3, "tasks/task_0.nwspack", sha, {"val_acc": 0.5})
+    pools_entry = PoolsEntry(pool_sha, bytes=pool_set(model).nbytes)
+    run.write(Manifest(ModelEntry("timm:test_resnet"), pools=pools_entry, tasks=[task]))
     a = analyse_run(run.path)
     pack = TaskPack.load(run.pack_path(0))
     assert [r["name"] for r in a["layers"]] == [r["name"] for r in pack.layers]

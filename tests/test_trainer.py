@@ -12,7 +12,8 @@ import nwsconvert
 from nwsconvert import RunDir, TaskPack, Trainer, evaluate, nws_layers
 from nwsconvert.train.checkpoint import load_checkpoint
 from nwsconvert.train.heads import head_classes
-from nwsconvert.train.rundir import model_sha256
+from nwsconvert.train.manifest import model_sha256
+from nwsconvert.train.stage import StageContext, run_stage
 
 
 @pytest.fixture(scope="module")
@@ -33,25 +34,27 @@ def finished_run(tmp_path_factory):
 def test_run_directory_layout_and_manifest(finished_run):
     out, trainer, tasks, metrics, pool_metrics = finished_run
     run = RunDir(out)
+    raw = json.loads(run.manifest_path.read_text())
+    assert raw["format"] == "nwsconvert.run" and raw["version"] == 3
+    assert raw["model_sha256"] == model_sha256(raw["model"])
     m = run.read()
-    assert m["format"] == "nwsconvert.run" and m["version"] == 3 and m["model_sha256"] == model_sha256(m["model"])
-    assert m["model"]["spec"] == SPEC and m["model"]["kwargs"] == KWARGS
-    assert m["model"]["convert"]["pool_size"] == 32 and m["model"]["convert"]["version"] == 1  # the whole NWSConfig
-    assert m["pools"]["sha256"] == nwsconvert.PoolSet.load(run.pool_path).sha256
-    assert m["pools"]["learned"] is True and "val_acc" in pool_metrics
-    assert [t["id"] for t in m["tasks"]] == [0, 1]
-    assert [t["num_classes"] for t in m["tasks"]] == [3, 2]
-    assert m["config"]["epochs"] == 2 and "torch" in m["versions"]
-    for entry in m["tasks"]:
-        pack = TaskPack.load(out / entry["file"])
-        assert pack.pool_sha256 == m["pools"]["sha256"]
-        assert pack.num_classes == entry["num_classes"]
+    assert m.to_dict() == raw  # what is written is exactly the typed manifest
+    assert m.model.spec == SPEC and m.model.kwargs == KWARGS
+    assert m.model.convert["pool_size"] == 32 and m.model.convert["version"] == 1  # the whole NWSConfig
+    assert m.model.config().pool_size == 32
+    assert m.pools.sha256 == nwsconvert.PoolSet.load(run.pool_path).sha256
+    assert m.pools.learned is True and "val_acc" in pool_metrics
+    assert m.finished == [0, 1]
+    assert [t.num_classes for t in m.tasks] == [3, 2]
+    assert m.config["epochs"] == 2 and "torch" in m.versions
+    for entry in m.tasks:
+        pack = TaskPack.load(out / entry.file)
+        assert pack.pool_sha256 == m.pools.sha256
+        assert pack.num_classes == entry.num_classes
         # state_dtype=float16 (the default): the float32 state is stored in float16, and the bytes recorded say so
         assert {v.dtype for v in pack.state.values() if v.is_floating_point()} == {torch.float16}
         assert (
-            entry["bytes"]["state"]
-            == pack.state_bytes
-            == sum(v.numel() * v.element_size() for v in pack.state.values())
+            entry.bytes["state"] == pack.state_bytes == sum(v.numel() * v.element_size() for v in pack.state.values())
         )
     # The stage checkpoint is removed once its stage is recorded.
     assert not run.checkpoint_path.exists()
@@ -101,7 +104,7 @@ def test_next_task_starts_from_previous_chosen_kernels(tmp_path):
     trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
     pack0 = TaskPack.load(tmp_path / "r" / "tasks" / "task_0.nwspack")
     # fit_task(1) with zero epochs of change would start from pack 0: check the start state directly.
-    trainer._enter_task_state(0)
+    trainer.store.enter_task_state(trainer.model, 0)
     for layer in nws_layers(trainer.model):
         assert torch.equal(layer.weight, layer.nws.gather())  # W = D(C_{t-1}; M)
         assert torch.equal(layer.nws.indices.long().cpu(), pack0.indices[layer.name])
@@ -115,7 +118,7 @@ def test_without_pool_learning_the_converted_pools_are_the_run_pools(tmp_path):
     )
     trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
     m = RunDir(tmp_path / "r").read()
-    assert m["pools"]["sha256"] == before and m["pools"]["learned"] is False
+    assert m.pools.sha256 == before and m.pools.learned is False
 
 
 def test_tasks_in_order_and_existing_runs_are_protected(tmp_path):
@@ -138,11 +141,11 @@ def test_resume_skips_finished_tasks_and_continues_from_checkpoint(tmp_path):
     first = t1.fit_task(0, *data[0], 2)
     # Simulate a process killed after task 1's first epoch: run one epoch, keep its checkpoint.
     t1.config = cfg.replace(epochs=1)
-    t1._enter_task_state(0)
-    t1._train("task:1", data[1][0], None, cfg.replace(epochs=1), pool=False, seed=cfg.seed + 2, ckpt=None)
+    t1.store.enter_task_state(t1.model, 0)
+    run_stage(t1.stages, "task:1", data[1][0], None, cfg.replace(epochs=1), pool=False, seed=cfg.seed + 2, ckpt=None)
     header, _, _ = load_checkpoint(RunDir(tmp_path / "r").checkpoint_path)
     assert header["stage"] == "task:1" and header["epoch"] == 1
-    sha0 = RunDir(tmp_path / "r").read()["tasks"][0]["sha256"]
+    sha0 = RunDir(tmp_path / "r").read().tasks[0].sha256
 
     t2 = Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False)
     assert t2.config.epochs == 2  # the run's own configuration
@@ -150,7 +153,7 @@ def test_resume_skips_finished_tasks_and_continues_from_checkpoint(tmp_path):
     m = t2.fit_task(1, *data[1], 2)
     run = RunDir(tmp_path / "r")
     manifest = run.read()
-    assert manifest["tasks"][0]["sha256"] == sha0
+    assert manifest.tasks[0].sha256 == sha0
     assert m["rebuilt_acc"] == m["val_acc"]
     resumed = [r for r in run.read_log() if r.get("event") == "resumed"]
     assert resumed and resumed[-1]["stage"] == "task:1" and resumed[-1]["epoch"] == 1
@@ -172,25 +175,26 @@ def test_a_stage_killed_after_its_last_checkpoint_keeps_its_metrics(tmp_path, mo
     class Killed(BaseException):
         pass
 
+    real_log = StageContext.log
+
     def log(self, record):
         if record.get("stage") == "task:0" and record.get("epoch") == 2 and "train_loss" in record:
             raise Killed  # the checkpoint of epoch 2 is on disk, nothing after it
-        Trainer._log.__wrapped__(self, record)
+        real_log(self, record)
 
-    log.__wrapped__ = Trainer._log
-    monkeypatch.setattr(Trainer, "_log", log)
+    monkeypatch.setattr(StageContext, "log", log)
     t1 = Trainer(tiny_model(), tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
     with pytest.raises(Killed):
         t1.fit_task(0, train, val, 2)
     t1.close()
-    monkeypatch.setattr(Trainer, "_log", log.__wrapped__)
+    monkeypatch.setattr(StageContext, "log", real_log)
     assert load_checkpoint(RunDir(tmp_path / "r").checkpoint_path)[0]["epoch"] == 2
     t2 = Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False)
     m = t2.fit_task(0, train, val, 2)
     assert m["train_acc"] is not None
     for key in ("val_acc", "train_acc", "train_loss", "pool_usage"):
         assert m[key] == ref[key], key
-    assert RunDir(tmp_path / "r").read()["tasks"][0]["sha256"] == RunDir(tmp_path / "ref").read()["tasks"][0]["sha256"]
+    assert RunDir(tmp_path / "r").read().tasks[0].sha256 == RunDir(tmp_path / "ref").read().tasks[0].sha256
 
 
 @pytest.mark.parametrize("how", ["original", "random"])
@@ -206,8 +210,8 @@ def test_task_init_options(tmp_path, how):
     )
     trainer.fit_pools(blobs(32, 4, 1), num_classes=4)
     base = {l.name: l.weight.detach().clone() for l in nws_layers(trainer.model)}
-    trainer._enter_task_state(None)
-    trainer._init_weights(how)
+    trainer.store.enter_task_state(trainer.model, None)
+    trainer.store.init_weights(trainer.model, how, trainer.config.seed)
     changed = [not torch.equal(l.weight, base[l.name]) for l in nws_layers(trainer.model)]
     if how == "original":
         assert not any(changed)  # the weights right after pool learning
@@ -222,7 +226,7 @@ def test_ema_pool_update_moves_pools_and_adam(tmp_path):
     cfg = tiny_config(pool_update="ema", optimizer="adam", lr=0.001, schedule="cosine")
     trainer = Trainer(model, tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
     trainer.fit_pools(blobs(32, 4, 1), num_classes=4)
-    after = RunDir(tmp_path / "r").read()["pools"]["sha256"]
+    after = RunDir(tmp_path / "r").read().pools.sha256
     assert after != before
 
 
@@ -233,7 +237,7 @@ def test_gradient_pool_learning_moves_pools_and_reseeds(tmp_path):
         model, tmp_path / "r", tiny_config(pool_epochs=3), model_spec=SPEC, model_kwargs=KWARGS, progress=False
     )
     trainer.fit_pools(blobs(64, 4, 1), num_classes=4)
-    assert RunDir(tmp_path / "r").read()["pools"]["sha256"] != before
+    assert RunDir(tmp_path / "r").read().pools.sha256 != before
     assert all(l.nws.mode == "task" for l in nws_layers(trainer.model))  # pools frozen again afterwards
     log = [
         r

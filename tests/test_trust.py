@@ -31,7 +31,7 @@ from nwsconvert.export.cli import infer_main
 from nwsconvert.formats.packs import PACK_FORMAT, PACK_VERSION
 from nwsconvert.formats.stfile import read_header
 from nwsconvert.formats.storage import atomic_write_bytes, read_tensors, write_tensors
-from nwsconvert.train.rundir import model_sha256
+from nwsconvert.train.manifest import model_sha256
 from nwsconvert.train.runlock import RunLock
 
 DATA = {"channels": 1, "input_size": [16, 16], "mean": [0.5], "std": [0.25]}
@@ -514,7 +514,7 @@ def test_resume_before_the_manifest_starts_the_run_and_cleans_temporaries(tmp_pa
     assert train_main(["--resume", f"out={out}"]) == 0
     assert "stopped before its manifest was written: starting it again" in capsys.readouterr().err
     manifest = nwsconvert.RunDir(out).read()
-    assert [t["id"] for t in manifest["tasks"]] == [0] and manifest["model"]["convert"]["pool_size"] == 32
+    assert manifest.finished == [0] and manifest.model.convert["pool_size"] == 32
     assert not stale.exists() and not list(out.rglob("*.tmp"))
 
 
@@ -580,7 +580,7 @@ def test_disk_full_on_a_small_tmpfs_then_resume(tmp_path):
             text=True,
         )
         assert done.returncode == 0, done.stderr[-2000:]
-        assert [t["id"] for t in nwsconvert.RunDir(mnt / "r").read()["tasks"]] == [0]
+        assert nwsconvert.RunDir(mnt / "r").read().finished == [0]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 

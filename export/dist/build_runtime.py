@@ -37,7 +37,7 @@ RUNTIME_MODULES = {
     "nwsconvert": ("nwsconvert", ["__init__", "lazy", "errors", "devices"]),
     "nwsconvert.formats": ("nwsconvert/formats", ["__init__", "atomic", "limits", "schema", "stfile", "bitpack", "entropy", "indexcode", "packfile"]),
     "nwsconvert.conversion": ("nwsconvert/conversion", ["__init__", "config"]),
-    "nwsconvert.train": ("nwsconvert/train", ["__init__", "rundir"]),
+    "nwsconvert.train": ("nwsconvert/train", ["__init__", "rundir", "manifest"]),
     "nwsconvert.cli": ("nwsconvert/cli", ["__init__", "common"]),
     "nwsconvert.export": ("export", ["__init__", "bundlefile", "runtime", "cli"]),
 }

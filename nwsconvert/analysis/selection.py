@@ -183,11 +183,11 @@ def analyse_run(run_dir: str | os.PathLike, tasks: Sequence[int] | None = None) 
     run = RunDir(run_dir)
     manifest = run.read()
     if tasks is None:
-        entries = sorted(manifest.get("tasks", []), key=lambda e: e["id"])
+        entries = sorted(manifest.tasks, key=lambda e: e.id)
     else:
         entries = [run.task_entry(manifest, int(t)) for t in tasks]
     pool_set = load_run_pools(run, manifest) if entries else None
-    packs = [load_task_files(run, manifest, e["id"], pool_set)[1] for e in entries]
+    packs = [load_task_files(run, manifest, e.id, pool_set)[1] for e in entries]
 
     layers: list[dict] = []
     if packs:
@@ -218,11 +218,11 @@ def analyse_run(run_dir: str | os.PathLike, tasks: Sequence[int] | None = None) 
 
     task_rows = [
         {
-            "id": e["id"],
-            "name": e.get("name", f"task {e['id']}"),
-            "classes": e.get("num_classes"),
-            "acc": (e.get("metrics") or {}).get("val_acc"),
-            "file": e["file"],
+            "id": e.id,
+            "name": e.name,
+            "classes": e.num_classes,
+            "acc": e.metrics.get("val_acc"),
+            "file": e.file,
             "bytes": task_bytes(pack),
         }
         for e, pack in zip(entries, packs)
@@ -230,9 +230,9 @@ def analyse_run(run_dir: str | os.PathLike, tasks: Sequence[int] | None = None) 
     accs = [t["acc"] for t in task_rows if t["acc"] is not None]
     return {
         "run": str(run.path),
-        "model": (manifest.get("model") or {}).get("spec"),
-        "suite": (manifest.get("data") or {}).get("suite"),
-        "pools_bytes": (manifest.get("pools") or {}).get("bytes") or sum(r["pool_bytes"] for r in layers),
+        "model": manifest.model.spec,
+        "suite": manifest.data.get("suite"),
+        "pools_bytes": (manifest.pools and manifest.pools.bytes) or sum(r["pool_bytes"] for r in layers),
         "base_bytes": shared_base_bytes(manifest, packs) or None,
         "tasks": task_rows,
         "avg_acc": sum(accs) / len(accs) if accs else None,

@@ -14,16 +14,17 @@ import os
 
 from ..conversion.report import format_bytes
 from ..formats.packs import TaskPack
+from ..train.manifest import Manifest
 from ..train.rundir import RunDir
 
 __all__ = ["run_summary", "format_summary", "shared_base_bytes", "task_bytes"]
 
 
-def shared_base_bytes(manifest: dict, packs: list[TaskPack]) -> int:
+def shared_base_bytes(manifest: Manifest, packs: list[TaskPack]) -> int:
     """Bytes (indices + state) of the bases ``packs`` are delta-coded against that are
     not tasks of the run themselves (``base.nwspack``): kept once, like the pool set.
     A base that is a task (task 0 under ``pack_base=task0``) is counted as that task."""
-    task_shas = {e.get("sha256") for e in manifest.get("tasks", [])}
+    task_shas = {e.sha256 for e in manifest.tasks}
     extra = {p.base.sha256: p.base for p in packs if p.base is not None and p.base.sha256 not in task_shas}
     return sum(b.index_bytes + b.state_bytes for b in extra.values())
 
@@ -74,16 +75,16 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
     manifest = run.read()
     rows = []
     packs = []
-    pool_set = load_run_pools(run, manifest) if manifest.get("pools") else None
-    for entry in sorted(manifest.get("tasks", []), key=lambda e: e["id"]):
-        _, pack = load_task_files(run, manifest, entry["id"], pool_set)
+    pool_set = load_run_pools(run, manifest) if manifest.pools is not None else None
+    for entry in sorted(manifest.tasks, key=lambda e: e.id):
+        _, pack = load_task_files(run, manifest, entry.id, pool_set)
         packs.append(pack)
         rows.append(
             {
-                "id": entry["id"],
-                "name": entry["name"],
-                "classes": entry["num_classes"],
-                "acc": entry["metrics"].get("val_acc"),
+                "id": entry.id,
+                "name": entry.name,
+                "classes": entry.num_classes,
+                "acc": entry.metrics.get("val_acc"),
                 **_task_costs(pack),
             }
         )
@@ -94,8 +95,8 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
     accs = [r["acc"] for r in rows if r["acc"] is not None]
     return {
         "run": str(run.path),
-        "model": manifest["model"]["spec"],
-        "suite": (manifest.get("data") or {}).get("suite"),
+        "model": manifest.model.spec,
+        "suite": manifest.data.get("suite"),
         "pools_bytes": pools,
         "base_bytes": base_bytes,
         "pools_file_bytes": _file_size(run.pool_path),

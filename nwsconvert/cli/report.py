@@ -57,7 +57,7 @@ def _report(argv: list[str] | None) -> int:
         manifest = RunDir(args.run).read()
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
-    done = [e["id"] for e in manifest["tasks"]]
+    done = manifest.finished
     missing = [t for t in args.tasks or () if t not in done]
     if missing:
         raise UsageError(

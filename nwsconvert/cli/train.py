@@ -328,7 +328,7 @@ def _recorded_job(out: Path) -> tuple[dict | None, str]:
     before its manifest was written); ``(None, why)`` when it has neither."""
     run = RunDir(out)
     if run.exists():
-        job = (run.read().get("data") or {}).get("job")
+        job = run.read().data.get("job")
         if not isinstance(job, dict):
             raise FormatError(
                 f"{run.manifest_path}: field data.job: the run's job is missing; restate it with key=value items"

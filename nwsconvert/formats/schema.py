@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from pathlib import PurePosixPath, PureWindowsPath
+from typing import Literal, overload
 
 from ..errors import FormatError
 
@@ -174,7 +175,12 @@ class Fields:
             raise self.fail(key, "a JSON object", value)
         return value
 
+    @overload
+    def obj_fields(self, key: str) -> Fields: ...
+    @overload
+    def obj_fields(self, key: str, *, optional: Literal[True]) -> Fields | None: ...
     def obj_fields(self, key: str, *, optional: bool = False) -> Fields | None:
+        """The object at ``key`` as :class:`Fields` (None when ``optional`` and absent or null)."""
         value = self.dict(key, optional=optional)
         return None if value is None else Fields(value, self.file, self._name(key))
 

@@ -18,22 +18,23 @@ from ..core.pools import PoolSet
 from ..errors import FormatError, NWSError, PackMismatchError, UntrustedCodeError
 from ..formats.packs import TaskPack, apply_task
 from .heads import resize_head
+from .manifest import Manifest
 from .rundir import RunDir
 from .specs import build_model
 
 __all__ = ["load", "build_task_model", "build_run_model", "load_task_files", "load_run_pools"]
 
 
-def load_run_pools(run: RunDir, manifest: dict) -> PoolSet:
+def load_run_pools(run: RunDir, manifest: Manifest) -> PoolSet:
     """The run's pool file, checked against the manifest's pool-set hash.
 
     Raises:
         FormatError: the run has no pools yet, or the file is not the one the manifest records.
     """
-    if manifest.get("pools") is None:
+    if manifest.pools is None:
         raise FormatError(f"{run.manifest_path}: the run has no pool set yet (killed before its pools were written?)")
     pools = PoolSet.load(run.pool_path)
-    want = manifest["pools"]["sha256"]
+    want = manifest.pools.sha256
     if pools.sha256 != want:
         raise FormatError(
             f"{run.pool_path}: pool set {pools.sha256[:12]}..., the manifest records {want[:12]}... (a pool file of another run?)"
@@ -41,16 +42,18 @@ def load_run_pools(run: RunDir, manifest: dict) -> PoolSet:
     return pools
 
 
-def load_task_files(run: RunDir, manifest: dict, task: int, pools: PoolSet | None = None) -> tuple[PoolSet, TaskPack]:
+def load_task_files(
+    run: RunDir, manifest: Manifest, task: int, pools: PoolSet | None = None
+) -> tuple[PoolSet, TaskPack]:
     """The pool set and task ``task``'s pack of a run, each checked against the manifest."""
     pools = pools if pools is not None else load_run_pools(run, manifest)
     entry = run.task_entry(manifest, task)
     try:
         pack = TaskPack.load(
             run.task_path(manifest, task),
-            sha256=entry["sha256"],
+            sha256=entry.sha256,
             pool_sha256=pools.sha256,
-            run_id=manifest.get("run_id"),
+            run_id=manifest.run_id,
             task=task,
         )
     except PackMismatchError as e:
@@ -89,7 +92,7 @@ def build_task_model(
 
 def build_run_model(
     run: RunDir,
-    manifest: dict,
+    manifest: Manifest,
     pools: PoolSet,
     pack: TaskPack,
     model: nn.Module | None = None,
@@ -103,7 +106,7 @@ def build_run_model(
         FormatError: the recorded model entry cannot be built or converted.
     """
     try:
-        return build_task_model(manifest["model"], pools, pack, model=model, trust_code=trust_code)
+        return build_task_model(manifest.model.to_dict(), pools, pack, model=model, trust_code=trust_code)
     except UntrustedCodeError as e:
         raise UntrustedCodeError(f"{run.manifest_path}: {e}") from None
     except ConversionError as e:
@@ -116,7 +119,7 @@ def build_run_model(
         raise
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise FormatError(
-            f"{run.manifest_path}: field model: {manifest['model'].get('spec')!r} cannot be rebuilt with its recorded "
+            f"{run.manifest_path}: field model: {manifest.model.spec!r} cannot be rebuilt with its recorded "
             f"kwargs and conversion options ({type(e).__name__}: {e})"
         ) from None
 

@@ -1,0 +1,190 @@
+"""One training stage (pool learning, or one task) over its epochs, checkpointed after every epoch.
+
+    ctx = StageContext(model, run, dist, device, progress=True)
+    record = run_stage(ctx, "task:2", train, val, cfg, pool=False, seed=cfg.seed + 3, ckpt=stage_checkpoint(run, "task:2"))
+
+A stage resumed from its checkpoint continues at the next epoch with the model, optimiser and RNG
+state it had, and a stage killed after its last checkpoint returns that epoch's record, as the
+uninterrupted stage would. Knows the run directory only as a place for the checkpoint and the log.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+from ..core.engine import search_engine
+from ..core.nwsmodel import commitment_loss, nws_layers, reseed_unused, set_commitment
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import TrainConfig, lr_factor
+from .distributed import DistInfo, average_buffers
+from .evaluation import evaluate, pool_usage
+from .heads import head_classes, resize_head
+from .loop import Data, TrainStep, make_loader, make_optimizer, train_one_epoch
+from .rundir import RunDir
+
+__all__ = ["StageContext", "run_stage", "stage_checkpoint"]
+
+
+@dataclass
+class StageContext:
+    """What every stage of a run shares: the model, the run it logs and checkpoints to, the process
+    group, the device, and whether the main process shows progress bars."""
+
+    model: nn.Module
+    run: RunDir
+    dist: DistInfo
+    device: torch.device
+    progress: bool = True
+
+    def log(self, record: dict) -> None:
+        if self.dist.is_main:
+            self.run.log(record)
+
+    def loader(self, data: Data, cfg: TrainConfig, train: bool, seed: int):
+        return make_loader(data, cfg, train, seed, self.dist, self.device)
+
+
+def stage_checkpoint(run: RunDir, stage: str):
+    """``(header, model_state, optimizer_state)`` of the run's checkpoint if it belongs to ``stage``, else None."""
+    path = run.checkpoint_path
+    if not path.is_file():
+        return None
+    ckpt = load_checkpoint(path)
+    return ckpt if ckpt[0].get("stage") == stage else None
+
+
+def _restore(ctx: StageContext, ckpt) -> int:
+    """Load a checkpoint's model and RNG state; returns the epochs it had completed."""
+    header, state, _ = ckpt
+    if header.get("num_classes") is not None:
+        resize_head(ctx.model, int(header["num_classes"]))
+    ctx.model.load_state_dict(state)
+    ctx.model.to(ctx.device)
+    for layer in nws_layers(ctx.model):
+        layer.nws.reset_search()
+    if "rng_state" in header:
+        torch.set_rng_state(header["rng_state"])
+    return int(header["epoch"])
+
+
+def _check_loss(stage: str, epoch: int, loss_sum: torch.Tensor) -> None:
+    """One line for a diverged stage: a NaN or infinite loss makes the running sum non-finite."""
+    value = float(loss_sum)
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{stage}: loss is {value} at epoch {epoch + 1}: lower the learning rate")
+
+
+def run_stage(
+    ctx: StageContext, stage: str, train: Data, val: Data | None, cfg: TrainConfig, *, pool: bool, seed: int, ckpt
+) -> dict:
+    """Train ``ctx.model`` for ``cfg.epochs`` epochs (from the checkpoint's epoch when ``ckpt`` is given).
+
+    Args:
+        stage: ``pools`` or ``task:<t>`` (checkpoints and log lines carry it).
+        train, val: the stage's data; ``val`` None skips validation.
+        cfg: the stage's recipe (``TrainConfig.for_pools()`` for pool learning).
+        pool: pool learning (pool update, reseeding) rather than a task.
+        seed: the data-order seed (epoch ``e`` shuffles with ``seed * 1000 + e``).
+        ckpt: :func:`stage_checkpoint`'s result, or None.
+
+    Returns:
+        The last epoch's record: ``stage, epoch, lr, train_loss, train_acc, searched, commitment,
+        pool_usage, seconds`` and ``val_acc, val_loss`` with ``val``.
+    """
+    start = _restore(ctx, ckpt) if ckpt is not None else 0
+    optimizer = make_optimizer(ctx.model, cfg)
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt[2])
+    set_commitment(ctx.model, cfg.commitment)
+    engine = search_engine(ctx.model, cfg.search)
+    try:
+        record = _epochs(ctx, stage, train, val, cfg, pool, seed, optimizer, start, engine)
+        set_commitment(ctx.model, 0.0)
+    finally:
+        if engine is not None:
+            engine.close()  # the layers' own lazy search goes on from the engine's state
+    if record is None:  # killed after its last checkpoint: that epoch's record, as the uninterrupted stage returned
+        saved = ckpt[0].get("record") if ckpt is not None else None
+        record = (
+            dict(saved) if isinstance(saved, dict) and saved.get("epoch") == start else {"stage": stage, "epoch": start}
+        )
+    return record
+
+
+def _epochs(ctx: StageContext, stage, train, val, cfg: TrainConfig, pool: bool, seed: int, optimizer, start, engine):
+    """The epochs from ``start``; the last one's record (None when there was none left to run)."""
+    model, net = ctx.model, ctx.model
+    if ctx.dist.enabled:
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        net = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    step = TrainStep(model, net, optimizer, cfg, ctx.device, pool)
+    if start:
+        ctx.log({"stage": stage, "event": "resumed", "epoch": start})
+    record = None
+    for epoch in range(start, cfg.epochs):
+        lr = cfg.lr * lr_factor(cfg, epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loader = ctx.loader(train, cfg, True, seed * 1000 + epoch)
+        if isinstance(getattr(loader, "sampler", None), DistributedSampler):
+            loader.sampler.set_epoch(epoch)
+        net.train()
+        tic = time.perf_counter()
+        sums = train_one_epoch(
+            step,
+            loader,
+            engine=engine,
+            desc=f"{stage} {epoch + 1}/{cfg.epochs}",
+            progress=ctx.progress and ctx.dist.is_main,
+            check=functools.partial(_check_loss, stage, epoch),
+        )
+        _check_loss(stage, epoch, sums.loss_sum)
+        record = {
+            "stage": stage,
+            "epoch": epoch + 1,
+            "lr": lr,
+            **sums.read(),
+            "commitment": float(commitment_loss(model).detach()),
+            "pool_usage": pool_usage(model),
+            "seconds": time.perf_counter() - tic,
+        }
+        _end_epoch(ctx, stage, epoch, record, val, cfg, pool, optimizer)
+    return record
+
+
+def _nws_buffer_names(model: nn.Module) -> set[str]:
+    """The NWS layers' pool and index buffers: equal on every rank, so never averaged."""
+    return {
+        f"{layer.name}.parametrizations.weight.0.{key}" for layer in nws_layers(model) for key in ("pool", "indices")
+    }
+
+
+def _end_epoch(ctx: StageContext, stage: str, epoch: int, record: dict, val, cfg: TrainConfig, pool: bool, optimizer):
+    """After an epoch: reseed unused pool entries (pool learning), average buffers over the ranks,
+    validate, checkpoint, then log the epoch's ``record`` (completed in place)."""
+    model = ctx.model
+    if pool and cfg.reseed_every and (epoch + 1) % cfg.reseed_every == 0 and epoch + 1 < cfg.epochs:
+        record["reseeded"] = reseed_unused(model)
+    average_buffers(model, ctx.dist, _nws_buffer_names(model))
+    if val is not None:
+        ev = evaluate(model, ctx.loader(val, cfg, False, 0), device=ctx.device, amp=cfg.amp)
+        record.update(val_acc=ev["acc"], val_loss=ev["loss"])
+    if ctx.dist.is_main and ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs):
+        save_checkpoint(
+            ctx.run.checkpoint_path,
+            model,
+            optimizer,
+            stage=stage,
+            epoch=epoch + 1,
+            num_classes=head_classes(model),
+            record=record,
+        )
+    ctx.log(record)  # after the checkpoint: a logged epoch can always be resumed from
+    ctx.dist.barrier()

@@ -1,0 +1,187 @@
+"""What a trainer reads from and writes to its run directory: pools, base, task packs, the
+manifest that lists them, and the check that a task rebuilt from its files is the trained task.
+
+    store = RunStore(run, manifest, dist)
+    store.write_pools(model, metrics, learned=True)      # pools.safetensors, base.nwspack, manifest
+    store.enter_task_state(model, 1)                      # the model as task 1 ended
+    pack, path, sha = store.write_pack(model, 2, meta, state_dtype="float16", pack_base="pools")
+    store.commit_task(entry, metrics)
+
+Only the main process writes; every write ends with the ranks reading the same manifest.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..core.nwsmodel import load_pools, nws_layers, pool_set
+from ..core.pools import PoolSet
+from ..errors import UntrustedCodeError
+from ..formats.packs import TaskPack, apply_task, extract_task
+from ..formats.storage import read_tensors, write_tensors
+from .distributed import DistInfo, gather_strings
+from .heads import resize_head
+from .loading import build_task_model, load_run_pools
+from .manifest import BaseEntry, Manifest, PoolsEntry, TaskEntry
+from .rundir import RunDir
+
+__all__ = ["RunStore", "BASE_WEIGHTS_FORMAT", "BASE_WEIGHTS_VERSION"]
+
+BASE_WEIGHTS_FORMAT = "nwsconvert.baseweights"
+BASE_WEIGHTS_VERSION = 2  # 2: header_sha256
+
+
+class RunStore:
+    """A run directory's files as one training process sees them.
+
+    Args:
+        run: the run directory.
+        manifest: its manifest (this object keeps it current).
+        dist: the process group (only the main process writes).
+    """
+
+    def __init__(self, run: RunDir, manifest: Manifest, dist: DistInfo):
+        self.run, self.manifest, self.dist = run, manifest, dist
+
+    @property
+    def run_id(self) -> str | None:
+        return self.manifest.run_id
+
+    def commit(self, done: dict) -> None:
+        """Main process: write the manifest, log ``done``, drop the stage's checkpoint (:meth:`RunDir.commit_stage`)."""
+        self.run.commit_stage(self.manifest, done)
+
+    def sync(self) -> None:
+        """After the main process committed a stage: every rank waits for it and reads its manifest."""
+        self.dist.barrier()
+        if not self.dist.is_main:
+            self.manifest = self.run.read()
+
+    # ---------------------------------------------------------------- pools
+    def write_pools(self, model: nn.Module, metrics: dict, learned: bool) -> None:
+        """The pool file, the base pack and the base weights of ``model`` as pool learning left it."""
+        pools = pool_set(model)
+        base = extract_task(model, model_spec=self.manifest.model.spec, meta={"stage": "pools"}, run_id=self.run_id)
+        if self.dist.is_main:
+            sha = pools.save(self.run.pool_path)
+            base_sha = base.save(self.run.base_path)
+            weights: dict[str, torch.Tensor] = {layer.name: layer.weight for layer in nws_layers(model)}
+            write_tensors(self.run.base_weights_path, weights, BASE_WEIGHTS_FORMAT, BASE_WEIGHTS_VERSION)
+            self.manifest.pools = PoolsEntry(sha, self.run.pool_path.name, pools.nbytes, learned, metrics)
+            self.manifest.base = BaseEntry(base_sha, self.run.base_path.name, base.num_classes)
+            self.commit({"stage": "pools", "event": "done", "pool_sha256": sha, **metrics})
+        self.sync()
+
+    def pools(self) -> PoolSet:
+        """The run's pool file, checked against the manifest's hash."""
+        return load_run_pools(self.run, self.manifest)
+
+    def ensure_pools(self, model: nn.Module) -> None:
+        """Make sure the run has a pool file (pools as converted when none was learned) and ``model`` holds it."""
+        if self.manifest.pools is None:
+            self.write_pools(model, {}, learned=False)
+        elif pool_set(model).sha256 != self.manifest.pools.sha256:
+            load_pools(model, self.pools())
+
+    # ---------------------------------------------------------------- packs
+    def load_pack(self, task: int | None) -> TaskPack:
+        """A finished task's pack (``None``: the base pack), checked against the manifest: hash, run, task."""
+        assert self.manifest.pools is not None and self.manifest.base is not None
+        pool_sha, run_id = self.manifest.pools.sha256, self.run_id
+        if task is None:
+            path, sha = self.run.base_path, self.manifest.base.sha256
+        else:
+            path, sha = self.run.task_path(self.manifest, task), self.run.task_entry(self.manifest, task).sha256
+        return TaskPack.load(path, sha256=sha, pool_sha256=pool_sha, run_id=run_id, task=task)
+
+    def enter_task_state(self, model: nn.Module, task: int | None) -> None:
+        """Load the state a task ended in (``None``: the end of pool learning) into ``model``."""
+        self.ensure_pools(model)
+        pack = self.load_pack(task)
+        if pack.num_classes is not None:
+            resize_head(model, pack.num_classes)
+        apply_task(model, pack)
+
+    def init_weights(self, model: nn.Module, how: str, seed: int) -> None:
+        """Set the temporary weights as ``task_init`` says: ``original`` (the weights pool learning
+        ended with), ``random`` (PyTorch's default init); anything else leaves them. Search restarts."""
+        layers = nws_layers(model)
+        if how == "original":
+            tensors, _ = read_tensors(
+                self.run.base_weights_path, BASE_WEIGHTS_FORMAT, BASE_WEIGHTS_VERSION, hashed_since=2
+            )
+            with torch.no_grad():
+                for layer in layers:
+                    saved = tensors[layer.name]
+                    if tuple(saved.shape) == tuple(layer.weight.shape):  # the head is resized afterwards
+                        layer.weight.copy_(saved)
+        elif how == "random":
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for layer in layers:
+                    w = layer.weight
+                    bound = 1.0 / math.sqrt(max(w[0].numel(), 1))  # PyTorch's default conv / linear init
+                    w.copy_(torch.empty(w.shape).uniform_(-bound, bound, generator=gen))
+        for layer in layers:
+            layer.nws.reset_search()
+
+    def write_pack(
+        self, model: nn.Module, task: int, meta: dict, *, state_dtype: str, pack_base: str
+    ) -> tuple[TaskPack, Path, str | None]:
+        """Task ``task``'s pack, checked equal on every rank and written by the main process, its indices
+        stored against ``pack_base`` (``pools``: the base pack; ``task0``; ``none``).
+
+        Returns:
+            ``(pack, path, its SHA-256 on the main process else None)``.
+        """
+        pack = extract_task(
+            model,
+            model_spec=self.manifest.model.spec,
+            meta=meta,
+            run_id=self.run_id,
+            task=task,
+            state_dtype=state_dtype,
+        )
+        digests = gather_strings(pack.content_sha256(), self.dist)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"task {task}: ranks ended with different indices or state (pack digests {digests})")
+        path, sha = self.run.pack_path(task), None
+        if self.dist.is_main:
+            pack.base = self._pack_base(task, pack_base)  # store what changed against it (see nwsconvert.formats.packs)
+            sha = pack.save(path)
+        self.dist.barrier()
+        return pack, path, sha
+
+    def _pack_base(self, task: int, how: str) -> TaskPack | None:
+        if how == "pools":
+            return self.load_pack(None)
+        if how == "task0" and task != 0 and 0 in self.manifest.finished:
+            return self.load_pack(0)
+        return None
+
+    def rebuild(self, path: Path, task: int, sha256: str | None, model: nn.Module, *, trusted: bool) -> nn.Module:
+        """Task ``task``'s model rebuilt from the files alone: by the manifest's spec (its code imported
+        only when ``trusted``), else from a copy of ``model``'s architecture, never its weights."""
+        pools = self.pools()
+        pack = TaskPack.load(path, sha256=sha256, pool_sha256=pools.sha256, run_id=self.run_id, task=task)
+        try:
+            return build_task_model(self.manifest.model.to_dict(), pools, pack, trust_code=trusted)
+        except (ValueError, UntrustedCodeError):  # spec not buildable by name
+            net = copy.deepcopy(model)
+            apply_task(net, pack)
+            return net
+
+    def commit_task(self, task: int, meta: dict, num_classes: int, pack: TaskPack, path: Path, sha, metrics) -> None:
+        """Main process: record the finished task in the manifest and commit it; every rank then syncs."""
+        if self.dist.is_main:
+            nbytes = {"indices": pack.index_bytes, "state": pack.state_bytes, "file": path.stat().st_size}
+            file = str(path.relative_to(self.run.path))
+            entry = TaskEntry(task, meta["name"], num_classes, file, sha, metrics, meta["class_names"], nbytes)
+            self.manifest.put_task(entry)
+            self.commit({"stage": f"task:{task}", "event": "done", **metrics})
+        self.sync()

@@ -1,11 +1,12 @@
 # make demo: create .venv, install, run the main job.   make test: create .venv, install, lint, run the tests.
 # make test-fast: the tests not marked slow.   make lint: ruff and mypy, as CI runs them.
+# make test-min: the tests in .venv-min, on the lowest versions pyproject.toml declares (.ci/min_constraints.py).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench runtime-wheel clean
+.PHONY: demo test test-fast test-min lint bench runtime-wheel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,17 @@ test: lint
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
+# A fresh .venv-min every time: the oldest supported torch, timm, onnx... pinned, the rest as pip resolves.
+MIN := .venv-min
+test-min:
+	rm -rf $(MIN)
+	$(PYTHON) -m venv $(MIN)
+	$(MIN)/bin/python -m pip install --quiet --upgrade pip packaging 'tomli; python_version < "3.11"'
+	$(MIN)/bin/python .ci/min_constraints.py > $(MIN)/constraints.txt
+	$(MIN)/bin/python -m pip install --quiet -c $(MIN)/constraints.txt -e '.[test]'
+	$(MIN)/bin/python -m pip list --format=freeze > $(MIN)/installed.txt
+	$(MIN)/bin/python -m pytest -p no:cacheprovider
+
 # ruff (lint + format check) over the tree, mypy over nwsconvert/core and nwsconvert/conversion.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -37,4 +49,4 @@ runtime-wheel: $(STAMP)
 	$(PY) export/dist/build_runtime.py --out dist
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(MIN) build dist *.egg-info

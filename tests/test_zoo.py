@@ -222,7 +222,14 @@ def test_lite0_conversion_is_exact_and_keeps_static_same_padding(lite0_nws):
     from efficientnet_lite_pytorch.utils import Conv2dStaticSamePadding
 
     model, report = lite0_nws
-    assert report.trace == "torch.fx" and not report.skipped and len(report.layers) == 50
+    # efficientnet_lite's drop_connect calls torch.rand on a traced shape: torch.fx traces it on torch 2.14
+    # (the CI venv); torch 2.5 (make test-min) cannot, and the converter falls back to its module walk,
+    # which must convert the same 50 layers exactly (checked below).
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14):
+        assert report.trace == "torch.fx"
+    else:
+        assert report.trace.startswith(("torch.fx", "module walk"))
+    assert not report.skipped and len(report.layers) == 50
     assert all(r.module == "Conv2dStaticSamePadding" for r in report.layers if r.name != "_fc")
     assert isinstance(model._conv_stem, Conv2dStaticSamePadding)
     assert isinstance(model._conv_stem.static_padding, nn.ZeroPad2d)  # asymmetric TF padding kept

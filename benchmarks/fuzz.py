@@ -1323,7 +1323,8 @@ class Readers:
         if r == "pool":
             return self.nws.PoolSet.load(self.root / case.target)
         if r == "manifest":
-            return self.nws.RunDir(self.run).read()
+            m = self.nws.RunDir(self.run).read()
+            return m.to_dict() if hasattr(m, "to_dict") else m  # a Manifest since 250a190, a dict before
         if r == "load":
             model = self.nws.load(self.run, case.task)
             with self.torch.no_grad():

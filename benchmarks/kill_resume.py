@@ -178,6 +178,11 @@ def phase_of(state: dict, printed_conversion: bool, manifest_at_start: bool, n_t
 
 
 # ----------------------------------------------------------------------------- checks
+def as_dict(manifest) -> dict:
+    """The manifest as its JSON dict: ``RunDir.read()`` gives a ``Manifest`` since 250a190, a dict before."""
+    return manifest.to_dict() if hasattr(manifest, "to_dict") else manifest
+
+
 class Checker:
     """Manifest and file checks, with nwsconvert imported once in this process."""
 
@@ -192,7 +197,7 @@ class Checker:
     def record(self, d: Path) -> dict:
         """Hashes and accuracies of a finished run (raises if anything does not load)."""
         run = self.nws.RunDir(d)
-        m = run.read()
+        m = as_dict(run.read())
         pools = self.PoolSet.load(run.resolve(m["pools"]["file"]))
         rec = {
             "pool_sha256": m["pools"]["sha256"],
@@ -221,7 +226,8 @@ class Checker:
             return out
         out["manifest"] = True
         try:
-            m = run.read()
+            manifest = run.read()
+            m = as_dict(manifest)
         except Exception as e:  # noqa: BLE001 - any exception is a finding
             out["errors"].append(f"manifest: RunDir.read() raised {type(e).__name__}: {e}")
             return out
@@ -253,7 +259,9 @@ class Checker:
             t = e["id"]
             out["tasks"] += 1
             try:
-                self.TaskPack.load(run.task_path(m, t), sha256=e["sha256"], pool_sha256=pool_sha, run_id=run_id, task=t)
+                self.TaskPack.load(
+                    run.task_path(manifest, t), sha256=e["sha256"], pool_sha256=pool_sha, run_id=run_id, task=t
+                )
             except Exception as ex:  # noqa: BLE001
                 out["errors"].append(f"task {t}: load raised {type(ex).__name__}: {ex}")
             if ref:

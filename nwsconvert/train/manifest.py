@@ -381,16 +381,22 @@ def check_manifest(manifest: dict, path) -> None:
     f.dict("config", optional=True)
     f.dict("versions", optional=True)
     f.str("created", optional=True)
-    pools = f.obj_fields("pools", optional=True)
+    _check_pools(f.obj_fields("pools", optional=True))
+    _check_base(f.obj_fields("base", optional=True))
+    _check_tasks(f)
+
+
+def _check_pools(pools: Fields | None) -> None:
     if pools is not None:
         pools.filename("file", optional=True)
         pools.sha("sha256")
         pools.int("bytes", lo=0, optional=True)
         pools.bool("learned", optional=True)
         pools.dict("metrics", optional=True)
-    base = f.obj_fields("base", optional=True)
+
+
+def _check_base(base: Fields | None) -> None:
     if base is not None:
         base.filename("file", optional=True)
         base.sha("sha256")
         base.int("num_classes", lo=1, optional=True)
-    _check_tasks(f)

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..core.nwsmodel import load_pools, nws_layers, pool_set
 from ..core.pools import PoolSet
-from ..errors import UntrustedCodeError
+from ..errors import FormatError, UntrustedCodeError
 from ..formats.packs import TaskPack, apply_task, extract_task
 from ..formats.storage import read_tensors, write_tensors
 from .distributed import DistInfo, gather_strings
@@ -91,7 +91,9 @@ class RunStore:
     # ---------------------------------------------------------------- packs
     def load_pack(self, task: int | None) -> TaskPack:
         """A finished task's pack (``None``: the base pack), checked against the manifest: hash, run, task."""
-        assert self.manifest.pools is not None and self.manifest.base is not None
+        if self.manifest.pools is None or self.manifest.base is None:
+            missing = "pools" if self.manifest.pools is None else "base"
+            raise FormatError(f"{self.run.manifest_path}: field {missing}: the run records no {missing} entry")
         pool_sha, run_id = self.manifest.pools.sha256, self.run_id
         if task is None:
             path, sha = self.run.base_path, self.manifest.base.sha256

@@ -33,7 +33,7 @@ import json
 import platform
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from ..conversion.config import NWSConfig
 from ..errors import FormatError, TaskNotFoundError, UsageError
@@ -101,6 +101,14 @@ def _drop_none(d: dict) -> dict:
     return {k: v for k, v in d.items() if v is not None}
 
 
+def _from_json(cls, obj: dict | None):
+    """``cls`` (a dataclass) from a checked JSON object: absent or null fields take their defaults,
+    keys that are not fields are ignored; ``None`` stays ``None``."""
+    if obj is None:
+        return None
+    return cls(**{f.name: obj[f.name] for f in fields(cls) if obj.get(f.name) is not None})
+
+
 @dataclass
 class ModelEntry:
     """How to rebuild the architecture every pack applies to.
@@ -120,9 +128,7 @@ class ModelEntry:
 
     def to_dict(self) -> dict:
         """The JSON entry (what :func:`model_sha256` hashes and what a bundle copies)."""
-        return _drop_none(
-            {"spec": self.spec, "kwargs": dict(self.kwargs), "convert": self.convert, "layers": self.layers}
-        )
+        return _drop_none(asdict(self))
 
     def config(self) -> NWSConfig:
         """The conversion config the run's model was converted with."""
@@ -135,19 +141,10 @@ class PoolsEntry:
     last pool-learning epoch's metrics."""
 
     sha256: str
-    file: str | None = "pools.safetensors"
+    file: str | None = None
     bytes: int | None = None
     learned: bool | None = None
     metrics: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {
-            "file": self.file,
-            "sha256": self.sha256,
-            "bytes": self.bytes,
-            "learned": self.learned,
-            "metrics": self.metrics,
-        }
 
 
 @dataclass
@@ -155,11 +152,8 @@ class BaseEntry:
     """The base pack (the model at the end of pool learning), against which task packs are delta-coded."""
 
     sha256: str
-    file: str | None = "base.nwspack"
+    file: str | None = None
     num_classes: int | None = None
-
-    def to_dict(self) -> dict:
-        return {"file": self.file, "sha256": self.sha256, "num_classes": self.num_classes}
 
 
 @dataclass
@@ -175,18 +169,6 @@ class TaskEntry:
     metrics: dict = field(default_factory=dict)
     class_names: list[str] | None = None
     bytes: dict | None = None
-
-    def to_dict(self) -> dict:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "num_classes": self.num_classes,
-            "class_names": self.class_names,
-            "file": self.file,
-            "sha256": self.sha256,
-            "bytes": self.bytes,
-            "metrics": self.metrics,
-        }
 
 
 @dataclass
@@ -239,55 +221,21 @@ class Manifest:
             FormatError: a field missing, of the wrong type or out of range (named, with ``path``).
         """
         check_manifest(d, path)
-        m = d["model"]
-        pools, base = d.get("pools"), d.get("base")
-        return cls(
-            model=ModelEntry(m["spec"], dict(m.get("kwargs") or {}), m.get("convert"), m.get("layers")),
-            run_id=d.get("run_id"),
-            data=dict(d.get("data") or {}),
-            config=dict(d.get("config") or {}),
-            versions=dict(d.get("versions") or {}),
-            created=d.get("created"),
-            pools=None
-            if pools is None
-            else PoolsEntry(
-                pools["sha256"],
-                pools.get("file"),
-                pools.get("bytes"),
-                pools.get("learned"),
-                dict(pools.get("metrics") or {}),
-            ),
-            base=None if base is None else BaseEntry(base["sha256"], base.get("file"), base.get("num_classes")),
-            tasks=[
-                TaskEntry(
-                    e["id"],
-                    e["name"],
-                    e["num_classes"],
-                    e["file"],
-                    e["sha256"],
-                    dict(e.get("metrics") or {}),
-                    e.get("class_names"),
-                    e.get("bytes"),
-                )
-                for e in d["tasks"]
-            ],
-            version=d.get("version", MANIFEST_VERSION),
-        )
+        nested = {
+            "model": _from_json(ModelEntry, d["model"]),
+            "pools": _from_json(PoolsEntry, d.get("pools")),
+            "base": _from_json(BaseEntry, d.get("base")),
+            "tasks": [_from_json(TaskEntry, e) for e in d["tasks"]],
+        }
+        return _from_json(cls, {**d, **nested})
 
     def to_dict(self) -> dict:
         """The JSON object written: always the current version, with ``model_sha256`` of the model entry."""
         model = self.model.to_dict()
         return {
             "format": MANIFEST_FORMAT,
-            "run_id": self.run_id,
+            **asdict(self),
             "model": model,
-            "data": self.data,
-            "config": self.config,
-            "versions": self.versions,
-            "created": self.created,
-            "pools": None if self.pools is None else self.pools.to_dict(),
-            "base": None if self.base is None else self.base.to_dict(),
-            "tasks": [t.to_dict() for t in self.tasks],
             "version": MANIFEST_VERSION,
             "model_sha256": model_sha256(model),
         }

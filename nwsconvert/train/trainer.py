@@ -103,7 +103,7 @@ class Trainer:
         if existed:
             manifest = self._read_run(resume, config, model_spec)
         else:
-            manifest = self._create_run(model, len(layers), config, model_spec, model_kwargs, data_info)
+            manifest = self._create_run(model, len(layers), config, model_kwargs, data_info)
         self.store = RunStore(self.run, manifest, self.dist)
         if self.config.deterministic:
             self._restore = use_deterministic()
@@ -127,13 +127,12 @@ class Trainer:
             raise ValueError(f"run {str(self.run.path)!r} trains {manifest.model.spec!r}, not {model_spec!r}")
         return manifest
 
-    def _create_run(self, model, layers: int, config, model_spec, model_kwargs, data_info) -> Manifest:
+    def _create_run(self, model, layers: int, config, model_kwargs, data_info) -> Manifest:
         """Start a new run: its first manifest, written by the main process before any rank goes on."""
         self.config = config or TrainConfig()
         report = getattr(model, "nws_report", None)
         options = dict(report.options) if report is not None else {}
-        spec = model_spec or model_spec_of(model)
-        manifest = Manifest.new(spec, model_kwargs, options, layers, data_info, self.config.to_dict())
+        manifest = Manifest.new(self._own_spec, model_kwargs, options, layers, data_info, self.config.to_dict())
         if self.dist.is_main:
             self.run.write(manifest)
         self.dist.barrier()
@@ -253,11 +252,12 @@ class Trainer:
         it scores exactly what the trained model scores, and commit the task to the manifest."""
         cfg = self.config
         model = round_state_(self.model, cfg.state_dtype)  # what the pack stores, before it is evaluated
-        ev = evaluate(model, self.stages.loader(val, cfg, False, 0), device=self.device, amp=cfg.amp)
+        val_loader = self.stages.loader(val, cfg, False, 0)  # sequential: both evaluations see the same batches
+        ev = evaluate(model, val_loader, device=self.device, amp=cfg.amp)
         pack, path, sha = self.store.write_pack(model, task, meta, state_dtype=cfg.state_dtype, pack_base=cfg.pack_base)
         trusted = self.manifest.model.spec == self._own_spec
         rebuilt = self.store.rebuild(path, task, sha, model, trusted=trusted).to(self.device).eval()
-        ev2 = evaluate(rebuilt, self.stages.loader(val, cfg, False, 0), device=self.device, amp=cfg.amp)
+        ev2 = evaluate(rebuilt, val_loader, device=self.device, amp=cfg.amp)
         if ev2["correct"] != ev["correct"]:
             raise RuntimeError(
                 f"task {task}: the model rebuilt from {path} scores {ev2['correct']}/{ev2['total']}, "

@@ -10,6 +10,7 @@ from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
 import nwsconvert
 from nwsconvert import RunDir, TaskPack, Trainer, evaluate, nws_layers
+from nwsconvert.errors import FormatError
 from nwsconvert.train.checkpoint import load_checkpoint
 from nwsconvert.train.heads import head_classes
 from nwsconvert.train.manifest import model_sha256
@@ -119,6 +120,23 @@ def test_without_pool_learning_the_converted_pools_are_the_run_pools(tmp_path):
     trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
     m = RunDir(tmp_path / "r").read()
     assert m.pools.sha256 == before and m.pools.learned is False
+
+
+def test_a_run_without_its_base_entry_names_the_field(tmp_path):
+    """Task packs are stored against the base pack: a manifest whose base entry was removed is refused
+    by name when the next task is written, not with a bare TypeError or assert."""
+    t1 = Trainer(
+        tiny_model(), tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False
+    )
+    t1.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
+    t1.close()
+    path = RunDir(tmp_path / "r").manifest_path
+    raw = json.loads(path.read_text())
+    raw["base"] = None
+    path.write_text(json.dumps(raw))
+    t2 = Trainer(tiny_model(), tmp_path / "r", resume=True, progress=False)
+    with pytest.raises(FormatError, match=r"manifest.json: field base: the run records no base entry"):
+        t2.fit_task(1, blobs(32, 2, 3), blobs(16, 2, 4), 2)
 
 
 def test_tasks_in_order_and_existing_runs_are_protected(tmp_path):

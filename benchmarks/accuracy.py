@@ -23,7 +23,8 @@ Prints and writes a JSON with per-seed and mean ± std average accuracy, memory
 
 The JSON is written after every method of every seed: a killed run loses at most the method it was
 running. ``--resume`` keeps what the JSON already holds for the same job and runs the rest; a JSON of
-another job (suite, model, recipe, keys, variants) is refused, naming the keys that differ.
+another job (suite, model, recipe, keys, variants, or NWS's training options as resolved, defaults
+included: ``nws_config`` in the JSON) is refused, naming the keys that differ.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from baselines import METHODS, fit  # benchmarks/ is on sys.path when this scrip
 from nwsconvert.analysis.summary import run_summary
 from nwsconvert.cli.train import _train_config, resolve_job, run_job
 from nwsconvert.formats.atomic import atomic_write_bytes
+from nwsconvert.train.config import TrainConfig
 from nwsconvert.train.specs import build_model
 from nwsconvert.zoo import get_suite
 
@@ -181,6 +183,7 @@ def _result(args, commit, job, names, variants, rows, partial=None) -> dict:
         "commit": commit,
         "machine": _machine(),
         "job": job,
+        "nws_config": _train_config(job).to_dict(),
         "methods": names,
         "rows": rows,
         "variants": {name: v for name, v in zip(variants, args.nws_variants)},
@@ -209,7 +212,17 @@ def _resumed(path: str, suite: str, job: dict) -> dict:
         raise SystemExit(f"--resume: {path} is not a readable accuracy JSON ({exc})") from None
     here = json.loads(json.dumps(job))  # tuples as lists, as the file holds them
     there = old.get("job", {})
-    differ = sorted(k for k in {*here, *there} if here.get(k) != there.get(k))
+    # The training options are compared as NWS resolved them, defaults included (a default that
+    # changed since must not mix two settings under one name); the job's other keys as written.
+    # A file from before nws_config was recorded is resolved here, with task_init=previous unless
+    # its job said otherwise: the default until it became original.
+    options = set(TrainConfig.__dataclass_fields__)
+    differ = sorted(k for k in {*here, *there} - options if here.get(k) != there.get(k))
+    config = json.loads(json.dumps(_train_config(job).to_dict()))
+    recorded = old.get("nws_config") or json.loads(
+        json.dumps(_train_config({"task_init": "previous", **there}).to_dict())
+    )
+    differ += [k for k in sorted(recorded) if recorded[k] != config.get(k)]
     if old.get("suite") != suite:
         differ.insert(0, "--suite")
     if differ:
@@ -240,7 +253,7 @@ def main(argv=None) -> int:
         nargs="*",
         default=[],
         metavar="KEY=VALUE[,KEY=VALUE]",
-        help="more NWS runs beside the first, each with these nws-train keys changed (e.g. task_init=original)",
+        help="more NWS runs beside the first, each with these nws-train keys changed (e.g. task_init=previous)",
     )
     p.add_argument("--json", default=None, help="write the results here (after every method of every seed)")
     p.add_argument(

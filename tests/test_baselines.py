@@ -300,3 +300,14 @@ def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         accuracy.main([*argv[:-1], "--resume"])  # would drop bn_head's figures
     assert calls == [("nws", 1995), ("dense", 1995), ("bn_head", 1995)]
+
+    # A file written before the NWS options were recorded ran the default of its time, task_init=previous:
+    # resuming it under today's default (original) is refused naming task_init; saying previous resumes it.
+    old = json.loads(out.read_text())
+    assert old["nws_config"]["task_init"] == "original" and old["nws_config"]["epochs"] == 1
+    del old["nws_config"]
+    out.write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match=r"\(task_init differ\)"):
+        accuracy.main([*argv, "--resume"])
+    assert accuracy.main(["task_init=previous", *argv, "--resume"]) == 0
+    assert calls == [("nws", 1995), ("dense", 1995), ("bn_head", 1995)]  # every figure was there already

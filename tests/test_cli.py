@@ -173,3 +173,26 @@ def test_preset_key_converts_with_the_family_preset_and_the_run_reloads(tmp_path
     assert all(sizes[name] == n for name, n in capped.items())
     assert train_main([*FAST, "preset=nope", f"out={tmp_path / 'q'}"]) == 2
     assert re.search("unknown preset 'nope'.*preset=auto", capsys.readouterr().err)
+
+
+def test_resume_keeps_the_training_options_the_run_started_with(tmp_path, monkeypatch):
+    """A default that changes between the start of a run and its --resume (task_init did: previous, then
+    original) does not change the run half-way; an option given on the --resume command line still wins."""
+    from nwsconvert.train.store import RunStore
+
+    out = tmp_path / "r"
+    assert train_main([*FAST, "epochs=1", "tasks=1", f"out={out}"]) == 0
+    run = RunDir(out)
+    manifest = run.read()
+    assert manifest.config["task_init"] == "original" and "task_init" not in manifest.data["job"]
+    manifest.config["task_init"] = "previous"  # as a run started under the old default recorded it
+    run.write(manifest)
+    calls = []
+    real = RunStore.init_weights
+    monkeypatch.setattr(
+        RunStore, "init_weights", lambda self, model, how, seed: (calls.append(how), real(self, model, how, seed))
+    )
+    assert train_main(["--resume", f"out={out}", "tasks=2"]) == 0
+    assert calls == [] and run.read().finished == [0, 1]  # task 1 started from task 0's kernels
+    assert train_main(["--resume", f"out={out}", "tasks=3", "task_init=random"]) == 0
+    assert calls == ["random"] and run.read().finished == [0, 1, 2]

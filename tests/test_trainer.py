@@ -99,9 +99,8 @@ def test_task_heads_keep_rows_and_tasks_share_pools(finished_run):
 
 def test_next_task_starts_from_previous_chosen_kernels(tmp_path):
     model = tiny_model()
-    trainer = Trainer(
-        model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False
-    )
+    config = tiny_config(epochs=1, task_init="previous")
+    trainer = Trainer(model, tmp_path / "r", config, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
     trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
     pack0 = TaskPack.load(tmp_path / "r" / "tasks" / "task_0.nwspack")
     # fit_task(1) with zero epochs of change would start from pack 0: check the start state directly.

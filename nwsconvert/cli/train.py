@@ -328,12 +328,15 @@ def _recorded_job(out: Path) -> tuple[dict | None, str]:
     before its manifest was written); ``(None, why)`` when it has neither."""
     run = RunDir(out)
     if run.exists():
-        job = run.read().data.get("job")
+        manifest = run.read()
+        job = manifest.data.get("job")
         if not isinstance(job, dict):
             raise FormatError(
                 f"{run.manifest_path}: field data.job: the run's job is missing; restate it with key=value items"
             )
-        return job, "manifest"
+        # Every training option as the run started with it: a default that changed since (task_init
+        # did) must not change a run half-way. The job's own keys are the same values.
+        return {**manifest.config, **job}, "manifest"
     path = out / JOB_FILE
     if path.is_file():
         try:

@@ -85,8 +85,12 @@ class TrainConfig:
         pool_epochs: epochs of pool learning (``None``: ``epochs``).
         pool_lr: learning rate of pool learning (``None``: ``lr``).
         reseed_every: reseed unused pool entries every this many pool-learning epochs (0: never).
-        task_init: temporary weights of task t start from ``previous`` (task t-1's chosen kernels,
-            the paper's choice), ``original`` (the weights after pool learning) or ``random``.
+        task_init: temporary weights of task t start from ``original`` (the weights after pool
+            learning: every task starts from the same point, whatever came before it),
+            ``previous`` (task t-1's chosen kernels, the paper's choice) or ``random``.
+            ``original`` is the default: it scored higher than ``previous`` in every measured
+            comparison (4 sequences x 3 seeds at 3 epochs per task, 1 seed at 15;
+            ``benchmarks/RESULTS.md``). A resumed run keeps the value it started with.
         pack_base: what a task pack's indices may be stored as changes against (the smaller of
             that and a standalone coding is kept, per layer): ``pools`` (``base.nwspack``, the
             model at the end of pool learning, shared like the pool file: every task is small
@@ -126,7 +130,7 @@ class TrainConfig:
     pool_epochs: int | None = None
     pool_lr: float | None = None
     reseed_every: int = 1
-    task_init: str = "previous"
+    task_init: str = "original"
     pack_base: str = "pools"
     state_dtype: str = "float16"
     amp: str = "auto"

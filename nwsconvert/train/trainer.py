@@ -209,8 +209,9 @@ class Trainer:
         """Learn task ``task`` (paper Algorithm 1) and write its pack.
 
         The head gets ``num_classes`` outputs (existing rows kept), the
-        temporary weights start from task ``task-1``'s chosen kernels (or as
-        ``config.task_init`` says), the pools stay frozen, and the loss is
+        temporary weights start as ``config.task_init`` says (the weights pool
+        learning ended with, or task ``task-1``'s chosen kernels), BatchNorm
+        from task ``task-1``, the pools stay frozen, and the loss is
         cross-entropy + commitment. Afterwards the pack is written and the
         model rebuilt from the files is evaluated: its accuracy must equal the
         training-time evaluation exactly.

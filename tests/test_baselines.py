@@ -311,3 +311,31 @@ def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
         accuracy.main([*argv, "--resume"])
     assert accuracy.main(["task_init=previous", *argv, "--resume"]) == 0
     assert calls == [("nws", 1995), ("dense", 1995), ("bn_head", 1995)]  # every figure was there already
+
+
+def test_probe_reports_each_phase_and_the_stored_model_scores_the_last(pretrained):
+    """benchmarks/probe_baselines.py: PackNet's phases are measured on the model it then stores (its
+    files score the retrained accuracy exactly), BatchNorm re-estimation leaves the weights as they
+    were, and Piggyback's per-layer report covers every masked layer with fractions in [0, 1]."""
+    import probe_baselines
+
+    task, cfg = TASKS[0], tiny_config(epochs=2)
+    rows = [probe_baselines.probe_packnet(pretrained, cfg, 1993, task, retrain) for retrain in (1, 2)]
+    for retrain, row in zip((1, 2), rows):
+        assert row["retrain_epochs"] == retrain and row["from_files"] == row["retrained"]
+        assert {"trained", "pruned", "pruned_bn_reestimated"} <= set(row)
+    assert rows[0]["trained"] == rows[1]["trained"]  # the same seed and data order before pruning
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2))
+    before = [p.clone() for p in model.parameters()]
+    data = torch.utils.data.TensorDataset(torch.randn(100, 1, 3, 3) * 3 + 5, torch.zeros(100))
+    probe_baselines._reestimate_bn(model, data)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with torch.no_grad():  # the running mean is the average of the 2 batches' means (64 + 36 images)
+        z = model[0](data.tensors[0])
+    expected = (z[:64].mean((0, 2, 3)) + z[64:].mean((0, 2, 3))) / 2
+    torch.testing.assert_close(model[1].running_mean, expected)  # float sums in another order: a tolerance
+    assert model[1].momentum == 0.1 and int(model[1].num_batches_tracked) == 2
+    pig = probe_baselines.probe_piggyback(pretrained, cfg, 1993, task)
+    assert set(pig["layers"]) == {n for n, p in pretrained.named_parameters() if p.dim() >= 2} - {"fc.weight"}
+    assert all(0 <= r["off"] <= 1 and r["mean_abs_w"] > 0 for r in pig["layers"].values())
+    assert 0 <= pig["from_files"] <= 1

@@ -69,7 +69,9 @@ def fit(
     Args:
         params: the parameters to optimise (default: every parameter that requires grad).
         after_step: called after each optimiser step (PackNet restores the weights it protects).
-        seed: seeds each epoch's data order (``seed * 1000 + epoch``), as the NWS trainer's baselines do.
+        seed: seeds each epoch's data order and the global generator (dropout, drop path) with
+            ``seed * 1000 + epoch``, so a method's result does not depend on what ran before it in
+            the process.
     """
     params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
     opt = (
@@ -87,6 +89,7 @@ def fit(
             sampler=RandomSampler(data, generator=torch.Generator().manual_seed(seed * 1000 + epoch)),
             drop_last=len(data) > cfg.batch_size,
         )
+        torch.manual_seed(seed * 1000 + epoch)
         model.train()
         for x, y in loader:
             loss = F.cross_entropy(model(x), y)

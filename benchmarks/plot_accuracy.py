@@ -36,6 +36,22 @@ STYLE = {
 }
 
 
+#: NWS variants of one panel (``nws[...]``), in order: marker and colour, each told apart from the others.
+VARIANTS = [("^", "#7A1F22"), ("s", "#E377C2"), ("D", "#17BECF"), ("v", "#BCBD22")]
+
+
+def _minor_labels(formatter):
+    """Label only the minor ticks at 2× and 5× a power of ten, in ``formatter``'s units: a panel that
+    spans less than a decade still gets readable labels, never matplotlib's crowded ``3×10⁶`` ones."""
+    from matplotlib.ticker import FuncFormatter
+
+    def label(v: float, pos) -> str:
+        mantissa = v / 10 ** math.floor(math.log10(v)) if v > 0 else 0
+        return formatter(v, pos) if round(mantissa, 6) in (2.0, 5.0) else ""
+
+    return FuncFormatter(label)
+
+
 def merge(first: dict, other: dict) -> dict:
     """``first`` with ``other``'s NWS rows added as ``nws[key=value,...]`` (the job keys ``other`` changed)."""
     changed = ",".join(f"{k}={v}" for k, v in sorted(other["job"].items()) if first["job"].get(k) != v)
@@ -76,17 +92,19 @@ def figure(results: list[tuple[Path, dict]]):
     fig = _figure(7.6 * cols, 4.2 * rows)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, (path, result) in zip(axes, results):
+        variants_seen = 0
         for p in points(result):
             variant = p["method"].startswith("nws[")
+            marker, variant_colour = VARIANTS[variants_seen % len(VARIANTS)] if variant else ("o", "#333333")
+            variants_seen += variant
             label, colour = STYLE.get(
-                p["method"],
-                (f"NWS {p['method'][4:-1]}" if variant else p["method"], "#7A1F22" if variant else "#333333"),
+                p["method"], (f"NWS {p['method'][4:-1]}" if variant else p["method"], variant_colour)
             )
             ax.errorbar(
                 p["bytes"],
                 p["acc"],
                 yerr=p["std"],
-                fmt="^" if variant else "o",
+                fmt=marker,
                 color=colour,
                 capsize=3,
                 markersize=9 if p["method"].startswith("nws") else 6,
@@ -94,6 +112,7 @@ def figure(results: list[tuple[Path, dict]]):
             )
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(_byte_formatter(compact=True))
+        ax.xaxis.set_minor_formatter(_minor_labels(_byte_formatter(compact=True)))
         ax.set_xlabel("memory for every task (files on disk, log scale)")
         ax.set_ylabel("average accuracy, % (mean ± std over seeds)")
         ax.set_title(title_of(result, path), fontsize=9)

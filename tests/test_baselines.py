@@ -219,6 +219,31 @@ def test_accuracy_plot_has_one_point_per_method(tmp_path):
         plot_accuracy.main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "b.png")])
 
 
+def test_accuracy_plot_tells_nws_variants_apart_and_labels_a_narrow_axis():
+    """Two NWS variants in one panel get different markers and colours; a panel narrower than a
+    decade labels its 2x and 5x minor ticks in bytes, not in matplotlib's ``3x10^6`` notation."""
+    import plot_accuracy
+
+    rows = [
+        {
+            "seed": 1,
+            "nws": {"avg": 0.89, "disk_bytes": 2.0e7},
+            "nws[group_size=4]": {"avg": 0.88, "disk_bytes": 3.5e6},
+            "nws[learn_pools=false]": {"avg": 0.84, "disk_bytes": 1.9e7},
+            "dense": {"avg": 0.88, "disk_bytes": 6.8e7},
+        }
+    ]
+    methods = ["nws", "nws[group_size=4]", "nws[learn_pools=false]", "dense"]
+    result = {"suite": "s", "job": {"suite_options": {}}, "methods": methods, "rows": rows}
+    fig = plot_accuracy.figure([(Path("r.json"), result)])
+    ax = fig.axes[0]
+    styles = {c.get_label(): (c.lines[0].get_marker(), c.lines[0].get_color()) for c in ax.containers}
+    assert styles["NWS group_size=4"] != styles["NWS learn_pools=false"]
+    fig.canvas.draw()
+    minor = {t.get_text() for t in ax.xaxis.get_minorticklabels() if t.get_text()}
+    assert {"5 MB", "20 MB", "50 MB"} <= minor and not any("10^" in t or "times" in t for t in minor)
+
+
 def test_accuracy_table_rows_and_gap_to_dense():
     """accuracy_table.py: one Markdown row per method, mean ± std, per-task means, the gap to dense."""
     import accuracy_table

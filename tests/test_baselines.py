@@ -387,3 +387,24 @@ def test_probe_reports_each_phase_and_the_stored_model_scores_the_last(pretraine
     assert set(pig["layers"]) == {n for n, p in pretrained.named_parameters() if p.dim() >= 2} - {"fc.weight"}
     assert all(0 <= r["off"] <= 1 and r["mean_abs_w"] > 0 for r in pig["layers"].values())
     assert 0 <= pig["from_files"] <= 1
+
+
+@pytest.mark.parametrize("start, loaded", [("previous", [None, 0]), ("base", [None, None])])
+def test_probe_task_state_starts_each_task_from_where_it_says(tmp_path, monkeypatch, start, loaded):
+    """benchmarks/probe_task_state.py: task t's BatchNorm and head come from task t-1 (nws-train's
+    rule) or from the base pack for every task; afterwards nws-train is as it was."""
+    import probe_task_state
+
+    from nwsconvert.train.store import RunStore
+    from nwsconvert.train.trainer import Trainer
+
+    calls: list[int | None] = []
+    real = RunStore.enter_task_state
+    monkeypatch.setattr(
+        RunStore, "enter_task_state", lambda self, model, task: (calls.append(task), real(self, model, task))[1]
+    )
+    fit_task = Trainer.fit_task
+    argv = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1", "tasks=2", "progress=false"]
+    assert probe_task_state.main([f"--start={start}", *argv, f"out={tmp_path / 'run'}"]) == 0
+    assert calls == loaded
+    assert Trainer.fit_task is fit_task

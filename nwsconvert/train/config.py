@@ -86,8 +86,10 @@ class TrainConfig:
         pool_lr: learning rate of pool learning (``None``: ``lr``).
         reseed_every: reseed unused pool entries every this many pool-learning epochs (0: never).
         task_init: temporary weights of task t start from ``original`` (the weights after pool
-            learning: every task starts from the same point, whatever came before it),
-            ``previous`` (task t-1's chosen kernels, the paper's choice) or ``random``.
+            learning, the same for every task), ``previous`` (task t-1's chosen kernels, the
+            paper's choice) or ``random``. BatchNorm and the head start from task t-1's in every
+            case (starting them from the end of pool learning too did not help:
+            ``benchmarks/probe_task_state.py``).
             ``original`` is the default: it scored higher than ``previous`` in every measured
             comparison (4 sequences x 3 seeds at 3 epochs per task, 1 seed at 15;
             ``benchmarks/RESULTS.md``). A resumed run keeps the value it started with.

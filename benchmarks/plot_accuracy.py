@@ -23,6 +23,7 @@ from pathlib import Path
 
 from nwsconvert.analysis.html import _byte_formatter, _figure, _png
 from nwsconvert.formats.atomic import atomic_write_bytes
+from nwsconvert.train.config import TrainConfig
 
 #: method key -> (label, colour); NWS stands out, the rest in muted colours.
 STYLE = {
@@ -59,6 +60,14 @@ def merge(first: dict, other: dict) -> dict:
     by_seed = {r["seed"]: r for r in other["rows"]}
     rows = [{**r, name: by_seed[r["seed"]]["nws"]} for r in first["rows"] if r["seed"] in by_seed]
     return {**first, "methods": [*first["methods"][:1], name, *first["methods"][1:]], "rows": rows}
+
+
+def nws_label(result: dict) -> str:
+    """The plain NWS row's label: ``NWS``, with its task initialisation when that is not today's
+    default (a JSON written before ``nws_config`` was recorded ran ``previous`` unless its job said
+    otherwise), so that panels of older and newer files do not give two settings one name."""
+    init = (result.get("nws_config") or {}).get("task_init") or result["job"].get("task_init", "previous")
+    return "NWS" if init == TrainConfig.__dataclass_fields__["task_init"].default else f"NWS task_init={init}"
 
 
 def points(result: dict) -> list[dict]:
@@ -100,6 +109,7 @@ def figure(results: list[tuple[Path, dict]]):
             label, colour = STYLE.get(
                 p["method"], (f"NWS {p['method'][4:-1]}" if variant else p["method"], variant_colour)
             )
+            label = nws_label(result) if p["method"] == "nws" else label
             ax.errorbar(
                 p["bytes"],
                 p["acc"],

@@ -244,6 +244,23 @@ def test_accuracy_plot_tells_nws_variants_apart_and_labels_a_narrow_axis():
     assert {"5 MB", "20 MB", "50 MB"} <= minor and not any("10^" in t or "times" in t for t in minor)
 
 
+def test_accuracy_plot_names_the_task_init_of_an_older_nws_row():
+    """The plain NWS point is labelled ``NWS`` when it ran today's default task initialisation and
+    names ``task_init=previous`` when its JSON predates ``nws_config`` (it ran the old default) or
+    recorded previous; a job that set task_init says which."""
+    import plot_accuracy
+
+    rows = [{"seed": 1, "nws": {"avg": 0.85, "disk_bytes": 3e6}}]
+    old = {"suite": "s", "job": {"suite_options": {}}, "methods": ["nws"], "rows": rows}
+    new = {**old, "nws_config": {"task_init": "original"}}
+    set_in_job = {**old, "job": {"suite_options": {}, "task_init": "random"}}
+    labels = []
+    for result in (old, new, set_in_job):
+        ax = plot_accuracy.figure([(Path("r.json"), result)]).axes[0]
+        labels.append(ax.containers[0].get_label())
+    assert labels == ["NWS task_init=previous", "NWS", "NWS task_init=random"]
+
+
 def test_accuracy_table_rows_and_gap_to_dense():
     """accuracy_table.py: one Markdown row per method, mean ± std, per-task means, the gap to dense."""
     import accuracy_table

@@ -51,7 +51,10 @@ def task_start(start: str) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="every other argument goes to nws-train as it is (key=value items, --resume...): see nws-train --help",
+    )
     parser.add_argument(
         "--start",
         choices=("previous", "base"),

@@ -198,6 +198,15 @@ def _write(path: str, result: dict) -> None:
     atomic_write_bytes(path, json.dumps(result, indent=2).encode())
 
 
+def recorded_nws_config(result: dict) -> dict:
+    """NWS's training options as the run of a results JSON resolved them: its ``nws_config``; for a
+    file written before that was recorded, its job resolved with ``task_init=previous`` unless the
+    job said otherwise (the default until it became ``original``)."""
+    if result.get("nws_config"):
+        return result["nws_config"]
+    return json.loads(json.dumps(_train_config({"task_init": "previous", **result.get("job", {})}).to_dict()))
+
+
 def _resumed(path: str, suite: str, job: dict) -> dict:
     """seed -> the methods ``path`` already measured for this job (complete rows and the partial one; a
     variant's figures are kept under its name, ``nws[key=value]``, whose job follows from the base job).
@@ -214,14 +223,10 @@ def _resumed(path: str, suite: str, job: dict) -> dict:
     there = old.get("job", {})
     # The training options are compared as NWS resolved them, defaults included (a default that
     # changed since must not mix two settings under one name); the job's other keys as written.
-    # A file from before nws_config was recorded is resolved here, with task_init=previous unless
-    # its job said otherwise: the default until it became original.
     options = set(TrainConfig.__dataclass_fields__)
     differ = sorted(k for k in {*here, *there} - options if here.get(k) != there.get(k))
     config = json.loads(json.dumps(_train_config(job).to_dict()))
-    recorded = old.get("nws_config") or json.loads(
-        json.dumps(_train_config({"task_init": "previous", **there}).to_dict())
-    )
+    recorded = recorded_nws_config(old)
     differ += [k for k in sorted(recorded) if recorded[k] != config.get(k)]
     if old.get("suite") != suite:
         differ.insert(0, "--suite")

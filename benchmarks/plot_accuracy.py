@@ -64,9 +64,12 @@ def merge(first: dict, other: dict) -> dict:
 
 def nws_label(result: dict) -> str:
     """The plain NWS row's label: ``NWS``, with its task initialisation when that is not today's
-    default (a JSON written before ``nws_config`` was recorded ran ``previous`` unless its job said
-    otherwise), so that panels of older and newer files do not give two settings one name."""
-    init = (result.get("nws_config") or {}).get("task_init") or result["job"].get("task_init", "previous")
+    default (``accuracy.recorded_nws_config``: a JSON written before ``nws_config`` was recorded ran
+    ``previous`` unless its job or recipe said otherwise), so that panels of older and newer files
+    do not give two settings one name."""
+    from accuracy import recorded_nws_config  # torch and the baselines: only when a figure is drawn
+
+    init = recorded_nws_config(result)["task_init"]
     return "NWS" if init == TrainConfig.__dataclass_fields__["task_init"].default else f"NWS task_init={init}"
 
 

@@ -208,7 +208,12 @@ def test_accuracy_plot_has_one_point_per_method(tmp_path):
         {"seed": s, "nws": {"avg": a, "disk_bytes": 3e6}, "dense": {"avg": b, "disk_bytes": 2e8}}
         for s, a, b in ((1, 0.80, 0.90), (2, 0.84, 0.90))
     ]
-    result = {"suite": "split-mnist", "job": {"suite_options": {}}, "methods": ["nws", "dense"], "rows": rows}
+    result = {
+        "suite": "split-mnist",
+        "job": {"suite_options": {}, "recipe": "demo"},
+        "methods": ["nws", "dense"],
+        "rows": rows,
+    }
     pts = {p["method"]: p for p in plot_accuracy.points(result)}
     assert pts["nws"]["acc"] == pytest.approx(82.0) and pts["nws"]["std"] == pytest.approx(math.sqrt(8.0))
     assert pts["dense"]["std"] == 0.0 and pts["dense"]["bytes"] == 2e8
@@ -234,7 +239,7 @@ def test_accuracy_plot_tells_nws_variants_apart_and_labels_a_narrow_axis():
         }
     ]
     methods = ["nws", "nws[group_size=4]", "nws[learn_pools=false]", "dense"]
-    result = {"suite": "s", "job": {"suite_options": {}}, "methods": methods, "rows": rows}
+    result = {"suite": "s", "job": {"suite_options": {}, "recipe": "demo"}, "methods": methods, "rows": rows}
     fig = plot_accuracy.figure([(Path("r.json"), result)])
     ax = fig.axes[0]
     styles = {c.get_label(): (c.lines[0].get_marker(), c.lines[0].get_color()) for c in ax.containers}
@@ -251,9 +256,9 @@ def test_accuracy_plot_names_the_task_init_of_an_older_nws_row():
     import plot_accuracy
 
     rows = [{"seed": 1, "nws": {"avg": 0.85, "disk_bytes": 3e6}}]
-    old = {"suite": "s", "job": {"suite_options": {}}, "methods": ["nws"], "rows": rows}
+    old = {"suite": "s", "job": {"suite_options": {}, "recipe": "demo"}, "methods": ["nws"], "rows": rows}
     new = {**old, "nws_config": {"task_init": "original"}}
-    set_in_job = {**old, "job": {"suite_options": {}, "task_init": "random"}}
+    set_in_job = {**old, "job": {"suite_options": {}, "recipe": "demo", "task_init": "random"}}
     labels = []
     for result in (old, new, set_in_job):
         ax = plot_accuracy.figure([(Path("r.json"), result)]).axes[0]

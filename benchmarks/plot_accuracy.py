@@ -153,6 +153,10 @@ def main(argv=None) -> int:
                 p.error(f"{path}: no such file")
             except json.JSONDecodeError as e:
                 p.error(f"{path}: not an accuracy.py JSON ({e.msg} at line {e.lineno})")
+            missing = [k for k in ("suite", "job", "methods", "rows") if k not in panel[-1]]
+            missing += [] if missing or "recipe" in panel[-1]["job"] else ["job.recipe"]
+            if missing:
+                p.error(f"{path}: not an accuracy.py JSON (field {missing[0]} missing)")
         result = panel[0]
         for other in panel[1:]:
             result = merge(result, other)

@@ -198,7 +198,7 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
     assert nws_line[3] == f"{result['mean']['nws']:.2f}"
 
 
-def test_accuracy_plot_has_one_point_per_method(tmp_path):
+def test_accuracy_plot_has_one_point_per_method(tmp_path, capsys):
     """plot_accuracy.py: mean and std over seeds per method, a PNG written; a missing file is a one-line error."""
     import json
 
@@ -222,6 +222,10 @@ def test_accuracy_plot_has_one_point_per_method(tmp_path):
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):
         plot_accuracy.main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "b.png")])
+    (tmp_path / "no_recipe.json").write_text(json.dumps({**result, "job": {"suite_options": {}}}))
+    with pytest.raises(SystemExit):
+        plot_accuracy.main([str(tmp_path / "no_recipe.json"), "--out", str(tmp_path / "c.png")])
+    assert "no_recipe.json: not an accuracy.py JSON (field job.recipe missing)" in capsys.readouterr().err
 
 
 def test_accuracy_plot_tells_nws_variants_apart_and_labels_a_narrow_axis():

@@ -434,3 +434,46 @@ def test_probe_task_state_starts_each_task_from_where_it_says(tmp_path, monkeypa
     assert probe_task_state.main([f"--start={start}", *argv, f"out={tmp_path / 'run'}"]) == 0
     assert calls == loaded
     assert Trainer.fit_task is fit_task
+
+
+def test_probe_base_starts_a_peer_from_the_base_pack_kernels(tmp_path, capsys):
+    """benchmarks/probe_base.py: the dense model it starts from holds, layer by layer, exactly the
+    pool kernels the run's base pack names (and pool learning's BatchNorm); it trains the peer from
+    there and from dense pretraining, and writes what it printed."""
+    import json
+
+    import probe_base
+
+    from nwsconvert.cli.train import train_main
+    from nwsconvert.core.nwsmodel import nws_layers
+    from nwsconvert.formats.packs import TaskPack
+    from nwsconvert.train.loading import load_run_pools
+    from nwsconvert.train.rundir import RunDir
+
+    run_dir = tmp_path / "run"
+    argv = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1", "tasks=2", "progress=false"]
+    assert train_main([*argv, f"out={run_dir}"]) == 0
+    job = probe_base._recorded_job(run_dir)[0]
+    dense = probe_base.base_model(run_dir, job)
+    assert dense.training and not nws_layers(dense)
+    run = RunDir(run_dir)
+    manifest = run.read()
+    pools = load_run_pools(run, manifest)
+    base = TaskPack.load(run.base_path, sha256=manifest.base.sha256, pool_sha256=pools.sha256, run_id=manifest.run_id)
+    params, state = dict(dense.named_parameters()), dense.state_dict()
+    assert set(base.indices) == {n.removesuffix(".weight") for n, p in params.items() if p.dim() >= 2}
+    for name, idx in base.indices.items():  # every kernel: the pool entry the base pack names, bit for bit
+        weight = params[f"{name}.weight"]
+        assert torch.equal(weight, pools[name][idx].reshape(weight.shape)), name
+    assert base.state and all(torch.equal(state[k], v.to(state[k].dtype)) for k, v in base.state.items())
+
+    out = tmp_path / "probe.json"
+    assert probe_base.main([str(run_dir), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    assert figures["tasks"] == 2 and len(figures["nws"]["accs"]) == 2
+    for start in ("nws_base", "dense_pretrained"):
+        r = figures["bn_head"][start]
+        assert len(r["accs"]) == 2 and all(0 <= a <= 1 for a in r["accs"])
+        assert f"{100 * r['avg']:6.2f} %" in printed
+    assert f"{100 * figures['nws']['avg']:6.2f} %" in printed

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -78,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     nws = [r["acc"] for r in summary["tasks"]]
     out: dict = {"run": str(args.run), "seed": seed, "tasks": done, "nws": {"accs": nws, "avg": sum(nws) / done}}
     starts = {"nws_base": lambda: base_model(args.run, job), "dense_pretrained": lambda: pretrained_model(job, seed)}
-    for method in args.methods:
-        out[method] = {}
-        for start, build in starts.items():
-            torch.manual_seed(seed)
-            r = method_run(method, build(), job, seed, str(Path(args.run) / "probe_base" / f"{method}_{start}"))
-            out[method][start] = {"accs": r["accs"], "avg": r["avg"]}
+    with tempfile.TemporaryDirectory() as scratch:  # the peers' stored tasks; the run is only read
+        for method in args.methods:
+            out[method] = {}
+            for start, build in starts.items():
+                torch.manual_seed(seed)
+                r = method_run(method, build(), job, seed, str(Path(scratch) / f"{method}_{start}"))
+                out[method][start] = {"accs": r["accs"], "avg": r["avg"]}
     print(f"{args.run}: seed {seed}, {done} tasks; average accuracy over the tasks")
     print(f"  NWS (the run)                     {100 * out['nws']['avg']:6.2f} %")
     for method in args.methods:

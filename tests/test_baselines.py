@@ -439,7 +439,7 @@ def test_probe_task_state_starts_each_task_from_where_it_says(tmp_path, monkeypa
 def test_probe_base_starts_a_peer_from_the_base_pack_kernels(tmp_path, capsys):
     """benchmarks/probe_base.py: the dense model it starts from holds, layer by layer, exactly the
     pool kernels the run's base pack names (and pool learning's BatchNorm); it trains the peer from
-    there and from dense pretraining, and writes what it printed."""
+    there and from dense pretraining, leaves the run as it was, and writes what it printed."""
     import json
 
     import probe_base
@@ -468,7 +468,9 @@ def test_probe_base_starts_a_peer_from_the_base_pack_kernels(tmp_path, capsys):
     assert base.state and all(torch.equal(state[k], v.to(state[k].dtype)) for k, v in base.state.items())
 
     out = tmp_path / "probe.json"
+    files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     assert probe_base.main([str(run_dir), "--json", str(out)]) == 0
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == files  # the run is only read
     printed = capsys.readouterr().out
     figures = json.loads(out.read_text())
     assert figures["tasks"] == 2 and len(figures["nws"]["accs"]) == 2

@@ -90,10 +90,14 @@ def points(result: dict) -> list[dict]:
 
 
 def title_of(result: dict, path: Path) -> str:
-    """A panel title: the suite and the options that tell its sequences apart."""
-    opts = result["job"].get("suite_options") or {}
+    """A panel title: the suite and the options that tell its sequences apart, and the training
+    options every method of the panel ran with beyond its recipe (``pool_epochs=12``)."""
+    job = result["job"]
+    opts = job.get("suite_options") or {}
     extra = ", ".join(f"{k}={v}" for k, v in sorted(opts.items()) if k != "path")
-    return f"{result['suite']}" + (f" ({extra})" if extra else "") + f"\n{len(result['rows'])} seed(s), {path.stem}"
+    recipe = ", ".join(f"{k}={job[k]}" for k in sorted(job) if k in TrainConfig.__dataclass_fields__)
+    seeds = f"{len(result['rows'])} seed(s)" + (f", {recipe}" if recipe else "")
+    return f"{result['suite']}" + (f" ({extra})" if extra else "") + f"\n{seeds}, {path.stem}"
 
 
 def figure(results: list[tuple[Path, dict]]):

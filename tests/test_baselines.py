@@ -479,3 +479,15 @@ def test_probe_base_starts_a_peer_from_the_base_pack_kernels(tmp_path, capsys):
         assert len(r["accs"]) == 2 and all(0 <= a <= 1 for a in r["accs"])
         assert f"{100 * r['avg']:6.2f} %" in printed
     assert f"{100 * figures['nws']['avg']:6.2f} %" in printed
+
+
+def test_accuracy_plot_title_names_the_training_options_every_method_shared():
+    """A panel whose job overrode the recipe for every method (``pool_epochs=12``) says so in its
+    title; a job at the recipe names only the suite, its options and the seeds."""
+    import plot_accuracy
+
+    job = {"suite_options": {"pairs": "hard", "path": "/x"}, "recipe": "demo", "model": "timm:resnet18"}
+    result = {"suite": "s", "job": job, "rows": [{}, {}, {}]}
+    assert plot_accuracy.title_of(result, Path("r.json")) == "s (pairs=hard)\n3 seed(s), r"
+    result["job"] = {**job, "pool_epochs": 12, "epochs": 15}
+    assert plot_accuracy.title_of(result, Path("r.json")) == "s (pairs=hard)\n3 seed(s), epochs=15, pool_epochs=12, r"

@@ -36,7 +36,6 @@ from baselines import METHODS  # noqa: E402
 from nwsconvert.analysis.summary import run_summary  # noqa: E402
 from nwsconvert.cli.train import _recorded_job  # noqa: E402
 from nwsconvert.core.nwsmodel import materialize  # noqa: E402
-from nwsconvert.errors import UsageError  # noqa: E402
 from nwsconvert.formats.atomic import atomic_write_bytes  # noqa: E402
 from nwsconvert.train.distributed import DistInfo  # noqa: E402
 from nwsconvert.train.loading import build_run_model, load_run_pools  # noqa: E402
@@ -71,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.run}: no nws-train run there (no manifest.json)")
     job, _ = _recorded_job(Path(args.run))
     if job is None or not job.get("learn_pools", True):
-        raise UsageError(f"{args.run}: the run learned no pools, so it has no base pack to start from")
+        parser.error(f"{args.run}: the run learned no pools, so it has no base pack to start from")
     summary = run_summary(args.run)
     done = len(summary["tasks"])
+    if not done:
+        parser.error(f"{args.run}: the run has finished no task yet (nws-train --resume finishes it)")
     job = {**job, "tasks": done}
     seed = int(job["seed"])
     nws = [r["acc"] for r in summary["tasks"]]

@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.methods:
         a, b = out[method]["nws_base"]["avg"], out[method]["dense_pretrained"]["avg"]
         print(f"  {method:<10} from the NWS base pack  {100 * a:6.2f} %")
-        print(f"  {method:<10} from dense pretraining  {100 * b:6.2f} %   (start costs {100 * (b - a):+.2f} points)")
+        print(
+            f"  {method:<10} from dense pretraining  {100 * b:6.2f} %   (NWS base - dense: {100 * (a - b):+.2f} points)"
+        )
     if args.json:
         atomic_write_bytes(Path(args.json), (json.dumps(out, indent=2) + "\n").encode())
     return 0

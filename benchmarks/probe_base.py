@@ -79,13 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     seed = int(job["seed"])
     nws = [r["acc"] for r in summary["tasks"]]
     out: dict = {"run": str(args.run), "seed": seed, "tasks": done, "nws": {"accs": nws, "avg": sum(nws) / done}}
-    starts = {"nws_base": lambda: base_model(args.run, job), "dense_pretrained": lambda: pretrained_model(job, seed)}
+    # Built once: every method copies the model it is given (as accuracy.py shares one per seed).
+    starts = {"nws_base": base_model(args.run, job), "dense_pretrained": pretrained_model(job, seed)}
     with tempfile.TemporaryDirectory() as scratch:  # the peers' stored tasks; the run is only read
         for method in args.methods:
             out[method] = {}
-            for start, build in starts.items():
+            for start, model in starts.items():
                 torch.manual_seed(seed)
-                r = method_run(method, build(), job, seed, str(Path(scratch) / f"{method}_{start}"))
+                r = method_run(method, model, job, seed, str(Path(scratch) / f"{method}_{start}"))
                 out[method][start] = {"accs": r["accs"], "avg": r["avg"]}
     print(f"{args.run}: seed {seed}, {done} tasks; average accuracy over the tasks")
     print(f"  NWS (the run)                     {100 * out['nws']['avg']:6.2f} %")

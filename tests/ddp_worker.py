@@ -16,10 +16,11 @@ from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model  # noqa: 
 out = Path(sys.argv[1])
 torch.set_num_threads(1)
 search = sys.argv[2] if len(sys.argv) > 2 else "auto"  # engine: the SearchEngine under DDP
+head_epochs = int(sys.argv[3]) if len(sys.argv) > 3 else 0  # 1: the DDP wrapper is rebuilt mid-task
 trainer = Trainer(
     tiny_model(),
     out / "run",
-    tiny_config(search=search),
+    tiny_config(search=search, head_epochs=head_epochs),
     model_spec=SPEC,
     model_kwargs=KWARGS,
     device="cpu",

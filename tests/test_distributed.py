@@ -15,8 +15,8 @@ from nwsconvert import RunDir, TaskPack
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("search", ["auto", "engine"])
-def test_two_gloo_ranks_agree(tmp_path, search):
+@pytest.mark.parametrize(("search", "head_epochs"), [("auto", 0), ("engine", 0), ("auto", 1)])
+def test_two_gloo_ranks_agree(tmp_path, search, head_epochs):
     cmd = [
         sys.executable,
         "-m",
@@ -27,6 +27,7 @@ def test_two_gloo_ranks_agree(tmp_path, search):
         str(HERE / "ddp_worker.py"),
         str(tmp_path),
         search,
+        str(head_epochs),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

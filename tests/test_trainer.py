@@ -9,8 +9,8 @@ import torch
 from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
 import nwsconvert
-from nwsconvert import RunDir, TaskPack, Trainer, evaluate, nws_layers
-from nwsconvert.errors import FormatError
+from nwsconvert import RunDir, TaskPack, TrainConfig, Trainer, evaluate, nws_layers
+from nwsconvert.errors import FormatError, UsageError
 from nwsconvert.train.checkpoint import load_checkpoint
 from nwsconvert.train.heads import head_classes
 from nwsconvert.train.manifest import model_sha256
@@ -352,3 +352,74 @@ def test_a_diverging_stage_stops_with_one_line(tmp_path):
     )
     with pytest.raises(FloatingPointError, match=r"task:0: loss is (nan|inf) at epoch 1: lower the learning rate"):
         trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
+
+
+def _kernels(model) -> dict:
+    """The temporary weights W of every NWS layer but the head."""
+    return {l.name: l.weight.detach().clone() for l in nws_layers(model) if l.nws.role != "head"}
+
+
+@pytest.mark.parametrize("search", ["layer", "engine"])
+def test_head_epochs_train_the_head_and_batchnorm_first(tmp_path, search):
+    """``head_epochs``: the first epochs of a task leave every temporary kernel where task_init put it
+    (so its index, the nearest pool entry, stays too: linear probing) and train BatchNorm and the
+    head; the epochs after train everything."""
+    data = (blobs(48, 2, 3), blobs(16, 2, 4))
+    runs = {}
+    for head_epochs in (2, 1):
+        trainer = Trainer(
+            tiny_model(),
+            tmp_path / f"h{head_epochs}",
+            tiny_config(epochs=2, head_epochs=head_epochs, search=search),
+            model_spec=SPEC,
+            model_kwargs=KWARGS,
+            progress=False,
+        )
+        trainer.fit_pools(blobs(64, 4, 1), num_classes=4)
+        start = _kernels(trainer.model)
+        bn = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "bn" in n}
+        metrics = trainer.fit_task(0, *data, 2)
+        assert metrics["rebuilt_acc"] == metrics["val_acc"]
+        assert all(p.requires_grad for p in trainer.model.parameters())  # unfrozen after the stage
+        end = _kernels(trainer.model)
+        same = [torch.equal(start[n], end[n]) for n in start]
+        runs[head_epochs] = same
+        assert any(not torch.equal(p, bn[n]) for n, p in trainer.model.named_parameters() if n in bn)
+        log = [r for r in trainer.run.read_log() if r.get("stage") == "task:0" and "head_only" in r]
+        assert [r["head_only"] for r in log] == [True, head_epochs == 2]
+    assert all(runs[2])  # two epochs of two head-only: no kernel moved
+    assert not all(runs[1])  # one of two: the second epoch moved kernels
+
+
+def test_a_run_killed_after_its_head_epochs_resumes_as_the_uninterrupted_run(tmp_path, monkeypatch):
+    cfg = tiny_config(epochs=2, head_epochs=1)
+    train, val = blobs(32, 2, 1), blobs(16, 2, 2)
+    ref = Trainer(tiny_model(), tmp_path / "ref", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    ref.fit_task(0, train, val, 2)
+
+    class Killed(BaseException):
+        pass
+
+    real_log = StageContext.log
+
+    def log(self, record):
+        if record.get("stage") == "task:0" and record.get("epoch") == 1 and "train_loss" in record:
+            raise Killed  # epoch 1 (head only) checkpointed, nothing after it
+        real_log(self, record)
+
+    monkeypatch.setattr(StageContext, "log", log)
+    t1 = Trainer(tiny_model(), tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    with pytest.raises(Killed):
+        t1.fit_task(0, train, val, 2)
+    assert all(p.requires_grad for p in t1.model.parameters())  # unfrozen on the way out too
+    t1.close()
+    monkeypatch.setattr(StageContext, "log", real_log)
+    t2 = Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False)
+    t2.fit_task(0, train, val, 2)
+    assert RunDir(tmp_path / "r").read().tasks[0].sha256 == RunDir(tmp_path / "ref").read().tasks[0].sha256
+
+
+def test_head_epochs_at_most_epochs_and_not_in_pool_learning():
+    with pytest.raises(UsageError, match="head_epochs=4 is more than epochs=3"):
+        TrainConfig(epochs=3, head_epochs=4)
+    assert TrainConfig(epochs=3, head_epochs=3, pool_epochs=1).for_pools().head_epochs == 0

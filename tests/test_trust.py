@@ -617,6 +617,7 @@ def _bad_values(tmp_path: Path):
         ("epochs=abc", "epochs='abc': expected a whole number"),
         ("lr=abc", "lr='abc': expected a number"),
         ("milestones=5", "milestones=5: give a list"),
+        ("head_epochs=99", "head_epochs=99 is more than epochs="),
         ("learn_pools=abc", "learn_pools='abc': expected true or false"),
         ("model=resnet18", "model='resnet18'"),
         ("model.checkpoint_path=/x.pth", "model.checkpoint_path"),

@@ -20,6 +20,7 @@ _RANGES = {
     "nesterov": ("bool", None, None),
     "weight_decay": ("float", 0.0, None),
     "epochs": ("int", 1, None),
+    "head_epochs": ("int", 0, None),
     "milestones": ("ints", 0, None),
     "gamma": ("float", 0.0, None),
     "batch_size": ("int", 1, None),
@@ -74,6 +75,11 @@ class TrainConfig:
         lr: learning rate of task learning.
         momentum, nesterov, weight_decay: SGD / Adam options.
         epochs: epochs per task.
+        head_epochs: the first this many of a task's ``epochs`` train only the head, the
+            normalisation layers and the biases: the kernels (and any weight of two or more
+            dimensions outside the head) stay where ``task_init`` put them, so no index changes;
+            the remaining epochs train everything (linear probing, then fine-tuning). 0: every
+            epoch trains everything. Pool learning is not affected.
         schedule: ``step`` (÷``gamma`` at each milestone), ``cosine`` or ``constant``.
         milestones: epochs at which ``step`` divides the learning rate.
         gamma: factor applied at each milestone (0.1: ÷10).
@@ -121,6 +127,7 @@ class TrainConfig:
     nesterov: bool = False
     weight_decay: float = 0.0
     epochs: int = 100
+    head_epochs: int = 0
     schedule: str = "step"
     milestones: list[int] = field(default_factory=lambda: [50, 80])
     gamma: float = 0.1
@@ -158,6 +165,10 @@ class TrainConfig:
             if getattr(self, key) not in allowed:
                 raise UsageError(f"{key}={getattr(self, key)!r}: choose one of {', '.join(allowed)}")
         self.milestones = [int(m) for m in self.milestones]
+        if self.head_epochs > self.epochs:
+            raise UsageError(
+                f"head_epochs={self.head_epochs} is more than epochs={self.epochs}: give at most {self.epochs}"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -178,7 +189,10 @@ class TrainConfig:
         epochs = self.pool_epochs or self.epochs
         scale = epochs / self.epochs
         return self.replace(
-            epochs=epochs, lr=self.pool_lr or self.lr, milestones=[max(1, round(m * scale)) for m in self.milestones]
+            epochs=epochs,
+            lr=self.pool_lr or self.lr,
+            milestones=[max(1, round(m * scale)) for m in self.milestones],
+            head_epochs=0,
         )
 
 

@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from ..core.layers import NWSWeight
 from ..core.nwsmodel import nws_layers
 
-__all__ = ["find_head", "resize_head", "head_classes"]
+__all__ = ["find_head", "resize_head", "head_classes", "feature_weights"]
 
 
 def find_head(model: nn.Module) -> tuple[str, nn.Module]:
@@ -58,6 +58,14 @@ def _raw_weight(module: nn.Module) -> torch.Tensor:
     if parametrize.is_parametrized(module, "weight"):
         return module.parametrizations.weight.original
     return module.weight
+
+
+def feature_weights(model: nn.Module) -> list[nn.Parameter]:
+    """What a linear probe freezes: every trainable parameter of two or more dimensions outside the
+    head (conv kernels, the NWS layers' temporary kernels, dense linear layers). Normalisation
+    layers, biases and the head stay trainable."""
+    head = {id(p) for p in find_head(model)[1].parameters()}
+    return [p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in head]
 
 
 def head_classes(model: nn.Module) -> int:

@@ -25,7 +25,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, lr_factor
 from .distributed import DistInfo, average_buffers
 from .evaluation import evaluate, pool_usage
-from .heads import head_classes, resize_head
+from .heads import feature_weights, head_classes, resize_head
 from .loop import Data, TrainStep, make_loader, make_optimizer, train_one_epoch
 from .rundir import RunDir
 
@@ -118,44 +118,66 @@ def run_stage(
     return record
 
 
+def _wrap(ctx: StageContext) -> nn.Module:
+    """What runs the forward: the model, or under torchrun its DDP wrapper over the parameters that
+    train now (built again whenever that set changes)."""
+    if not ctx.dist.enabled:
+        return ctx.model
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(ctx.model, device_ids=ids, broadcast_buffers=False)
+
+
 def _epochs(ctx: StageContext, stage, train, val, cfg: TrainConfig, pool: bool, seed: int, optimizer, start, engine):
-    """The epochs from ``start``; the last one's record (None when there was none left to run)."""
-    model, net = ctx.model, ctx.model
-    if ctx.dist.enabled:
-        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        net = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
-    step = TrainStep(model, net, optimizer, cfg, ctx.device, pool)
+    """The epochs from ``start``; the last one's record (None when there was none left to run).
+
+    A task's first ``cfg.head_epochs`` epochs train with :func:`feature_weights` frozen (their
+    gradients stay None, so the optimiser leaves them and their momentum alone)."""
+    model = ctx.model
+    frozen = feature_weights(model) if not pool and cfg.head_epochs > start else []
     if start:
         ctx.log({"stage": stage, "event": "resumed", "epoch": start})
-    record = None
-    for epoch in range(start, cfg.epochs):
-        lr = cfg.lr * lr_factor(cfg, epoch)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loader = ctx.loader(train, cfg, True, seed * 1000 + epoch)
-        if isinstance(getattr(loader, "sampler", None), DistributedSampler):
-            loader.sampler.set_epoch(epoch)
-        net.train()
-        tic = time.perf_counter()
-        sums = train_one_epoch(
-            step,
-            loader,
-            engine=engine,
-            desc=f"{stage} {epoch + 1}/{cfg.epochs}",
-            progress=ctx.progress and ctx.dist.is_main,
-            check=functools.partial(_check_loss, stage, epoch),
-        )
-        _check_loss(stage, epoch, sums.loss_sum)
-        record = {
-            "stage": stage,
-            "epoch": epoch + 1,
-            "lr": lr,
-            **sums.read(),
-            "commitment": float(commitment_loss(model).detach()),
-            "pool_usage": pool_usage(model),
-            "seconds": time.perf_counter() - tic,
-        }
-        _end_epoch(ctx, stage, epoch, record, val, cfg, pool, optimizer)
+    record, phase = None, None
+    try:
+        for epoch in range(start, cfg.epochs):
+            head_only = bool(frozen) and epoch < cfg.head_epochs
+            if head_only != phase:
+                for p in frozen:
+                    p.requires_grad_(not head_only)
+                net = _wrap(ctx)
+                step = TrainStep(model, net, optimizer, cfg, ctx.device, pool)
+                phase = head_only
+            lr = cfg.lr * lr_factor(cfg, epoch)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loader = ctx.loader(train, cfg, True, seed * 1000 + epoch)
+            if isinstance(getattr(loader, "sampler", None), DistributedSampler):
+                loader.sampler.set_epoch(epoch)
+            net.train()
+            tic = time.perf_counter()
+            sums = train_one_epoch(
+                step,
+                loader,
+                engine=engine,
+                desc=f"{stage} {epoch + 1}/{cfg.epochs}" + (" (head)" if head_only else ""),
+                progress=ctx.progress and ctx.dist.is_main,
+                check=functools.partial(_check_loss, stage, epoch),
+            )
+            _check_loss(stage, epoch, sums.loss_sum)
+            record = {
+                "stage": stage,
+                "epoch": epoch + 1,
+                "lr": lr,
+                **sums.read(),
+                "commitment": float(commitment_loss(model).detach()),
+                "pool_usage": pool_usage(model),
+                "seconds": time.perf_counter() - tic,
+            }
+            if frozen:
+                record["head_only"] = head_only
+            _end_epoch(ctx, stage, epoch, record, val, cfg, pool, optimizer)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
     return record
 
 

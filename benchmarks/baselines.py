@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.optim.swa_utils import update_bn
 from torch.utils.data import DataLoader, RandomSampler
 
 from nwsconvert import evaluate, resize_head
@@ -83,12 +84,7 @@ def fit(
     for epoch in range(epochs):
         for g in opt.param_groups:
             g["lr"] = lr * lr_factor(sched_cfg, epoch)
-        loader = DataLoader(
-            data,
-            batch_size=cfg.batch_size,
-            sampler=RandomSampler(data, generator=torch.Generator().manual_seed(seed * 1000 + epoch)),
-            drop_last=len(data) > cfg.batch_size,
-        )
+        loader = _loader(data, cfg, seed * 1000 + epoch)
         torch.manual_seed(seed * 1000 + epoch)
         model.train()
         for x, y in loader:
@@ -99,6 +95,16 @@ def fit(
             if after_step is not None:
                 with torch.no_grad():
                     after_step()
+
+
+def _loader(data, cfg: TrainConfig, seed: int) -> DataLoader:
+    """One epoch's shuffled training batches, as the NWS trainer draws them."""
+    return DataLoader(
+        data,
+        batch_size=cfg.batch_size,
+        sampler=RandomSampler(data, generator=torch.Generator().manual_seed(seed)),
+        drop_last=len(data) > cfg.batch_size,
+    )
 
 
 def _bn_keys(model: nn.Module) -> set[str]:
@@ -168,6 +174,8 @@ class Method:
         start = copy.deepcopy(self.skeleton) if self.restart else self.model
         self.model = resize_head(start, task.num_classes, torch.Generator().manual_seed(self.seed + t))
         self._train(t, task)
+        if self.cfg.recalibrate_bn:  # as the NWS trainer does: the statistics of the weights the task ends with
+            update_bn(_loader(task.train, self.cfg, (self.seed + 1 + t) * 1000 + self.cfg.epochs - 1), self.model)
         self._store(t)
         return self.evaluate(t, task.test)
 

@@ -59,6 +59,30 @@ def test_a_stored_task_scores_what_was_trained(cls, pretrained, tmp_path):
     assert memory["paper_bits"] > 0
 
 
+@pytest.mark.parametrize("cls", [DenseFinetune, BNHead, PackNet, Piggyback, LoRA4])
+def test_recalibrated_statistics_are_the_final_weights_and_are_stored(cls, pretrained, tmp_path):
+    """``recalibrate_bn``, as in the NWS trainer: after a task the first BatchNorm holds the mean and
+    unbiased variance of its input over the training data (one batch here), and the stored task
+    reloads to the same logits."""
+    method = cls(pretrained, tmp_path, tiny_config(epochs=2, batch_size=64, recalibrate_bn=True), seed=1993)
+    for t, task in enumerate(TASKS[:2]):
+        assert method.learn(t, task) == evaluate(method.model, task.test)["acc"]
+        model = method.model.eval()
+        bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+        seen: list[torch.Tensor] = []
+        hook = bn.register_forward_pre_hook(lambda _, args, seen=seen: seen.append(args[0].detach()))
+        with torch.no_grad():
+            logits = model(task.train.tensors[0])
+        hook.remove()
+        a = seen[0]
+        mean, var = a.mean((0, 2, 3)), a.transpose(0, 1).reshape(a.shape[1], -1).var(1, unbiased=True)
+        # float32 sums over 48 x 16 x 16 values in two orders (BatchNorm's kernel, the reference): 1e-5.
+        assert torch.allclose(bn.running_mean, mean, atol=1e-5)
+        assert torch.allclose(bn.running_var, var, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            assert torch.equal(method.load(t)(task.train.tensors[0]), logits)
+
+
 def test_memory_accounting_counts_what_is_stored(pretrained, tmp_path):
     """Paper accounting: 32 bits per stored float (counters excluded), PackNet's owner map at ceil(log2(T + 1)) bits."""
     params = sum(p.numel() for p in pretrained.parameters())

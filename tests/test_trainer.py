@@ -423,3 +423,26 @@ def test_head_epochs_at_most_epochs_and_not_in_pool_learning():
     with pytest.raises(UsageError, match="head_epochs=4 is more than epochs=3"):
         TrainConfig(epochs=3, head_epochs=4)
     assert TrainConfig(epochs=3, head_epochs=3, pool_epochs=1).for_pools().head_epochs == 0
+
+
+@pytest.mark.parametrize("recalibrate", [True, False])
+def test_recalibrate_bn_gives_the_statistics_of_the_final_kernels(tmp_path, recalibrate):
+    """``recalibrate_bn``: after the last epoch the first BatchNorm holds the mean and unbiased
+    variance of its input over the training data (one batch here), computed from the kernels the
+    task ended with; without it, a moving average that still carries the starting statistics."""
+    train = blobs(48, 2, 3)
+    cfg = tiny_config(epochs=2, batch_size=64, recalibrate_bn=recalibrate, state_dtype="float32")
+    trainer = Trainer(tiny_model(), tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    metrics = trainer.fit_task(0, train, blobs(16, 2, 4), 2)
+    assert metrics["rebuilt_acc"] == metrics["val_acc"]
+    model = trainer.model.eval()
+    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))  # the stem's first conv,
+    bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))  # and the BatchNorm after it
+    with torch.no_grad():
+        a = conv(train.tensors[0].to(next(model.parameters()).device))
+    mean, var = a.mean((0, 2, 3)), a.transpose(0, 1).reshape(a.shape[1], -1).var(1, unbiased=True)
+    # float32 sums over 48 x 16 x 16 values in two orders (BatchNorm's kernel, the reference): 1e-5.
+    close = torch.allclose(bn.running_mean, mean, atol=1e-5) and torch.allclose(
+        bn.running_var, var, rtol=1e-5, atol=1e-5
+    )
+    assert close == recalibrate

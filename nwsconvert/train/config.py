@@ -21,6 +21,7 @@ _RANGES = {
     "weight_decay": ("float", 0.0, None),
     "epochs": ("int", 1, None),
     "head_epochs": ("int", 0, None),
+    "recalibrate_bn": ("bool", None, None),
     "milestones": ("ints", 0, None),
     "gamma": ("float", 0.0, None),
     "batch_size": ("int", 1, None),
@@ -80,6 +81,10 @@ class TrainConfig:
             dimensions outside the head) stay where ``task_init`` put them, so no index changes;
             the remaining epochs train everything (linear probing, then fine-tuning). 0: every
             epoch trains everything. Pool learning is not affected.
+        recalibrate_bn: after a task's last epoch, recompute every BatchNorm layer's running
+            statistics in one pass over the task's training data (``torch.optim.swa_utils.update_bn``,
+            no gradient), so that they describe the kernels the task ends with rather than a moving
+            average over the kernels it switched through and the previous task's.
         schedule: ``step`` (÷``gamma`` at each milestone), ``cosine`` or ``constant``.
         milestones: epochs at which ``step`` divides the learning rate.
         gamma: factor applied at each milestone (0.1: ÷10).
@@ -128,6 +133,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     epochs: int = 100
     head_epochs: int = 0
+    recalibrate_bn: bool = False
     schedule: str = "step"
     milestones: list[int] = field(default_factory=lambda: [50, 80])
     gamma: float = 0.1

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import update_bn
 from torch.utils.data import DistributedSampler
 
 from ..core.engine import search_engine
@@ -163,6 +164,10 @@ def _epochs(ctx: StageContext, stage, train, val, cfg: TrainConfig, pool: bool, 
                 check=functools.partial(_check_loss, stage, epoch),
             )
             _check_loss(stage, epoch, sums.loss_sum)
+            if not pool and cfg.recalibrate_bn and epoch + 1 == cfg.epochs:
+                # Running statistics of the kernels the task ends with, not an average over the kernels
+                # it switched through (and the previous task's): one pass over the training data.
+                update_bn(loader, model, ctx.device)
             record = {
                 "stage": stage,
                 "epoch": epoch + 1,

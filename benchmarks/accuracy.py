@@ -155,10 +155,11 @@ def _machine() -> dict:
 
 
 def _commit() -> str | None:
-    """The checkout's commit, recorded beside the figures (None outside a git checkout)."""
+    """The checkout's commit, recorded beside the figures, with ``-dirty`` when tracked files differ
+    from it (None outside a git checkout)."""
     try:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "describe", "--always", "--dirty", "--abbrev=7", "--match=NO-TAGS"],
             capture_output=True,
             text=True,
             check=True,

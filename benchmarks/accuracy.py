@@ -44,7 +44,7 @@ from baselines import METHODS, fit  # benchmarks/ is on sys.path when this scrip
 from nwsconvert.analysis.summary import run_summary
 from nwsconvert.cli.train import _train_config, resolve_job, run_job
 from nwsconvert.formats.atomic import atomic_write_bytes
-from nwsconvert.train.config import TrainConfig
+from nwsconvert.train.config import BEFORE_OPTION, TrainConfig
 from nwsconvert.train.specs import build_model
 from nwsconvert.zoo import get_suite
 
@@ -200,12 +200,14 @@ def _write(path: str, result: dict) -> None:
 
 
 def recorded_nws_config(result: dict) -> dict:
-    """NWS's training options as the run of a results JSON resolved them: its ``nws_config``; for a
-    file written before that was recorded, its job resolved with ``task_init=previous`` unless the
-    job said otherwise (the default until it became ``original``)."""
+    """NWS's training options as the run of a results JSON resolved them: its ``nws_config``, with
+    :data:`BEFORE_OPTION` for options it predates; for a file written before ``nws_config`` was
+    recorded, its job resolved with ``task_init=previous`` (the default until it became
+    ``original``) and :data:`BEFORE_OPTION`, unless the job said otherwise."""
     if result.get("nws_config"):
-        return result["nws_config"]
-    return json.loads(json.dumps(_train_config({"task_init": "previous", **result.get("job", {})}).to_dict()))
+        return {**BEFORE_OPTION, **result["nws_config"]}
+    job = {"task_init": "previous", **BEFORE_OPTION, **result.get("job", {})}
+    return json.loads(json.dumps(_train_config(job).to_dict()))
 
 
 def _resumed(path: str, suite: str, job: dict) -> dict:

@@ -175,7 +175,7 @@ class Method:
         self.model = resize_head(start, task.num_classes, torch.Generator().manual_seed(self.seed + t))
         self._train(t, task)
         if self.cfg.recalibrate_bn:  # as the NWS trainer does: the statistics of the weights the task ends with
-            update_bn(_loader(task.train, self.cfg, (self.seed + 1 + t) * 1000 + self.cfg.epochs - 1), self.model)
+            update_bn(DataLoader(task.train, batch_size=max(self.cfg.batch_size, 256)), self.model)
         self._store(t)
         return self.evaluate(t, task.test)
 

@@ -89,13 +89,26 @@ def points(result: dict) -> list[dict]:
     return out
 
 
+#: Training options every method of ``accuracy.py`` honours whose default changed since results were
+#: first written: a panel whose file ran another value names it.
+SHARED_DEFAULTS = ("recalibrate_bn",)
+
+
 def title_of(result: dict, path: Path) -> str:
     """A panel title: the suite and the options that tell its sequences apart, and the training
-    options every method of the panel ran with beyond its recipe (``pool_epochs=12``)."""
+    options every method of the panel ran with beyond its recipe (``pool_epochs=12``), or beside
+    today's default (``recalibrate_bn=False`` for a file that predates it)."""
+    from accuracy import recorded_nws_config  # torch and the baselines: only when a figure is drawn
+
     job = result["job"]
     opts = job.get("suite_options") or {}
     extra = ", ".join(f"{k}={v}" for k, v in sorted(opts.items()) if k != "path")
-    recipe = ", ".join(f"{k}={job[k]}" for k in sorted(job) if k in TrainConfig.__dataclass_fields__)
+    shared = {k: job[k] for k in job if k in TrainConfig.__dataclass_fields__}
+    recorded = recorded_nws_config(result)
+    for key in SHARED_DEFAULTS:
+        if key not in shared and recorded[key] != TrainConfig.__dataclass_fields__[key].default:
+            shared[key] = recorded[key]
+    recipe = ", ".join(f"{k}={shared[k]}" for k in sorted(shared))
     seeds = f"{len(result['rows'])} seed(s)" + (f", {recipe}" if recipe else "")
     return f"{result['suite']}" + (f" ({extra})" if extra else "") + f"\n{seeds}, {path.stem}"
 

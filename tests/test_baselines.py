@@ -405,10 +405,18 @@ def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     assert old["nws_config"]["task_init"] == "original" and old["nws_config"]["epochs"] == 1
     del old["nws_config"]
     out.write_text(json.dumps(old))
-    with pytest.raises(SystemExit, match=r"\(task_init differ\)"):
+    # (nor recalibrate_bn, on since: off then, and named too).
+    with pytest.raises(SystemExit, match=r"\(recalibrate_bn, task_init differ\)"):
         accuracy.main([*argv, "--resume"])
-    assert accuracy.main(["task_init=previous", *argv, "--resume"]) == 0
+    assert accuracy.main(["task_init=previous", "recalibrate_bn=false", *argv, "--resume"]) == 0
     assert calls == [("nws", 1995), ("dense", 1995), ("bn_head", 1995)]  # every figure was there already
+    # A file from before recalibrate_bn ran without it (today's default is on): refused, naming it.
+    old = json.loads(out.read_text())
+    old["nws_config"]["task_init"] = "original"
+    del old["nws_config"]["recalibrate_bn"]
+    out.write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match=r"\(recalibrate_bn differ\)"):
+        accuracy.main([*argv, "--resume"])
 
 
 def test_probe_reports_each_phase_and_the_stored_model_scores_the_last(pretrained):
@@ -511,7 +519,11 @@ def test_accuracy_plot_title_names_the_training_options_every_method_shared():
     import plot_accuracy
 
     job = {"suite_options": {"pairs": "hard", "path": "/x"}, "recipe": "demo", "model": "timm:resnet18"}
-    result = {"suite": "s", "job": job, "rows": [{}, {}, {}]}
+    today = {"nws_config": {"recalibrate_bn": True}}
+    result = {"suite": "s", "job": job, "rows": [{}, {}, {}], **today}
     assert plot_accuracy.title_of(result, Path("r.json")) == "s (pairs=hard)\n3 seed(s), r"
     result["job"] = {**job, "pool_epochs": 12, "epochs": 15}
     assert plot_accuracy.title_of(result, Path("r.json")) == "s (pairs=hard)\n3 seed(s), epochs=15, pool_epochs=12, r"
+    # A file from before recalibrate_bn ran every method without it: the title says so.
+    older = {"suite": "s", "job": job, "rows": [{}], "nws_config": {"task_init": "original"}}
+    assert plot_accuracy.title_of(older, Path("r.json")) == "s (pairs=hard)\n1 seed(s), recalibrate_bn=False, r"

@@ -177,15 +177,22 @@ def test_preset_key_converts_with_the_family_preset_and_the_run_reloads(tmp_path
 
 def test_resume_keeps_the_training_options_the_run_started_with(tmp_path, monkeypatch):
     """A default that changes between the start of a run and its --resume (task_init did: previous, then
-    original) does not change the run half-way; an option given on the --resume command line still wins."""
+    original; recalibrate_bn did: absent, then on) does not change the run half-way; an option given on
+    the --resume command line still wins."""
+    from nwsconvert.train import stage
     from nwsconvert.train.store import RunStore
 
+    recalibrated = []
+    real_update_bn = stage.update_bn
+    monkeypatch.setattr(stage, "update_bn", lambda *a: (recalibrated.append(1), real_update_bn(*a)))
     out = tmp_path / "r"
     assert train_main([*FAST, "epochs=1", "tasks=1", f"out={out}"]) == 0
+    assert recalibrated == [1]  # on by default
     run = RunDir(out)
     manifest = run.read()
     assert manifest.config["task_init"] == "original" and "task_init" not in manifest.data["job"]
     manifest.config["task_init"] = "previous"  # as a run started under the old default recorded it
+    del manifest.config["recalibrate_bn"]  # as a run started before the option existed recorded it
     run.write(manifest)
     calls = []
     real = RunStore.init_weights
@@ -196,3 +203,4 @@ def test_resume_keeps_the_training_options_the_run_started_with(tmp_path, monkey
     assert calls == [] and run.read().finished == [0, 1]  # task 1 started from task 0's kernels
     assert train_main(["--resume", f"out={out}", "tasks=3", "task_init=random"]) == 0
     assert calls == ["random"] and run.read().finished == [0, 1, 2]
+    assert recalibrated == [1]  # tasks 1 and 2 ran as the run started: without recalibration

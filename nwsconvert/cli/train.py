@@ -21,7 +21,7 @@ from ..devices import check_device
 from ..errors import FormatError, RunExistsError, UntrustedCodeError, UsageError
 from ..formats.atomic import atomic_write_bytes
 from ..formats.limits import MAX_POOL_SIZE
-from ..train.config import TrainConfig
+from ..train.config import BEFORE_OPTION, TrainConfig
 from ..train.rundir import RunDir
 from ..train.specs import LOADING_KWARGS, is_registry_spec
 from .common import run_cli
@@ -335,8 +335,9 @@ def _recorded_job(out: Path) -> tuple[dict | None, str]:
                 f"{run.manifest_path}: field data.job: the run's job is missing; restate it with key=value items"
             )
         # Every training option as the run started with it: a default that changed since (task_init
-        # did) must not change a run half-way. The job's own keys are the same values.
-        return {**manifest.config, **job}, "manifest"
+        # did, recalibrate_bn did) must not change a run half-way; options the run predates as they
+        # ran then. The job's own keys are the same values.
+        return {**BEFORE_OPTION, **manifest.config, **job}, "manifest"
     path = out / JOB_FILE
     if path.is_file():
         try:

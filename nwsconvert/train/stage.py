@@ -166,8 +166,9 @@ def _epochs(ctx: StageContext, stage, train, val, cfg: TrainConfig, pool: bool, 
             _check_loss(stage, epoch, sums.loss_sum)
             if not pool and cfg.recalibrate_bn and epoch + 1 == cfg.epochs:
                 # Running statistics of the kernels the task ends with, not an average over the kernels
-                # it switched through (and the previous task's): one pass over the training data.
-                update_bn(loader, model, ctx.device)
+                # it switched through (and the previous task's): one pass over every training image
+                # (the evaluation loader: in order, no batch dropped, on every rank the whole data).
+                update_bn(ctx.loader(train, cfg, False, 0), model, ctx.device)
             record = {
                 "stage": stage,
                 "epoch": epoch + 1,

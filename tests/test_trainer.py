@@ -446,3 +446,13 @@ def test_recalibrate_bn_gives_the_statistics_of_the_final_kernels(tmp_path, reca
         bn.running_var, var, rtol=1e-5, atol=1e-5
     )
     assert close == recalibrate
+
+
+def test_a_recorded_configuration_keeps_the_behaviour_of_options_it_predates():
+    """A manifest written before ``recalibrate_bn`` ran without it; a new job gets today's default."""
+    from nwsconvert.zoo import get_recipe
+
+    assert TrainConfig.from_recorded({"epochs": 3}).recalibrate_bn is False
+    assert TrainConfig.from_recorded({"epochs": 3, "recalibrate_bn": True}).recalibrate_bn is True
+    assert TrainConfig.from_dict({"epochs": 3}).recalibrate_bn is True
+    assert get_recipe("demo").recalibrate_bn is True

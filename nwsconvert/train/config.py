@@ -14,7 +14,7 @@ from ..errors import UsageError
 __all__ = ["TrainConfig", "lr_factor", "BEFORE_OPTION"]
 
 #: Options added since run directories and results were first recorded, with the behaviour a
-#: recorded configuration that predates them ran (``TrainConfig.from_dict`` fills them in): a
+#: recorded configuration that predates them ran (``TrainConfig.from_recorded`` fills them in): a
 #: default chosen later must not change a run half-way.
 BEFORE_OPTION = {"head_epochs": 0, "recalibrate_bn": False}
 
@@ -187,9 +187,12 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def from_recorded(cls, d: dict) -> TrainConfig:
+        """A configuration a run recorded (its manifest); options it predates as :data:`BEFORE_OPTION`."""
+        return cls.from_dict({**BEFORE_OPTION, **d})
+
+    @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
-        """A recorded configuration (a run's manifest); options it predates as :data:`BEFORE_OPTION`."""
-        d = {**BEFORE_OPTION, **d}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

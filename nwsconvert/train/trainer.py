@@ -120,7 +120,7 @@ class Trainer:
             )
         manifest = self.run.read()
         try:
-            self.config = config or TrainConfig.from_dict(manifest.config)
+            self.config = config or TrainConfig.from_recorded(manifest.config)
         except ValueError as e:
             raise FormatError(f"{self.run.manifest_path}: field config: {e}") from None
         if model_spec is not None and model_spec != manifest.model.spec:

@@ -310,6 +310,13 @@ def test_accuracy_table_rows_and_gap_to_dense():
     lines = text.splitlines()
     assert lines[2] == "| **NWS** | 85.00 ± 7.07 % | 70.0 / 100.0 | 3.00 MB (nws-info) | 3.00 MB | 10 s | -5.00 |"
     assert lines[3] == "| dense finetune | 90.00 ± 0.00 % | 90.0 / 90.0 | 200.00 MB | 200.00 MB | 2 s | +0.00 |"
+    # Beside another run of the same seeds that holds NWS only: its mean and the change, "–" for dense.
+    other = {"methods": ["nws"], "rows": [{**r, "nws": {**r["nws"], "avg": 0.75}} for r in rows]}
+    lines = accuracy_table.table({"methods": ["nws", "dense"], "rows": rows}, other, "before").splitlines()
+    assert lines[0].endswith("| method − dense, points | before |")
+    assert lines[2].endswith("| -5.00 | 75.00 (+10.00) |") and lines[3].endswith("| +0.00 | – |")
+    with pytest.raises(ValueError, match="different seeds"):
+        accuracy_table.table({"methods": ["nws"], "rows": rows}, {"methods": ["nws"], "rows": rows[:1]})
 
 
 def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):

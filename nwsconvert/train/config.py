@@ -88,9 +88,10 @@ class TrainConfig:
             epoch trains everything. Pool learning is not affected.
         recalibrate_bn: after a task's last epoch, recompute every BatchNorm layer's running
             statistics in one pass over every training image of the task, in batches of
-            ``max(batch_size, 256)`` (``torch.optim.swa_utils.update_bn``, no gradient), so that they describe the kernels the task ends with rather than a moving
-            average over the kernels it switched through and the previous task's. On by default
-            since 2026-11-25: +1.3 to +10 points on the measured sequences (``benchmarks/RESULTS.md``);
+            ``max(batch_size, 256)`` (``torch.optim.swa_utils.update_bn``, no gradient), so that
+            they describe the kernels the task ends with rather than a moving average over the
+            kernels it switched through and the previous task's. On by default since 2026-11-25:
+            +0.4 to +11 points for NWS on the measured sequences (``benchmarks/RESULTS.md``);
             ``false`` is the earlier behaviour.
         schedule: ``step`` (÷``gamma`` at each milestone), ``cosine`` or ``constant``.
         milestones: epochs at which ``step`` divides the learning rate.

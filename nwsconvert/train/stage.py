@@ -168,6 +168,8 @@ def _epochs(ctx: StageContext, stage, train, val, cfg: TrainConfig, pool: bool, 
                 # Running statistics of the kernels the task ends with, not an average over the kernels
                 # it switched through (and the previous task's): one pass over every training image
                 # (the evaluation loader: in order, no batch dropped, on every rank the whole data).
+                # Its forward, in training mode, also brings the indices up to date with the last
+                # optimiser step, so the statistics and the stored indices belong together.
                 update_bn(ctx.loader(train, cfg, False, 0), model, ctx.device)
             record = {
                 "stage": stage,

@@ -428,14 +428,14 @@ def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
 
 def test_probe_reports_each_phase_and_the_stored_model_scores_the_last(pretrained):
     """benchmarks/probe_baselines.py: PackNet's phases are measured on the model it then stores (its
-    files score the retrained accuracy exactly), BatchNorm re-estimation leaves the weights as they
+    files score the stored accuracy exactly), BatchNorm re-estimation leaves the weights as they
     were, and Piggyback's per-layer report covers every masked layer with fractions in [0, 1]."""
     import probe_baselines
 
     task, cfg = TASKS[0], tiny_config(epochs=2)
     rows = [probe_baselines.probe_packnet(pretrained, cfg, 1993, task, retrain) for retrain in (1, 2)]
     for retrain, row in zip((1, 2), rows):
-        assert row["retrain_epochs"] == retrain and row["from_files"] == row["retrained"]
+        assert row["retrain_epochs"] == retrain and row["from_files"] == row["stored"]
         assert {"trained", "pruned", "pruned_bn_reestimated"} <= set(row)
     assert rows[0]["trained"] == rows[1]["trained"]  # the same seed and data order before pruning
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2))

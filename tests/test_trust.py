@@ -617,7 +617,7 @@ def _bad_values(tmp_path: Path):
         ("epochs=abc", "epochs='abc': expected a whole number"),
         ("lr=abc", "lr='abc': expected a number"),
         ("milestones=5", "milestones=5: give a list"),
-        ("head_epochs=99", "head_epochs=99 is more than epochs="),
+        ("head_epochs=-1", "head_epochs=-1: expected a whole number >= 0"),
         ("learn_pools=abc", "learn_pools='abc': expected true or false"),
         ("model=resnet18", "model='resnet18'"),
         ("model.checkpoint_path=/x.pth", "model.checkpoint_path"),
@@ -635,6 +635,21 @@ def test_every_bad_value_is_one_line_exit_2_before_torch_loads(tmp_path):
         assert proc.returncode == 2, (arg, proc.stderr)
         assert len(lines) == 2 and lines[0].startswith("nws-train: ") and message in lines[0], (arg, proc.stderr)
         assert lines[1] == "NO-TORCH", (arg, "torch was imported before the value was refused")
+    assert not (tmp_path / "run").exists()
+
+
+def test_head_epochs_beyond_the_epochs_is_one_line_exit_2(tmp_path):
+    """Given with ``epochs``, refused before torch loads; against the recipe's epochs (which need the
+    zoo, hence torch), refused when the recipe is read, before any training: one line, exit 2."""
+    for args, message, torch_loaded in (
+        (["head_epochs=9", "epochs=3"], "head_epochs=9 is more than epochs=3", "NO-TORCH"),
+        (["head_epochs=9"], "head_epochs=9 is more than epochs=3", "TORCH"),  # recipe demo: 3 epochs
+    ):
+        proc = _probe("cli.train", "train_main", [*args, f"out={tmp_path / 'run'}"])
+        lines = proc.stderr.splitlines()
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert len(lines) == 2 and lines[0].startswith("nws-train: ") and message in lines[0], (args, proc.stderr)
+        assert lines[1] == torch_loaded, args
     assert not (tmp_path / "run").exists()
 
 

@@ -431,6 +431,7 @@ def launch(job: dict, resume: bool = False, trust_code: bool = True) -> str:
         RunLockedError: another process writes the run. UsageError: ``out`` holds a run and ``resume`` is false.
     """
     job["out"] = default_out(job)
+    _train_config(job)  # the recipe with the job's options (head_epochs within its epochs): before anything is written
     main_rank = os.environ.get("RANK", "0") == "0"
     lock = None
     if main_rank:

@@ -54,9 +54,8 @@ def table(result: dict, beside: dict | None = None, beside_label: str = "other r
         f"| method | avg acc ({'mean ± std, ' if len(rows) > 1 else ''}{len(rows)} seed{'s' if len(rows) > 1 else ''}) | per task, mean (tasks 0–{tasks - 1}) "
         "| memory, paper accounting | files on disk | training time / seed | method − dense, points |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|"]
-    if beside is not None:
-        lines = [f"{head} {beside_label} |", "|---|---|---|---|---|---|---|---|"]
+    columns = 7 if beside is None else 8
+    lines = [head if beside is None else f"{head} {beside_label} |", "|---" * columns + "|"]
     stats = {p["method"]: p for p in points(result)}  # mean ± std over seeds, as the figure draws them
     for m in result["methods"]:
         label = LABELS.get(m, f"**NWS** `{m[4:-1]}`" if m.startswith("nws[") else m)

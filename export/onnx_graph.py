@@ -56,6 +56,10 @@ DYNAMO_OPSET = 18  # torch.export-based exporter (its lowest)
 IR_VERSION = 10
 
 
+#: Pool-file dtypes a graph can gather from: safetensors name -> ONNX element type.
+_POOL_TYPES = {"F32": TensorProto.FLOAT, "F16": TensorProto.FLOAT16}
+
+
 def safetensors_offsets(path: str | os.PathLike) -> dict[str, tuple[int, int, str, list[int]]]:
     """``name -> (absolute offset, length, dtype, shape)`` of every tensor in a safetensors file (checked header)."""
     header = read_header(path)
@@ -300,7 +304,7 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
     renamed: dict[str, str] = {}
     found = 0
     storage: set[str] = set()
-    new_nodes, drop = [], []
+    new_nodes, drop, after = [], [], []
     for node in gathers:
         data = numpy_helper.to_array(inits[node.input[0]])
         match = [name for name, p in pools.items() if p.shape == data.shape and np.array_equal(p, data)]
@@ -309,11 +313,20 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
         layer = match[0]
         found += 1
         # Pool: external data inside pools.safetensors.
+        start, length, dtype, shape = offsets[layer]
+        if dtype not in _POOL_TYPES or list(shape) != list(data.shape):
+            raise ValueError(f"{pool_file}: pool {layer!r} is {dtype} {shape}, expected F32 or F16 {list(data.shape)}")
+        if dtype != "F32":
+            # A float16 pool file: Gather the float16 rows, then Cast them to float32 (exact).
+            gathered = node.output[0]
+            node.output[0] = f"{gathered}/{dtype.lower()}"
+            cast_back = helper.make_node(
+                "Cast", [node.output[0]], [gathered], to=TensorProto.FLOAT, name=f"{node.name or gathered}/cast"
+            )
+            after.append((node, cast_back))
         if node.input[0] not in renamed:
             t = inits[node.input[0]]
-            start, length, dtype, shape = offsets[layer]
-            if dtype != "F32" or list(shape) != list(data.shape):
-                raise ValueError(f"{pool_file}: pool {layer!r} is {dtype} {shape}, expected F32 {list(data.shape)}")
+            t.data_type = _POOL_TYPES[dtype]
             new_name = f"pool/{layer}"
             for other in consumers.get(t.name, []):
                 other.input[:] = [new_name if i == t.name else i for i in other.input]
@@ -350,6 +363,8 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
         pos = list(graph.node).index(before)
         for k, extra in enumerate(nodes):
             graph.node.insert(pos + k, extra)
+    for gather, cast_back in after:
+        graph.node.insert(list(graph.node).index(gather) + 1, cast_back)
     if found != len(layers):
         raise RuntimeError(
             f"ONNX export: found {found} pool Gathers for the {len(layers)} NWS layers the forward uses: the exporter folded some weights"

@@ -65,6 +65,9 @@ DISABLED_OPTIMIZERS = ["Pad_Fusion"]
 
 __all__ = ["DISABLED_OPTIMIZERS", "Runtime"]
 
+#: Pool-file dtypes the graphs gather from (``pool_dtype``), as NumPy views of the mapped file.
+_POOL_NUMPY = {"F32": np.float32, "F16": np.float16}
+
 
 def _gpu_present() -> bool:
     return cuda_device_count() > 0
@@ -142,9 +145,9 @@ class Runtime:
             )
         pools = {}
         for name, t in header.tensors.items():
-            if t.dtype != "F32":
-                raise FormatError(f"{pool_file}: tensor {name!r} is {t.dtype}, pools are float32")
-            arr = data[t.start : t.end].view(np.float32).reshape(t.shape)
+            if t.dtype not in _POOL_NUMPY:
+                raise FormatError(f"{pool_file}: tensor {name!r} is {t.dtype}, pools are float32 or float16")
+            arr = data[t.start : t.end].view(_POOL_NUMPY[t.dtype]).reshape(t.shape)
             pools[f"pool/{name}"] = self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
         return pools
 

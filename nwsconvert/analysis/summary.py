@@ -98,6 +98,7 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
         "model": manifest.model.spec,
         "suite": manifest.data.get("suite"),
         "pools_bytes": pools,
+        "pools_dtype": str(pool_set.dtype).removeprefix("torch.") if pool_set is not None and len(pool_set) else None,
         "base_bytes": base_bytes,
         "pools_file_bytes": _file_size(run.pool_path),
         "base_file_bytes": _file_size(run.base_path) if base_bytes else 0,
@@ -145,7 +146,8 @@ def format_summary(s: dict) -> str:
     out += [line(r) for r in rows]
     out.append("")
     out.append(
-        f"pool set (shared)        {format_bytes(s['pools_bytes'])}   (file {format_bytes(s.get('pools_file_bytes', 0))} with its header)"
+        f"pool set (shared)        {format_bytes(s['pools_bytes'])}   (file {format_bytes(s.get('pools_file_bytes', 0))} with its header"
+        + (f"; {s['pools_dtype']})" if s.get("pools_dtype") else ")")
     )
     if s.get("base_bytes"):
         out.append(

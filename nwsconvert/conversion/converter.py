@@ -119,6 +119,8 @@ class NWSConverter:
                     weight.detach().reshape(-1, p.vector_size), p.pool_size, config.init, gen, config.kmeans_iters
                 )
             nws = NWSWeight(weight, p.vector_size, pool, role=p.role)
+            if self.pools is not None:
+                nws.pool_file_dtype = self.pools[p.name].dtype  # a float16 pool file keeps its hash
             nws.train(module.training)
             parametrize.register_parametrization(module, "weight", nws)
             report.layers.append(

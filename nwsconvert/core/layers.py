@@ -139,6 +139,10 @@ class NWSWeight(nn.Module):
 
     Attributes:
         pool: ``(n, D)`` buffer in task mode, ``nn.Parameter`` in pool-learning mode.
+        pool_file_dtype: the dtype the pool file this pool came from stores it in
+            (:func:`~nwsconvert.core.nwsmodel.load_pools` sets it; ``float32`` until then).
+            While the pool holds values that dtype represents exactly, :func:`pool_set` gives it
+            in that dtype, so the model and the file share one pool-set hash.
         indices: ``(N,)`` int32, ``N = W.numel() / D``.
         stats: search statistics of the last training forward
             (``searched``: rows re-searched, ``total``: N, ``exact_rows``: float64 fallbacks).
@@ -160,6 +164,7 @@ class NWSWeight(nn.Module):
         self.role = role
         self.mode = "task"
         self.register_buffer("pool", pool.detach().to(weight.dtype).clone())
+        self.pool_file_dtype = torch.float32
         # int32 indices: half the memory of int64; index_select/bincount accept them.
         self.register_buffer("indices", torch.zeros(self.num_vectors, dtype=torch.int32, device=weight.device))
         # Lazy-search state (D > 1): each row's W at its last search, and the

@@ -151,8 +151,20 @@ def search_stats(model: nn.Module) -> dict:
 
 
 def pool_set(model: nn.Module) -> PoolSet:
-    """The model's pools (detached, CPU copies) as a :class:`PoolSet`."""
-    return PoolSet({layer.name: layer.nws.pool.detach().cpu().clone() for layer in _require(model)})
+    """The model's pools (detached, CPU copies) as a :class:`PoolSet`.
+
+    A pool loaded from a float16 pool file comes back in float16 while it still holds exactly
+    the file's values (the model computes in float32), so its hash is the file's.
+    """
+    out = {}
+    for layer in _require(model):
+        p = layer.nws.pool.detach().cpu().clone()
+        stored = getattr(layer.nws, "pool_file_dtype", p.dtype)
+        if stored != p.dtype:
+            low = p.to(stored)
+            p = low if torch.equal(low.to(p.dtype), p) else p
+        out[layer.name] = p
+    return PoolSet(out)
 
 
 @torch.no_grad()
@@ -180,6 +192,7 @@ def load_pools(model: nn.Module, pools: PoolSet) -> None:
             nws.pool = nn.Parameter(p.clone())
         else:
             nws.pool = p.clone()
+        nws.pool_file_dtype = pools[layer.name].dtype
         nws.full_search(layer.weight)
 
 

@@ -26,10 +26,13 @@ from ..formats.schema import Fields
 from ..formats.storage import FormatError, read_tensors, tensor_digest, write_tensors
 from .kmeans import kmeans
 
-__all__ = ["PoolSet", "init_pool", "POOLSET_FORMAT", "POOLSET_VERSION"]
+__all__ = ["PoolSet", "init_pool", "POOLSET_FORMAT", "POOLSET_VERSION", "POOL_DTYPES"]
 
 POOLSET_FORMAT = "nwsconvert.poolset"
 POOLSET_VERSION = 2  # 2: the header carries header_sha256; version 1 files still load
+
+#: ``pool_dtype`` name -> the dtype a pool file stores pools in.
+POOL_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 def init_pool(
@@ -84,6 +87,26 @@ class PoolSet:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.pools[name]
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of the pools (``None`` for an empty set)."""
+        return next(iter(self.pools.values())).dtype if self.pools else None
+
+    def astype(self, dtype: torch.dtype) -> PoolSet:
+        """The pools cast to ``dtype`` (a new set). ``float16`` halves the pool file; every
+        value must stay finite there.
+
+        Raises:
+            ValueError: a pool has a value that ``dtype`` cannot hold (names the layer).
+        """
+        out = {}
+        for name, p in self.pools.items():
+            q = p.to(dtype)
+            if not bool(torch.isfinite(q).eq(torch.isfinite(p)).all()):
+                raise ValueError(f"pool of layer {name!r}: values beyond {dtype}'s range, keep pool_dtype=float32")
+            out[name] = q
+        return PoolSet(out)
 
     def table(self) -> list[dict]:
         return [{"name": k, "pool_size": v.shape[0], "vector_size": v.shape[1]} for k, v in self.pools.items()]

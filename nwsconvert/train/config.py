@@ -16,7 +16,7 @@ __all__ = ["TrainConfig", "lr_factor", "BEFORE_OPTION"]
 #: Options added since run directories and results were first recorded, with the behaviour a
 #: recorded configuration that predates them ran (``TrainConfig.from_recorded`` fills them in): a
 #: default chosen later must not change a run half-way.
-BEFORE_OPTION = {"head_epochs": 0, "recalibrate_bn": False}
+BEFORE_OPTION = {"head_epochs": 0, "recalibrate_bn": False, "pool_dtype": "float32"}
 
 # field -> (kind, lower bound, upper bound); None bounds are open. "float" accepts integers too.
 _RANGES = {
@@ -123,6 +123,11 @@ class TrainConfig:
             dense, LayerNorm...): ``float16`` (half the
             bytes; the model is rounded to it before the evaluation the pack's accuracy
             is recorded from) or ``float32``.
+        pool_dtype: what the pool file stores the pools in: ``float32`` or ``float16`` (half
+            the shared pool file; the pools are rounded to it when pool learning ends, before
+            the base pack and every task are searched against them, so each task is trained,
+            evaluated and rebuilt with the same pools). A resumed run keeps the value it
+            started with.
         amp: ``auto`` (bfloat16/float16 autocast on CUDA, off on CPU), ``off``, ``bf16``, ``fp16``.
         search: how training keeps indices exact. ``engine``: one update for the whole model
             (:class:`~nwsconvert.core.engine.SearchEngine`: flat buffers, fused Triton search, no host
@@ -156,6 +161,7 @@ class TrainConfig:
     task_init: str = "original"
     pack_base: str = "pools"
     state_dtype: str = "float16"
+    pool_dtype: str = "float32"
     amp: str = "auto"
     search: str = "auto"
     seed: int = 1993
@@ -172,6 +178,7 @@ class TrainConfig:
             "task_init": ("previous", "original", "random"),
             "pack_base": ("pools", "task0", "none"),
             "state_dtype": ("float16", "float32"),
+            "pool_dtype": ("float32", "float16"),
             "amp": ("auto", "off", "bf16", "fp16"),
             "search": ("auto", "engine", "layer"),
         }

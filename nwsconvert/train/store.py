@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..core.nwsmodel import load_pools, nws_layers, pool_set
-from ..core.pools import PoolSet
+from ..core.pools import POOL_DTYPES, PoolSet
 from ..errors import FormatError, UntrustedCodeError
 from ..formats.packs import TaskPack, apply_task, extract_task
 from ..formats.storage import read_tensors, write_tensors
@@ -43,10 +43,13 @@ class RunStore:
         run: the run directory.
         manifest: its manifest (this object keeps it current).
         dist: the process group (only the main process writes).
+        pool_dtype: what a pool file this store writes holds (``float32``, ``float16``); a run's
+            existing pool file is read as it is.
     """
 
-    def __init__(self, run: RunDir, manifest: Manifest, dist: DistInfo):
+    def __init__(self, run: RunDir, manifest: Manifest, dist: DistInfo, pool_dtype: str = "float32"):
         self.run, self.manifest, self.dist = run, manifest, dist
+        self.pool_dtype = pool_dtype
 
     @property
     def run_id(self) -> str | None:
@@ -64,8 +67,15 @@ class RunStore:
 
     # ---------------------------------------------------------------- pools
     def write_pools(self, model: nn.Module, metrics: dict, learned: bool) -> None:
-        """The pool file, the base pack and the base weights of ``model`` as pool learning left it."""
-        pools = pool_set(model)
+        """The pool file, the base pack and the base weights of ``model`` as pool learning left it.
+
+        The file stores the pools in :attr:`pool_dtype`; ``model``'s pools are rounded to it first
+        (and its indices searched again), so the base pack and every later task see exactly the
+        pools a model rebuilt from the file holds.
+        """
+        pools = pool_set(model).astype(POOL_DTYPES[self.pool_dtype])
+        if pools.dtype != torch.float32:
+            load_pools(model, pools)  # the rounded values, cast back to the model's dtype; a new search
         base = extract_task(model, model_spec=self.manifest.model.spec, meta={"stage": "pools"}, run_id=self.run_id)
         if self.dist.is_main:
             sha = pools.save(self.run.pool_path)
@@ -82,10 +92,12 @@ class RunStore:
         return load_run_pools(self.run, self.manifest)
 
     def ensure_pools(self, model: nn.Module) -> None:
-        """Make sure the run has a pool file (pools as converted when none was learned) and ``model`` holds it."""
+        """Make sure the run has a pool file (pools as converted when none was learned) and ``model``
+        holds it (a float16 file: exactly its values, in the model's float32)."""
         if self.manifest.pools is None:
             self.write_pools(model, {}, learned=False)
-        elif pool_set(model).sha256 != self.manifest.pools.sha256:
+            return
+        if pool_set(model).sha256 != self.manifest.pools.sha256:
             load_pools(model, self.pools())
 
     # ---------------------------------------------------------------- packs

@@ -104,7 +104,7 @@ class Trainer:
             manifest = self._read_run(resume, config, model_spec)
         else:
             manifest = self._create_run(model, len(layers), config, model_kwargs, data_info)
-        self.store = RunStore(self.run, manifest, self.dist)
+        self.store = RunStore(self.run, manifest, self.dist, pool_dtype=self.config.pool_dtype)
         if self.config.deterministic:
             self._restore = use_deterministic()
         torch.manual_seed(self.config.seed)

@@ -62,7 +62,7 @@ def test_the_pool_file_is_float16_and_the_model_holds_its_values(tmp_path, learn
 def test_float16_halves_the_pool_file_and_rebuilds_exactly(runs):
     files = {d: PoolSet.load(runs / d / RunDir(runs / d).read().pools.file) for d in ("float32", "float16")}
     assert files["float16"].nbytes * 2 == files["float32"].nbytes
-    assert [r for r in files["float16"].table()] == [r for r in files["float32"].table()]
+    assert files["float16"].table() == files["float32"].table()
     manifest = RunDir(runs / "float16").read()
     for t in (0, 1):
         model = nwsconvert.load(runs / "float16", task=t)

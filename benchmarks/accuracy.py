@@ -148,10 +148,23 @@ def _machine() -> dict:
         "timm": timm.__version__,
         "peft": peft_version,
         "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        # The kernels torch dispatches to on this CPU (AVX2, AVX512...): the same command gives other
+        # digits on another instruction set (benchmarks/RESULTS.md, "Pools stored in float16").
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name from ``/proc/cpuinfo`` (``None`` where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def _commit() -> str | None:

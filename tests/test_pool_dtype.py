@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import timm
 import torch
 from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
@@ -57,6 +58,27 @@ def test_the_pool_file_is_float16_and_the_model_holds_its_values(tmp_path, learn
         assert torch.equal(layer.nws.pool.detach().cpu(), pools[layer.name].float())  # exactly the file's values
     task = manifest.task(0).metrics
     assert task["rebuilt_acc"] == task["val_acc"]  # the trainer's own rule, rebuilt from the float16 file
+
+
+def test_a_model_converted_from_a_float16_file_trains_into_a_float32_run(runs, tmp_path):
+    """``convert(init=<float16 pool file>)`` then ``pool_dtype=float32`` without pool learning: the run
+    stores the same values in float32, and its base pack and tasks name that file's hash."""
+    torch.manual_seed(0)
+    model = nwsconvert.convert(
+        timm.create_model("test_resnet", num_classes=4, **KWARGS),
+        pool_size=32,
+        init=runs / "float16" / "pools.safetensors",
+    )
+    trainer = Trainer(
+        model, tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False
+    )
+    trainer.fit_task(0, blobs(32, 3, 10), blobs(16, 3, 20), 3)
+    trainer.close()
+    manifest = RunDir(tmp_path / "r").read()
+    stored = PoolSet.load(tmp_path / "r" / manifest.pools.file)
+    given = PoolSet.load(runs / "float16" / "pools.safetensors")
+    assert stored.dtype == torch.float32 and all(torch.equal(stored[k], v.float()) for k, v in given.pools.items())
+    assert manifest.task(0).metrics["rebuilt_acc"] == manifest.task(0).metrics["val_acc"]
 
 
 def test_float16_halves_the_pool_file_and_rebuilds_exactly(runs):

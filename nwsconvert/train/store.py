@@ -73,9 +73,12 @@ class RunStore:
         (and its indices searched again), so the base pack and every later task see exactly the
         pools a model rebuilt from the file holds.
         """
-        pools = pool_set(model).astype(POOL_DTYPES[self.pool_dtype])
-        if pools.dtype != torch.float32:
-            load_pools(model, pools)  # the rounded values, cast back to the model's dtype; a new search
+        current = pool_set(model)
+        pools = current.astype(POOL_DTYPES[self.pool_dtype])
+        if pools.sha256 != current.sha256:
+            # Rounded values (or pools a model took from a file of another dtype): the model takes
+            # the file's, so that it and every pack built from it share the file's hash; a new search.
+            load_pools(model, pools)
         base = extract_task(model, model_spec=self.manifest.model.spec, meta={"stage": "pools"}, run_id=self.run_id)
         if self.dist.is_main:
             sha = pools.save(self.run.pool_path)

@@ -11,10 +11,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
+from trainer_utils import train_run
 
 import nwsconvert
-from nwsconvert import Trainer, nws_layers
+from nwsconvert import nws_layers
 from nwsconvert.export import Runtime, StaleBundleError, export_bundle
 from nwsconvert.export.cli import export_main, infer_main
 from nwsconvert.export.onnx_graph import IR_VERSION, OPSET, index_nodes
@@ -23,24 +23,7 @@ from nwsconvert.export.onnx_graph import IR_VERSION, OPSET, index_nodes
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("exp") / "run"
-    trainer = Trainer(
-        tiny_model(),
-        out,
-        tiny_config(epochs=1),
-        model_spec=SPEC,
-        model_kwargs=KWARGS,
-        data_info={"channels": 1, "input_size": [16, 16], "mean": [0.5], "std": [0.25]},
-        progress=False,
-    )
-    for t, classes in enumerate((3, 2)):
-        trainer.fit_task(
-            t,
-            blobs(32, classes, 10 + t),
-            blobs(16, classes, 20 + t),
-            classes,
-            name=f"t{t}",
-            class_names=[f"c{i}" for i in range(classes)],
-        )
+    train_run(out, learn_pools=False, class_names=True)
     return out
 
 

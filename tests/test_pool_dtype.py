@@ -8,7 +8,7 @@ import onnx
 import pytest
 import timm
 import torch
-from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
+from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model, train_run
 
 import nwsconvert
 from nwsconvert import PoolSet, TrainConfig, Trainer, nws_layers
@@ -17,39 +17,19 @@ from nwsconvert.errors import UsageError
 from nwsconvert.export import Runtime, export_bundle
 from nwsconvert.train.rundir import RunDir
 
-INFO = {"channels": 1, "input_size": [16, 16], "mean": [0.5], "std": [0.25]}
-
-
-def _train(out, pool_dtype: str, learn_pools: bool, tasks=(3, 2)):
-    trainer = Trainer(
-        tiny_model(),
-        out,
-        tiny_config(epochs=1, pool_dtype=pool_dtype),
-        model_spec=SPEC,
-        model_kwargs=KWARGS,
-        data_info=INFO,
-        progress=False,
-    )
-    if learn_pools:
-        trainer.fit_pools(blobs(32, 4, 1), num_classes=4)
-    for t, classes in enumerate(tasks):
-        trainer.fit_task(t, blobs(32, classes, 10 + t), blobs(16, classes, 20 + t), classes, name=f"t{t}")
-    trainer.close()
-    return trainer
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pooldtype")
     for dtype in ("float32", "float16"):
-        _train(root / dtype, dtype, learn_pools=True)
+        train_run(root / dtype, pool_dtype=dtype)
     return root
 
 
 @pytest.mark.parametrize("learn_pools", [True, False])
 def test_the_pool_file_is_float16_and_the_model_holds_its_values(tmp_path, learn_pools):
     """Pools as learned (or as converted) are rounded once, before anything is searched against them."""
-    trainer = _train(tmp_path / "r", "float16", learn_pools, tasks=(3,))
+    trainer = train_run(tmp_path / "r", pool_dtype="float16", learn_pools=learn_pools, tasks=(3,))
     manifest = RunDir(tmp_path / "r").read()
     pools = PoolSet.load(tmp_path / "r" / manifest.pools.file)
     assert pools.dtype == torch.float16 and manifest.pools.bytes == pools.nbytes

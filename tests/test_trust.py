@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
+from trainer_utils import KWARGS, SPEC, tiny_model, train_run
 
 import nwsconvert
 from nwsconvert import Trainer
@@ -34,30 +34,14 @@ from nwsconvert.formats.storage import atomic_write_bytes, read_tensors, write_t
 from nwsconvert.train.manifest import model_sha256
 from nwsconvert.train.runlock import RunLock
 
-DATA = {"channels": 1, "input_size": [16, 16], "mean": [0.5], "std": [0.25]}
-
-
-def _train(out: Path, seed: int) -> Path:
-    with Trainer(
-        tiny_model(seed=seed),
-        out,
-        tiny_config(epochs=1, seed=seed),
-        model_spec=SPEC,
-        model_kwargs=KWARGS,
-        data_info=DATA,
-        progress=False,
-    ) as trainer:
-        trainer.fit_pools(blobs(32, 4, seed=seed), num_classes=4)
-        for t, classes in enumerate((3, 2)):
-            trainer.fit_task(t, blobs(32, classes, 10 + t + seed), blobs(16, classes, 20 + t), classes, name=f"t{t}")
-    return out
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two finished runs of the same architecture (different seeds) and run A's ONNX bundle."""
     root = tmp_path_factory.mktemp("trust")
-    a, b = _train(root / "a", 1), _train(root / "b", 2)
+    a, b = root / "a", root / "b"
+    train_run(a, tiny_model(seed=1), seed=1, data_seed=1)
+    train_run(b, tiny_model(seed=2), seed=2, data_seed=2)
     export_bundle(a, a / "export", "all", onnx=True)
     return a, b
 

@@ -7,10 +7,11 @@ import torch
 from torch.utils.data import TensorDataset
 
 import nwsconvert
-from nwsconvert import TrainConfig
+from nwsconvert import TrainConfig, Trainer
 
 SPEC = "timm:test_resnet"
 KWARGS = {"in_chans": 1}
+DATA_INFO = {"channels": 1, "input_size": [16, 16], "mean": [0.5], "std": [0.25]}
 
 
 def blobs(n: int, classes: int, seed: int, size: int = 16) -> TensorDataset:
@@ -35,3 +36,38 @@ def tiny_config(**changes) -> TrainConfig:
     base = dict(epochs=2, pool_epochs=1, lr=0.05, batch_size=16, milestones=[1], seed=7)
     base.update(changes)
     return TrainConfig(**base)
+
+
+def train_run(
+    out,
+    model=None,
+    *,
+    learn_pools: bool = True,
+    tasks=(3, 2),
+    data_seed: int = 0,
+    class_names: bool = False,
+    **config,
+) -> Trainer:
+    """A finished tiny run in ``out``; returns its (closed) trainer.
+
+    Pool learning on 4 classes of :func:`blobs` (unless ``learn_pools`` is false), then
+    task ``t`` with ``tasks[t]`` classes, one epoch each; ``config`` changes
+    :func:`tiny_config`, ``data_seed`` shifts every training set's seed.
+    """
+    model = tiny_model() if model is None else model
+    with Trainer(
+        model,
+        out,
+        tiny_config(epochs=1, **config),
+        model_spec=SPEC,
+        model_kwargs=KWARGS,
+        data_info=DATA_INFO,
+        progress=False,
+    ) as trainer:
+        if learn_pools:
+            trainer.fit_pools(blobs(32, 4, 1 + data_seed), num_classes=4)
+        for t, classes in enumerate(tasks):
+            names = [f"c{i}" for i in range(classes)] if class_names else None
+            train, val = blobs(32, classes, 10 + t + data_seed), blobs(16, classes, 20 + t)
+            trainer.fit_task(t, train, val, classes, name=f"t{t}", class_names=names)
+    return trainer

@@ -23,7 +23,7 @@ import torch
 
 from ..formats.limits import MAX_POOL_SIZE, MAX_VECTOR_SIZE
 from ..formats.schema import Fields
-from ..formats.storage import FormatError, read_tensors, tensor_digest, write_tensors
+from ..formats.storage import FLOAT_DTYPES, FormatError, read_tensors, tensor_digest, write_tensors
 from .kmeans import kmeans
 
 __all__ = ["PoolSet", "init_pool", "POOLSET_FORMAT", "POOLSET_VERSION", "POOL_DTYPES"]
@@ -32,7 +32,7 @@ POOLSET_FORMAT = "nwsconvert.poolset"
 POOLSET_VERSION = 2  # 2: the header carries header_sha256; version 1 files still load
 
 #: ``pool_dtype`` name -> the dtype a pool file stores pools in.
-POOL_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+POOL_DTYPES = FLOAT_DTYPES
 
 
 def init_pool(

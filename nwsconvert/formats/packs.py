@@ -54,7 +54,7 @@ from .packfile import (
     resolve_base,
     same_layer,
 )
-from .storage import read_tensors, tensor_digest, write_tensors
+from .storage import FLOAT_DTYPES, read_tensors, tensor_digest, write_tensors
 
 __all__ = [
     "TaskPack",
@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 #: ``state_dtype`` name -> the dtype float32 state entries are stored in (``float32``: as they are).
-STATE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+STATE_DTYPES = FLOAT_DTYPES
 
 
 def _stored_form(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,9 +20,20 @@ from ..errors import FormatError
 from .atomic import atomic_write_bytes, disk_error
 from .stfile import header_digest, verify
 
-__all__ = ["FormatError", "atomic_write_bytes", "write_tensors", "read_tensors", "tensor_digest", "disk_error"]
+__all__ = [
+    "FormatError",
+    "FLOAT_DTYPES",
+    "atomic_write_bytes",
+    "write_tensors",
+    "read_tensors",
+    "tensor_digest",
+    "disk_error",
+]
 
 META_KEY = "nwsconvert"
+
+#: The float widths a file may store values in (``state_dtype``, ``pool_dtype``): name -> dtype.
+FLOAT_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:

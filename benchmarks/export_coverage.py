@@ -9,7 +9,8 @@ scales in [0.5, 1.5], Linear weights N(0, 0.05), so no head or scale is zero
 and the logits depend on the input), converted with 64-entry random pools and
 exported with the chosen exporter; onnxruntime (CPU, the Runtime's session
 options) runs it on two random images. A model passes when the largest logit
-difference is at most 1e-4 of the largest logit. Each line of output is a JSON
+difference is at most 1e-4 of the largest logit, or when the graph is no further
+from the float64 result than 4× PyTorch's own float32 (:func:`passes`). Each line of output is a JSON
 record; the summary counts passes and the exporter each graph came from.
 Before the check every BatchNorm's running statistics are set from a few random
 batches (:func:`calibrate_norms`), and a record whose largest logit is under
@@ -19,6 +20,7 @@ batches (:func:`calibrate_norms`), and a record whose largest logit is under
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import subprocess
 import tempfile
@@ -76,9 +78,14 @@ def onnx_parity(model: torch.nn.Module, size: int, exporter: str = "auto", batch
             str(d / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
         )
         y = sess.run(None, {"input": x.numpy()})[0]
+        with torch.no_grad():  # the exact result, for how far float32 itself is from it
+            out64 = copy.deepcopy(model).double()(x.double())
+        ref64 = (out64[0] if isinstance(out64, (tuple, list)) else out64).numpy()
     err, scale = float(np.abs(y - ref).max()), float(np.abs(ref).max())
     return {
         "rel": err / scale if scale else 0.0,
+        "rel_onnx_fp64": float(np.abs(y - ref64).max()) / scale if scale else 0.0,
+        "rel_torch_fp64": float(np.abs(ref - ref64).max()) / scale if scale else 0.0,
         "max_abs": err,
         "max_logit": scale,
         "top1_agree": bool((y.argmax(1) == ref.argmax(1)).all()),
@@ -102,7 +109,21 @@ def probe(name: str, size: int, exporter: str) -> dict:
     model = nwsconvert.convert(model, pool_size=64, init="random").eval()
     calibrate_norms(model, size)
     r = onnx_parity(model, size, exporter)
-    return {"ok": r["rel"] <= 1e-4 and r["max_logit"] >= MIN_LOGIT, **r}
+    return {"ok": passes(r), **r}
+
+
+def passes(r: dict) -> bool:
+    """The graph is as exact as PyTorch's float32: within 1e-4 of the largest logit of PyTorch's
+    output, or no further from the float64 result than ``FP32_SLACK`` times PyTorch's float32 is
+    (a deep network with calibrated BatchNorm is 6e-5 off float64 in PyTorch itself; a wrong
+    kernel moves logits by O(their size)); and its logits are not near zero."""
+    exact_enough = r["rel"] <= 1e-4 or r["rel_onnx_fp64"] <= FP32_SLACK * r["rel_torch_fp64"]
+    return exact_enough and r["max_logit"] >= MIN_LOGIT
+
+
+#: onnxruntime folds BatchNorm into the weights and sums in other orders: its float32 error against
+#: float64 is of the order of PyTorch's, not equal to it.
+FP32_SLACK = 4.0
 
 
 #: A parity check against logits smaller than this says little (every layer's output near zero):

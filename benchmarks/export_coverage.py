@@ -8,13 +8,14 @@ default) is built with random weights made trained-like (BatchNorm / LayerNorm
 scales in [0.5, 1.5], Linear weights N(0, 0.05), so no head or scale is zero
 and the logits depend on the input), converted with 64-entry random pools and
 exported with the chosen exporter; onnxruntime (CPU, the Runtime's session
-options) runs it on two random images. A model passes when the largest logit
-difference is at most 1e-4 of the largest logit, or when the graph is no further
-from the float64 result than 4× PyTorch's own float32 (:func:`passes`). Each line of output is a JSON
-record; the summary counts passes and the exporter each graph came from.
-Before the check every BatchNorm's running statistics are set from a few random
-batches (:func:`calibrate_norms`), and a record whose largest logit is under
-``MIN_LOGIT`` fails: a parity check on outputs near zero says little.
+options) runs it on two random images. Before the check every BatchNorm's running
+statistics are set from a few random batches (:func:`calibrate_norms`), so the
+logits have a trained network's scale. A model passes (:func:`passes`) when the
+largest logit difference is at most 1e-4 of the largest logit, or when the graph
+is no further from the float64 result than 4x PyTorch's own float32; a record
+whose largest logit is under ``MIN_LOGIT`` fails, since a parity check on
+outputs near zero says little. Each line of output is a JSON record; the summary
+counts passes and the exporter each graph came from.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ MODELS = (
     "torchvision:googlenet torchvision:efficientnet_b0 torchvision:regnet_y_400mf torchvision:convnext_tiny "
     "torchvision:vgg11_bn torchvision:vit_b_16@224 torchvision:swin_t@224 torchvision:maxvit_t@224 torchvision:resnext50_32x4d"
 ).split()
+
+
+#: onnxruntime folds BatchNorm into the weights and sums in other orders: its float32 error against
+#: float64 is of the order of PyTorch's, not equal to it.
+FP32_SLACK = 4.0
+
+
+#: A parity check against logits smaller than this says little (every layer's output near zero):
+#: such a record fails with its ``max_logit``, however small its relative error.
+MIN_LOGIT = 1e-3
 
 
 def build(name: str) -> torch.nn.Module:
@@ -119,16 +130,6 @@ def passes(r: dict) -> bool:
     kernel moves logits by O(their size)); and its logits are not near zero."""
     exact_enough = r["rel"] <= 1e-4 or r["rel_onnx_fp64"] <= FP32_SLACK * r["rel_torch_fp64"]
     return exact_enough and r["max_logit"] >= MIN_LOGIT
-
-
-#: onnxruntime folds BatchNorm into the weights and sums in other orders: its float32 error against
-#: float64 is of the order of PyTorch's, not equal to it.
-FP32_SLACK = 4.0
-
-
-#: A parity check against logits smaller than this says little (every layer's output near zero):
-#: such a record fails with its ``max_logit``, however small its relative error.
-MIN_LOGIT = 1e-3
 
 
 def calibrate_norms(model: torch.nn.Module, size: int, batches: int = 4) -> None:

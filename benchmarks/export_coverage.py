@@ -70,6 +70,13 @@ def build(name: str) -> torch.nn.Module:
     return torchvision.models.get_model(arch, weights=None, num_classes=5)
 
 
+def _logits(model: torch.nn.Module, x: torch.Tensor) -> np.ndarray:
+    """The model's first output for ``x`` (the logits, ``(batch, classes)``), without gradient."""
+    with torch.no_grad():
+        out = model(x)
+    return (out[0] if isinstance(out, (tuple, list)) else out).numpy()
+
+
 def onnx_parity(model: torch.nn.Module, size: int, exporter: str = "auto", batch: int = 2) -> dict:
     """Export a converted model (eval mode), run it in onnxruntime (CPU, the Runtime's session options)
     and compare with PyTorch: ``{rel, max_abs, max_logit, top1_agree, exporter, gather_nodes, bytes}``."""
@@ -80,18 +87,14 @@ def onnx_parity(model: torch.nn.Module, size: int, exporter: str = "auto", batch
             model, d / "m.onnx", d / "pools.safetensors", input_shape=(3, size, size), metadata={}, exporter=exporter
         )
         x = torch.randn(batch, 3, size, size)
-        with torch.no_grad():
-            out = model(x)
-        ref = (out[0] if isinstance(out, (tuple, list)) else out).numpy()
+        ref = _logits(model, x)
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         sess = ort.InferenceSession(
             str(d / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
         )
         y = sess.run(None, {"input": x.numpy()})[0]
-        with torch.no_grad():  # the exact result, for how far float32 itself is from it
-            out64 = copy.deepcopy(model).double()(x.double())
-        ref64 = (out64[0] if isinstance(out64, (tuple, list)) else out64).numpy()
+    ref64 = _logits(copy.deepcopy(model).double(), x.double())  # the exact result, for float32's own error
     err, scale = float(np.abs(y - ref).max()), float(np.abs(ref).max())
     return {
         "rel": err / scale if scale else 0.0,

@@ -20,6 +20,10 @@ Prints and writes a JSON with per-seed and mean ± std average accuracy, memory
     (the nws-train keys come before --methods, which takes every name after it)
     python benchmarks/accuracy.py --suite mixed-domain --methods all --json r.json --resume
     (a killed run, or one with more seeds or methods than ``r.json``: only what ``r.json`` lacks is run)
+    python benchmarks/accuracy.py --suite mixed-domain --methods bn_head --nws-variants weights=pretrained,learn_pools=false
+    (``weights=pretrained`` in a variant: NWS starts from the dense model the baselines start from,
+    passed as ``nws-train weights=FILE``: k-means pools of its weights, then the tasks; with
+    ``learn_pools=false`` no pool learning, so NWS and the baselines get the same pretraining)
 
 The JSON is written after every method of every seed: a killed run loses at most the method it was
 running. ``--resume`` keeps what the JSON already holds for the same job and runs the rest; a JSON of
@@ -65,8 +69,21 @@ def pretrained_model(job: dict, seed: int) -> torch.nn.Module:
     return model
 
 
-def nws_run(job: dict, seed: int, folder: str) -> dict:
-    """``nws-train`` 's job for one seed in ``folder``; accuracies and bytes as the run directory records them."""
+#: ``weights=`` value of a variant: the dense model every baseline starts from (:func:`pretrained_model`).
+PEERS_START = "pretrained"
+
+
+def nws_run(job: dict, seed: int, folder: str, peers_start=None) -> dict:
+    """``nws-train`` 's job for one seed in ``folder``; accuracies and bytes as the run directory records them.
+
+    ``peers_start()`` gives the baselines' pretrained model, for a job with ``weights=pretrained``
+    (written to ``folder``'s side as a safetensors state dict and given to the job as its file)."""
+    if job.get("weights") == PEERS_START:
+        from safetensors.torch import save_file
+
+        path = f"{folder}.pretrained.safetensors"
+        save_file({k: v.detach().contiguous() for k, v in peers_start().state_dict().items()}, path)
+        job = {**job, "weights": path}
     tic = time.perf_counter()
     run_job({**job, "seed": seed, "out": folder})
     seconds = time.perf_counter() - tic
@@ -311,17 +328,21 @@ def main(argv=None) -> int:
             if args.json:  # after every method: a killed run loses at most the one it was running
                 _write(args.json, _result(args, commit, job, names, variants, rows, partial=row))
 
+        start: list[torch.nn.Module] = []  # the baselines' pretrained model, built once per seed when needed
+
+        def peers_start(seed=seed, start=start):
+            if not start:
+                start.append(pretrained_model(job, seed))
+            return start[0]
+
         with tempfile.TemporaryDirectory() as tmp:
             if "nws" not in row:
-                finished("nws", nws_run(job, seed, f"{tmp}/run"))
+                finished("nws", nws_run(job, seed, f"{tmp}/run", peers_start))
             for i, (name, vjob) in enumerate(variants.items()):
                 if name not in row:
-                    finished(name, nws_run(vjob, seed, f"{tmp}/variant{i}"))
-            todo = [name for name in args.methods if name not in row]
-            if todo:
-                pretrained = pretrained_model(job, seed)
-            for name in todo:
-                finished(name, method_run(name, pretrained, job, seed, f"{tmp}/{name}"))
+                    finished(name, nws_run(vjob, seed, f"{tmp}/variant{i}", peers_start))
+            for name in [name for name in args.methods if name not in row]:
+                finished(name, method_run(name, peers_start(), job, seed, f"{tmp}/{name}"))
         rows.append(row)
         if args.json:
             _write(args.json, _result(args, commit, job, names, variants, rows))

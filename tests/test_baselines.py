@@ -222,6 +222,37 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
     assert nws_line[3] == f"{result['mean']['nws']:.2f}"
 
 
+def test_a_variant_with_weights_pretrained_starts_nws_from_the_baselines_model(tmp_path, monkeypatch):
+    """``--nws-variants weights=pretrained,learn_pools=false``: the variant's nws-train job gets, as
+    its ``weights=`` file, exactly the pretrained model the baselines start from."""
+    import json
+
+    import accuracy
+    from safetensors.torch import load_file
+
+    given = []
+    real = accuracy.run_job
+
+    def spy(job, **kwargs):
+        if job.get("weights"):
+            given.append((job, load_file(job["weights"])))
+        return real(job, **kwargs)
+
+    monkeypatch.setattr(accuracy, "run_job", spy)
+    out = tmp_path / "acc.json"
+    keys = ["model=timm:test_resnet", "pool_size=16", "epochs=1", "pool_epochs=1", "tasks=2", "batch_size=32"]
+    argv = [*keys, "--seeds", "7", "--json", str(out), "--methods", "bn_head"]
+    assert accuracy.main([*argv, "--nws-variants", "weights=pretrained,learn_pools=false"]) == 0
+    result = json.loads(out.read_text())
+    assert result["methods"] == ["nws", "nws[weights=pretrained,learn_pools=false]", "bn_head"]
+    ((job, weights),) = given
+    assert job["learn_pools"] is False
+    start = accuracy.pretrained_model(accuracy.resolve_job(["suite=split-mnist", "progress=false", *keys]), 7)
+    state = start.state_dict()
+    assert weights.keys() == state.keys()
+    assert all(torch.equal(weights[k], state[k]) for k in state)
+
+
 def test_accuracy_plot_has_one_point_per_method(tmp_path, capsys):
     """plot_accuracy.py: mean and std over seeds per method, a PNG written; a missing file is a one-line error."""
     import json

@@ -40,6 +40,7 @@ DEFAULT_JOB: dict = {
     "group_size": 1,  # floats per pool vector for 1x1 convs and the FC layer
     "preset": None,  # conversion preset: nwsconvert.zoo.list_presets() or "auto"
     "init": "kmeans",  # kmeans | random | <pool file>
+    "weights": None,  # safetensors state dict loaded into the model before conversion
     "recipe": "demo",  # nwsconvert.zoo.list_recipes()
     "learn_pools": True,  # pool learning on the suite's pretraining data
     "tasks": None,  # how many tasks to train (None: all)
@@ -62,6 +63,11 @@ keys (key=value; values are YAML: 3, 0.01, true, [50, 80], {{a: 1}}):
   preset=NAME|auto        conversion preset per architecture family (nwsconvert.zoo.list_presets();
                           auto: guessed from the model); pool_size and group_size set its fields
   init=kmeans|random|FILE pools before pool learning (kmeans of the initial weights)
+  weights=FILE            start from these dense weights (a safetensors state dict, e.g.
+                          safetensors.torch.save_file(model.state_dict(), FILE)): loaded before
+                          conversion, so pools and every task start from them; a classifier of
+                          another size is left fresh; with learn_pools=false the tasks start from
+                          them as the pools quantise them, without pool learning
   recipe=NAME             demo (default), split-cifar100, cub-to-sketches, paper-adam
   learn_pools=true|false  learn pools on the suite's pretraining data first
   tasks=N                 train only the first N tasks
@@ -141,6 +147,17 @@ def _convert_job(job: dict, model, init, seed: int) -> None:
     preset.apply(model, **options)
 
 
+def _load_job_weights(model, path: Path) -> None:
+    from ..train.weights import load_weights
+
+    try:
+        kept = load_weights(model, path)
+    except (FileNotFoundError, FormatError, ValueError) as e:
+        raise UsageError(f"weights: {e}") from None
+    note = f" (classifier {', '.join(kept)} left fresh: the file's has another shape)" if kept else ""
+    print(f"weights: {path}{note}", flush=True)
+
+
 def _train_config(job: dict) -> TrainConfig:
     from nwsconvert.zoo import get_recipe
 
@@ -180,7 +197,8 @@ def validate_job(job: dict) -> None:
     loading = sorted(k for k in job["model_kwargs"] if k in LOADING_KWARGS)
     if loading:
         raise UsageError(
-            f"model.{loading[0]}: runs never load weights or files through the model factory (pools and packs carry them)"
+            f"model.{loading[0]}: runs never load weights or files through the model factory (pools and packs "
+            "carry them); start from a dense checkpoint with weights=FILE (a safetensors state dict)"
         )
     expect(
         "pool_size",
@@ -200,6 +218,9 @@ def validate_job(job: dict) -> None:
     expect("init", isinstance(init, str) and init, "kmeans, random or a pool file")
     if init not in ("kmeans", "random"):
         _check_pool_file(Path(init).expanduser())
+    expect("weights", job["weights"] is None or (isinstance(job["weights"], str) and job["weights"]), "a file")
+    if job["weights"] is not None:
+        _check_weights_file(Path(job["weights"]).expanduser())
     out = Path(default_out(job)).expanduser()
     if out.exists() and not out.is_dir():
         raise UsageError(f"out={str(out)!r} is a file, not a directory: choose another out=DIR")
@@ -221,6 +242,20 @@ def _check_pool_file(path: Path) -> None:
             kind, "not an nwsconvert pool file"
         )
         raise UsageError(f"init={str(path)!r} is {what}; init takes a pool file (pools.safetensors of a run)")
+
+
+def _check_weights_file(path: Path) -> None:
+    from ..formats.stfile import read_header
+
+    if not path.is_file():
+        raise UsageError(f"weights={str(path)!r}: no such file")
+    try:
+        read_header(path)
+    except FormatError:
+        raise UsageError(
+            f"weights={str(path)!r} is not a safetensors file (torch.save / pickle files are not read: "
+            "write it with safetensors.torch.save_file(model.state_dict(), path))"
+        ) from None
 
 
 def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
@@ -264,6 +299,8 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
         raise
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
+    if job["weights"] is not None:
+        _load_job_weights(model, Path(job["weights"]).expanduser())
     init = job["init"]
     if run.exists() and run.pool_path.is_file():
         init = str(run.pool_path)  # resuming: the run's own pools, no k-means again

@@ -4,7 +4,8 @@ A spec is ``"timm:<name>"`` (``timm.create_model``), ``"torchvision:<name>"``
 (``torchvision.models.get_model``) or ``"<module>:<callable>"`` for a user's
 own model factory. Weights are never downloaded: timm models are built with
 ``pretrained=False`` and torchvision models with ``weights=None``; pretrained
-weights reach a run through its pool file and task packs.
+weights reach a run through its pool file and task packs (a run that starts from a user's dense
+checkpoint loads it once, before conversion: ``nws-train weights=FILE``, :mod:`nwsconvert.train.weights`).
 
 Trust: a spec read from a run directory or bundle is data from whoever wrote
 it. ``timm:`` and ``torchvision:`` specs and the factories of the zoo's

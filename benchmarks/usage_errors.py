@@ -48,6 +48,8 @@ def _cases(tmp: Path, run: Path | None) -> list[tuple[str, list[str]]]:
         ["lr=abc", out],
         ["milestones=5", out],
         ["learn_pools=abc", out],
+        [f"weights={tmp / 'missing.safetensors'}", out],
+        [f"weights={afile}", out],
         ["nope=1", out],
         ["model=resnet18", out],
         ["--resume"],

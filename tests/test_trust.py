@@ -606,6 +606,9 @@ def _bad_values(tmp_path: Path):
         ("model=resnet18", "model='resnet18'"),
         ("model.checkpoint_path=/x.pth", "model.checkpoint_path"),
         ("nope=1", "unknown key 'nope'"),
+        (f"weights={tmp_path / 'missing.safetensors'}", "weights="),
+        (f"weights={afile}", "is not a safetensors file"),
+        ("weights=3", "weights=3: expected a file"),
     ]
     if torch.cuda.device_count() == 0:
         cases.append(("device=cuda", "no CUDA GPU is visible"))

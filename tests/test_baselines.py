@@ -379,7 +379,7 @@ def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
 
         return run
 
-    monkeypatch.setattr(accuracy, "nws_run", lambda job, seed, folder: fake("nws")(job, seed, folder))
+    monkeypatch.setattr(accuracy, "nws_run", lambda job, seed, folder, peers_start: fake("nws")(job, seed, folder))
     monkeypatch.setattr(accuracy, "method_run", lambda name, pre, job, seed, folder: fake(name)(pre, job, seed, folder))
     monkeypatch.setattr(accuracy, "pretrained_model", lambda job, seed: None)
     out = tmp_path / "acc.json"

@@ -76,9 +76,16 @@ def test_a_run_starts_from_the_weights_it_is_given(tmp_path, capsys):
     manifest = RunDir(out).read()
     assert manifest.pools.sha256 == nwsconvert.pool_set(model).sha256
     assert manifest.data["job"]["weights"] == str(tmp_path / "w.safetensors")
-    # The run reloads from its own files: the checkpoint is not needed any more.
+    # --resume builds the model as the run started: from the file again.
+    assert train_main(["--resume", f"out={out}", "tasks=2"]) == 0
+    assert capsys.readouterr().out.startswith(f"weights: {tmp_path / 'w.safetensors'}")
+    assert [t.id for t in RunDir(out).read().tasks] == [0, 1]
+    # Reloading a run reads its own files only: the checkpoint is not needed any more.
     (tmp_path / "w.safetensors").unlink()
-    nwsconvert.load(out, task=0)
+    nwsconvert.load(out, task=1)
+    assert train_main(["--resume", f"out={out}", "tasks=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nws-train: weights=") and "no such file" in err, err
 
 
 def test_weights_errors_are_one_line(tmp_path, capsys):

@@ -299,7 +299,7 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
         raise
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
-    if job["weights"] is not None:
+    if job.get("weights") is not None:  # a job recorded before the key existed has none
         _load_job_weights(model, Path(job["weights"]).expanduser())
     init = job["init"]
     if run.exists() and run.pool_path.is_file():

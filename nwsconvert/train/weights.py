@@ -2,9 +2,9 @@
 
 The weights are loaded into the freshly built model before conversion, so the k-means pools, the
 base pack and every task start from them. After that the run's pool file and packs carry
-everything: reloading, exporting or evaluating a run never reads the file. A resumed run loads it
-again before converting with the run's own pools, so a run killed before its first checkpoint
-resumes from the same start.
+everything: reloading, exporting or evaluating a run never reads the file. ``--resume`` builds the
+model as the run started, so it loads the file again (it must still be there) before converting
+with the run's own pools.
 
 Only safetensors is read (no pickle): ``safetensors.torch.save_file(model.state_dict(), path)``
 writes such a file from any PyTorch model.

@@ -56,6 +56,11 @@ def test_load_weights_refuses_what_does_not_fit(tmp_path):
     torch.save(state, tmp_path / "w.pt")
     with pytest.raises(FormatError, match="torch.save / pickle files are not read"):
         load_weights(model, tmp_path / "w.pt")
+    nwsconvert.pool_set(nwsconvert.convert(timm.create_model("test_resnet", in_chans=1), pool_size=8)).save(
+        tmp_path / "pools.safetensors"
+    )
+    with pytest.raises(FormatError, match=r"pools.safetensors is a pool file \(give it as init=FILE\), not a model's"):
+        load_weights(model, tmp_path / "pools.safetensors")
 
 
 def test_a_run_starts_from_the_weights_it_is_given(tmp_path, capsys):

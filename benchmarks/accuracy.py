@@ -34,6 +34,7 @@ included: ``nws_config`` in the JSON) is refused, naming the keys that differ.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -328,13 +329,8 @@ def main(argv=None) -> int:
             if args.json:  # after every method: a killed run loses at most the one it was running
                 _write(args.json, _result(args, commit, job, names, variants, rows, partial=row))
 
-        start: list[torch.nn.Module] = []  # the baselines' pretrained model, built once per seed when needed
-
-        def peers_start(seed=seed, start=start):
-            if not start:
-                start.append(pretrained_model(job, seed))
-            return start[0]
-
+        # the baselines' pretrained model, built once per seed when first needed
+        peers_start = functools.cache(functools.partial(pretrained_model, job, seed))
         with tempfile.TemporaryDirectory() as tmp:
             if "nws" not in row:
                 finished("nws", nws_run(job, seed, f"{tmp}/run", peers_start))

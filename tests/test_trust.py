@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from trainer_utils import KWARGS, SPEC, tiny_model, train_run
 
@@ -587,6 +588,8 @@ def _bad_values(tmp_path: Path):
     pack.write_bytes(b"\0" * 16)
     afile = tmp_path / "afile"
     afile.write_text("x")
+    pools = tmp_path / "pools.safetensors"  # what the header of a run's pool file declares
+    save_file({"x": torch.zeros(1)}, str(pools), metadata={"nwsconvert": json.dumps({"format": "nwsconvert.poolset"})})
     cases = [
         ("pool_size=abc", "pool_size='abc'"),
         ("pool_size=1", "pool_size=1"),
@@ -609,6 +612,7 @@ def _bad_values(tmp_path: Path):
         (f"weights={tmp_path / 'missing.safetensors'}", "weights="),
         (f"weights={afile}", "is not a safetensors file"),
         ("weights=3", "weights=3: expected a file"),
+        (f"weights={pools}", "is a pool file (give it as init=FILE), not a model's state dict"),
     ]
     if torch.cuda.device_count() == 0:
         cases.append(("device=cuda", "no CUDA GPU is visible"))

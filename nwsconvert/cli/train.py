@@ -220,7 +220,11 @@ def validate_job(job: dict) -> None:
         _check_pool_file(Path(init).expanduser())
     expect("weights", job["weights"] is None or (isinstance(job["weights"], str) and job["weights"]), "a file")
     if job["weights"] is not None:
-        _check_weights_file(Path(job["weights"]).expanduser())
+        from ..train.weights import weights_file_problem
+
+        why = weights_file_problem(Path(job["weights"]).expanduser())
+        if why is not None:
+            raise UsageError(f"weights={str(Path(job['weights']).expanduser())!r}{why}")
     out = Path(default_out(job)).expanduser()
     if out.exists() and not out.is_dir():
         raise UsageError(f"out={str(out)!r} is a file, not a directory: choose another out=DIR")
@@ -242,20 +246,6 @@ def _check_pool_file(path: Path) -> None:
             kind, "not an nwsconvert pool file"
         )
         raise UsageError(f"init={str(path)!r} is {what}; init takes a pool file (pools.safetensors of a run)")
-
-
-def _check_weights_file(path: Path) -> None:
-    from ..formats.stfile import read_header
-
-    if not path.is_file():
-        raise UsageError(f"weights={str(path)!r}: no such file")
-    try:
-        read_header(path)
-    except FormatError:
-        raise UsageError(
-            f"weights={str(path)!r} is not a safetensors file (torch.save / pickle files are not read: "
-            "write it with safetensors.torch.save_file(model.state_dict(), path))"
-        ) from None
 
 
 def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:

@@ -14,20 +14,39 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from ..errors import FormatError
-from ..formats.stfile import file_kind, read_header
-from .heads import find_head
+from ..formats.stfile import file_kind
 
-__all__ = ["load_weights"]
+if TYPE_CHECKING:  # torch loads only when weights are loaded: nws-train checks the file before that
+    from torch import nn
+
+__all__ = ["load_weights", "weights_file_problem"]
 
 _NWS_KINDS = {
     "nwsconvert.poolset": "a pool file (give it as init=FILE)",
     "nwsconvert.taskpack": "a task pack",
     "nwsconvert.train.checkpoint": "a training checkpoint (resume its run with --resume)",
 }
+
+
+def weights_file_problem(path: Path) -> str | None:
+    """What makes ``path`` unusable as ``weights=``, worded to follow its name (``": no such file"``,
+    ``" is not a safetensors file (...)"``...), or ``None`` when it is a safetensors file that is not
+    an nwsconvert file. Reads only the header, without torch."""
+    if not path.is_file():
+        return ": no such file"
+    try:
+        kind = file_kind(path)  # the layout checked against the file's length
+    except FormatError:
+        return (
+            " is not a safetensors file (torch.save / pickle files are not read: "
+            "write it with safetensors.torch.save_file(model.state_dict(), path))"
+        )
+    if kind in _NWS_KINDS:
+        return f" is {_NWS_KINDS[kind]}, not a model's state dict"
+    return None
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> list[str]:
@@ -53,17 +72,12 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> list[str]:
     """
     from safetensors.torch import load_file
 
+    from .heads import find_head
+
     path = Path(path)
-    try:
-        read_header(path)  # the layout checked against the file's length before anything is allocated
-    except FormatError as e:
-        raise FormatError(
-            f"{e}; weights= takes a safetensors state dict (torch.save / pickle files are not read: "
-            "write it with safetensors.torch.save_file(model.state_dict(), path))"
-        ) from None
-    kind = file_kind(path)
-    if kind in _NWS_KINDS:
-        raise FormatError(f"{path} is {_NWS_KINDS[kind]}, not a model's state dict")
+    why = weights_file_problem(path)  # before anything is allocated
+    if why is not None:
+        raise (FormatError if path.is_file() else FileNotFoundError)(f"{path}{why}")
     tensors = load_file(str(path))
     own = model.state_dict()
     try:

@@ -84,6 +84,7 @@ def test_version_1_without_optional_fields_reads():
         (lambda d: d.update(created=5), "created"),
         (lambda d: d.update(versions=[]), "versions"),
         (lambda d: d["model"].update(layers=-1), "model"),  # model.layers, or the hash that pins the entry
+        (lambda d: d["data"].update(weights_sha256=7), "data.weights_sha256"),
     ],
 )
 def test_bad_fields_are_named(edit, field):

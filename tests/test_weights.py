@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import timm
 import torch
@@ -81,7 +83,15 @@ def test_a_run_starts_from_the_weights_it_is_given(tmp_path, capsys):
     manifest = RunDir(out).read()
     assert manifest.pools.sha256 == nwsconvert.pool_set(model).sha256
     assert manifest.data["job"]["weights"] == str(tmp_path / "w.safetensors")
-    # --resume builds the model as the run started: from the file again.
+    start = (tmp_path / "w.safetensors").read_bytes()
+    assert manifest.data["weights_sha256"] == hashlib.sha256(start).hexdigest()
+    # --resume builds the model as the run started: from the file again, and only from that file.
+    _checkpoint(tmp_path / "w.safetensors", num_classes=7, seed=6)  # the same path, other weights
+    assert train_main(["--resume", f"out={out}", "tasks=2"]) == 2
+    err = capsys.readouterr().err
+    assert "not the file the run started from" in err and err.count("\n") == 1, err
+    assert [t.id for t in RunDir(out).read().tasks] == [0]  # nothing trained from the other file
+    (tmp_path / "w.safetensors").write_bytes(start)
     assert train_main(["--resume", f"out={out}", "tasks=2"]) == 0
     assert capsys.readouterr().out.startswith(f"weights: {tmp_path / 'w.safetensors'}")
     assert [t.id for t in RunDir(out).read().tasks] == [0, 1]

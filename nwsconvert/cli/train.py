@@ -67,7 +67,8 @@ keys (key=value; values are YAML: 3, 0.01, true, [50, 80], {{a: 1}}):
                           safetensors.torch.save_file(model.state_dict(), FILE)): loaded before
                           conversion, so pools and every task start from them; a classifier of
                           another size is left fresh; with learn_pools=false the tasks start from
-                          them as the pools quantise them, without pool learning
+                          them as the pools quantise them, without pool learning; the run
+                          records the file's SHA-256 and --resume refuses a changed file
   recipe=NAME             demo (default), split-cifar100, cub-to-sketches, paper-adam
   learn_pools=true|false  learn pools on the suite's pretraining data first
   tasks=N                 train only the first N tasks
@@ -147,15 +148,27 @@ def _convert_job(job: dict, model, init, seed: int) -> None:
     preset.apply(model, **options)
 
 
-def _load_job_weights(model, path: Path) -> None:
-    from ..train.weights import load_weights
+def _load_job_weights(model, path: Path, recorded: str | None) -> str:
+    """Load ``weights=`` into ``model``; returns the file's SHA-256. ``recorded``: the digest the run
+    being resumed started from (``None`` for a new run, or a run recorded before digests were kept)."""
+    from ..train.weights import load_weights, weights_sha256
 
+    try:
+        digest = weights_sha256(path)
+    except OSError as e:
+        raise UsageError(f"weights: {path}: {e.strerror or e}") from None
+    if recorded is not None and digest != recorded:
+        raise UsageError(
+            f"weights={str(path)!r}: not the file the run started from (SHA-256 {digest[:12]}..., the run "
+            f"recorded {recorded[:12]}...): restore that file, or start a new run in another out=DIR"
+        )
     try:
         kept = load_weights(model, path)
     except (FileNotFoundError, FormatError, ValueError) as e:
         raise UsageError(f"weights: {e}") from None
     note = f" (classifier {', '.join(kept)} left fresh: the file's has another shape)" if kept else ""
     print(f"weights: {path}{note}", flush=True)
+    return digest
 
 
 def _train_config(job: dict) -> TrainConfig:
@@ -289,8 +302,10 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
         raise
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
+    data_info = {**suite.info(), "job": job}
     if job.get("weights") is not None:  # a job recorded before the key existed has none
-        _load_job_weights(model, Path(job["weights"]).expanduser())
+        recorded = run.read().data.get("weights_sha256") if run.exists() else None
+        data_info["weights_sha256"] = _load_job_weights(model, Path(job["weights"]).expanduser(), recorded)
     init = job["init"]
     if run.exists() and run.pool_path.is_file():
         init = str(run.pool_path)  # resuming: the run's own pools, no k-means again
@@ -304,7 +319,7 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
         config,
         model_spec=job["model"],
         model_kwargs=kwargs,
-        data_info={**suite.info(), "job": job},
+        data_info=data_info,
         device=job["device"],
         resume=resume,
         progress=bool(job["progress"]),

@@ -268,6 +268,7 @@ def check_data_info(f: Fields, key: str = "data") -> None:
     if data is not None:
         data.int("channels", lo=1, hi=4096, optional=True)
         data.ints("input_size", lo=1, hi=1 << 16, optional=True, max_len=3)
+        data.sha("weights_sha256", optional=True)  # nws-train weights=FILE: the file the run started from
         for name in ("mean", "std"):
             values = data.list(name, optional=True)
             if values is not None and not all(type(v) in (int, float) for v in values):

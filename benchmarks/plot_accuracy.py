@@ -8,8 +8,9 @@ scale). The figure is an ``nws-report``-style PNG:
     python benchmarks/plot_accuracy.py benchmarks/results/accuracy_hard_pairs.json \\
         benchmarks/results/accuracy_mixed_domain.json --out benchmarks/results/accuracy_vs_memory.png
 
-``A.json+B.json`` draws B's NWS in A's panel, named by the job keys B changed
-(e.g. ``nws[task_init=original]``), for an NWS variant run on its own.
+``A.json+B.json`` draws B's NWS rows in A's panel: its plain NWS named by the job keys B changed
+(e.g. ``nws[task_init=original]``), for an NWS variant run on its own, and its ``--nws-variants``
+rows (e.g. ``nws[weights=pretrained,learn_pools=false]``) beside A's baselines.
 """
 
 from __future__ import annotations
@@ -54,12 +55,23 @@ def _minor_labels(formatter):
 
 
 def merge(first: dict, other: dict) -> dict:
-    """``first`` with ``other``'s NWS rows added as ``nws[key=value,...]`` (the job keys ``other`` changed)."""
+    """``first`` with ``other``'s NWS rows added, for the seeds both hold. ``other``'s plain NWS row is
+    named ``nws[key=value,...]`` by the job keys ``other`` changed (left out when it changed none: it
+    is the same job as ``first``'s NWS); its variants ``nws[v]`` come as ``nws[key=value,...,v]``
+    (``nws[v]`` for the same job). ``other``'s baselines are not drawn: ``first`` holds the panel's."""
     changed = ",".join(f"{k}={v}" for k, v in sorted(other["job"].items()) if first["job"].get(k) != v)
-    name = f"nws[{changed}]"
+    names = {"nws": f"nws[{changed}]"} if changed else {}
+    for m in other["methods"]:
+        if m.startswith("nws["):
+            names[m] = f"nws[{changed},{m[4:]}" if changed else m
+    names = {m: name for m, name in names.items() if name not in first["methods"]}
     by_seed = {r["seed"]: r for r in other["rows"]}
-    rows = [{**r, name: by_seed[r["seed"]]["nws"]} for r in first["rows"] if r["seed"] in by_seed]
-    return {**first, "methods": [*first["methods"][:1], name, *first["methods"][1:]], "rows": rows}
+    rows = [
+        {**r, **{name: by_seed[r["seed"]][m] for m, name in names.items()}}
+        for r in first["rows"]
+        if r["seed"] in by_seed
+    ]
+    return {**first, "methods": [*first["methods"][:1], *names.values(), *first["methods"][1:]], "rows": rows}
 
 
 def nws_label(result: dict) -> str:
@@ -110,7 +122,7 @@ def title_of(result: dict, path: Path) -> str:
             shared[key] = recorded[key]
     recipe = ", ".join(f"{k}={shared[k]}" for k in sorted(shared))
     seeds = f"{len(result['rows'])} seed(s)" + (f", {recipe}" if recipe else "")
-    return f"{result['suite']}" + (f" ({extra})" if extra else "") + f"\n{seeds}, {path.stem}"
+    return f"{result['suite']}: {path.stem}" + (f"\n{extra}" if extra else "") + f"\n{seeds}"
 
 
 def figure(results: list[tuple[Path, dict]]):
@@ -118,7 +130,7 @@ def figure(results: list[tuple[Path, dict]]):
     n = len(results)
     cols = min(n, 2)
     rows = math.ceil(n / cols)
-    fig = _figure(7.6 * cols, 4.2 * rows)
+    fig = _figure(7.6 * cols, 4.5 * rows)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, (path, result) in zip(axes, results):
         variants_seen = 0
@@ -141,6 +153,8 @@ def figure(results: list[tuple[Path, dict]]):
                 label=label,
             )
         ax.set_xscale("log")
+        spread = [p["bytes"] for p in points(result)]
+        ax.set_xlim(min(spread) / 1.6, max(spread) * 1.6)  # room for a labelled tick beside the smallest point
         ax.xaxis.set_major_formatter(_byte_formatter(compact=True))
         ax.xaxis.set_minor_formatter(_minor_labels(_byte_formatter(compact=True)))
         ax.set_xlabel("memory for every task (files on disk, log scale)")

@@ -308,6 +308,27 @@ def test_accuracy_plot_tells_nws_variants_apart_and_labels_a_narrow_axis():
     assert {"5 MB", "20 MB", "50 MB"} <= minor and not any("10^" in t or "times" in t for t in minor)
 
 
+def test_accuracy_plot_merges_another_files_nws_rows_into_a_panel():
+    """``A.json+B.json``: B's variants join A's panel under their own names (B's plain NWS left out
+    when B ran A's job); a B of another job names the keys it changed; only seeds both hold remain."""
+    import plot_accuracy
+
+    def row(seed, nws, dense):
+        return {"seed": seed, "nws": {"avg": nws, "disk_bytes": 3e6}, "dense": {"avg": dense, "disk_bytes": 2e8}}
+
+    job = {"suite_options": {}, "recipe": "demo"}
+    a = {"suite": "s", "job": job, "methods": ["nws", "dense"], "rows": [row(1, 0.8, 0.9), row(2, 0.7, 0.8)]}
+    v = "nws[weights=pretrained]"
+    b = {"suite": "s", "job": job, "methods": ["nws", v], "rows": [{"seed": 1, "nws": {"avg": 0.8}, v: {"avg": 0.85}}]}
+    merged = plot_accuracy.merge(a, b)
+    assert merged["methods"] == ["nws", v, "dense"]
+    assert [r["seed"] for r in merged["rows"]] == [1] and merged["rows"][0][v] == {"avg": 0.85}
+    c = {**b, "job": {**job, "epochs": 15}}
+    merged = plot_accuracy.merge(a, c)
+    assert merged["methods"] == ["nws", "nws[epochs=15]", "nws[epochs=15,weights=pretrained]", "dense"]
+    assert merged["rows"][0]["nws[epochs=15,weights=pretrained]"] == {"avg": 0.85}
+
+
 def test_accuracy_plot_names_the_task_init_of_an_older_nws_row():
     """The plain NWS point is labelled ``NWS`` when it ran today's default task initialisation and
     names ``task_init=previous`` when its JSON predates ``nws_config`` (it ran the old default) or
@@ -559,9 +580,9 @@ def test_accuracy_plot_title_names_the_training_options_every_method_shared():
     job = {"suite_options": {"pairs": "hard", "path": "/x"}, "recipe": "demo", "model": "timm:resnet18"}
     today = {"nws_config": {"recalibrate_bn": True}}
     result = {"suite": "s", "job": job, "rows": [{}, {}, {}], **today}
-    assert plot_accuracy.title_of(result, Path("r.json")) == "s (pairs=hard)\n3 seed(s), r"
+    assert plot_accuracy.title_of(result, Path("r.json")) == "s: r\npairs=hard\n3 seed(s)"
     result["job"] = {**job, "pool_epochs": 12, "epochs": 15}
-    assert plot_accuracy.title_of(result, Path("r.json")) == "s (pairs=hard)\n3 seed(s), epochs=15, pool_epochs=12, r"
+    assert plot_accuracy.title_of(result, Path("r.json")) == "s: r\npairs=hard\n3 seed(s), epochs=15, pool_epochs=12"
     # A file from before recalibrate_bn ran every method without it: the title says so.
     older = {"suite": "s", "job": job, "rows": [{}], "nws_config": {"task_init": "original"}}
-    assert plot_accuracy.title_of(older, Path("r.json")) == "s (pairs=hard)\n1 seed(s), recalibrate_bn=False, r"
+    assert plot_accuracy.title_of(older, Path("r.json")) == "s: r\npairs=hard\n1 seed(s), recalibrate_bn=False"

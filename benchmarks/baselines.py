@@ -54,6 +54,7 @@ from nwsconvert import evaluate, resize_head
 from nwsconvert.formats.storage import read_tensors, write_tensors
 from nwsconvert.train.config import TrainConfig, lr_factor
 from nwsconvert.train.heads import find_head
+from nwsconvert.train.loop import param_groups
 
 __all__ = ["fit", "Method", "DenseFinetune", "BNHead", "PackNet", "Piggyback", "LoRA4", "LoRA16", "METHODS"]
 
@@ -65,7 +66,8 @@ FREE = 255  # PackNet owner map: a weight no task owns yet
 def fit(
     model: nn.Module, data, cfg: TrainConfig, epochs: int, lr: float, seed: int, *, params=None, after_step=None
 ) -> None:
-    """Train ``model`` on ``data`` with the recipe of ``cfg`` (optimiser, schedule, batch size).
+    """Train ``model`` on ``data`` with the recipe of ``cfg`` (optimiser, schedule, batch size,
+    ``head_lr_scale``: :func:`~nwsconvert.train.loop.param_groups`).
 
     Args:
         params: the parameters to optimise (default: every parameter that requires grad).
@@ -75,15 +77,16 @@ def fit(
             the process.
     """
     params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
+    groups = param_groups(model, params, cfg)  # the head, norms and biases at lr * head_lr_scale, as NWS's
     opt = (
-        torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+        torch.optim.Adam(groups, lr=lr, weight_decay=cfg.weight_decay)
         if cfg.optimizer == "adam"
-        else torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+        else torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
     )
     sched_cfg = cfg.replace(epochs=epochs)
     for epoch in range(epochs):
         for g in opt.param_groups:
-            g["lr"] = lr * lr_factor(sched_cfg, epoch)
+            g["lr"] = lr * lr_factor(sched_cfg, epoch) * g["lr_scale"]
         loader = _loader(data, cfg, seed * 1000 + epoch)
         torch.manual_seed(seed * 1000 + epoch)
         model.train()

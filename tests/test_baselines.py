@@ -60,6 +60,34 @@ def test_a_stored_task_scores_what_was_trained(cls, pretrained, tmp_path):
 
 
 @pytest.mark.parametrize("cls", [DenseFinetune, BNHead, PackNet, Piggyback, LoRA4])
+def test_head_lr_scale_reaches_every_baseline(cls, pretrained, tmp_path, monkeypatch):
+    """``head_lr_scale`` as in the NWS trainer: each method's head and BatchNorm parameters train at
+    ``lr * head_lr_scale``, its weights of two or more dimensions outside the head (kernels, PackNet's
+    free weights, Piggyback's mask scores, LoRA's factors) at ``lr``."""
+    import baselines
+
+    from nwsconvert.train.heads import find_head
+
+    seen = []
+
+    def spy(model, params, cfg):
+        groups = param_groups(model, params, cfg)
+        seen.append((model, groups))
+        return groups
+
+    param_groups = baselines.param_groups
+    monkeypatch.setattr(baselines, "param_groups", spy)
+    cls(pretrained, tmp_path, tiny_config(epochs=1, head_lr_scale=4.0), seed=1993).learn(0, TASKS[0])
+    model, groups = seen[-1]
+    scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    head = [p for p in find_head(model)[1].parameters() if p.requires_grad]
+    norms = [p for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters()]
+    assert head and all(scale[id(p)] == 4.0 for p in head + norms)
+    others = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in map(id, head)]
+    assert all(scale[id(p)] == 1.0 for p in others) and (others or cls is BNHead)
+
+
+@pytest.mark.parametrize("cls", [DenseFinetune, BNHead, PackNet, Piggyback, LoRA4])
 def test_recalibrated_statistics_are_the_final_weights_and_are_stored(cls, pretrained, tmp_path):
     """``recalibrate_bn``, as in the NWS trainer: after a task the first BatchNorm holds the mean and
     unbiased variance of its input over the training data (one batch here), and the stored task

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
+from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model, train_run
 
 import nwsconvert
 from nwsconvert import RunDir, TaskPack, TrainConfig, Trainer, evaluate, nws_layers
@@ -456,3 +456,30 @@ def test_a_recorded_configuration_keeps_the_behaviour_of_options_it_predates():
     assert TrainConfig.from_recorded({"epochs": 3, "recalibrate_bn": True}).recalibrate_bn is True
     assert TrainConfig.from_dict({"epochs": 3}).recalibrate_bn is True
     assert get_recipe("demo").recalibrate_bn is True
+
+
+def test_head_lr_scale_gives_the_head_norms_and_biases_their_own_rate(tmp_path, monkeypatch):
+    """``head_lr_scale``: a task's optimiser trains the temporary kernels at ``lr`` and the head,
+    BatchNorm and biases at ``lr * head_lr_scale``; pool learning keeps one rate."""
+    from nwsconvert.train import stage
+    from nwsconvert.train.heads import feature_weights, find_head
+
+    made = []
+
+    def spy(model, cfg):
+        made.append(opt := make_optimizer(model, cfg))
+        return opt
+
+    make_optimizer = stage.make_optimizer
+    monkeypatch.setattr(stage, "make_optimizer", spy)
+    trainer = train_run(tmp_path / "r", tasks=(3,), head_lr_scale=4.0)
+    pools, task = made
+    assert [g["lr_scale"] for g in pools.param_groups] == [1.0]
+    kernels, rest = task.param_groups
+    assert (kernels["lr_scale"], rest["lr_scale"]) == (1.0, 4.0)
+    assert (kernels["lr"], rest["lr"]) == (0.05, 0.2)  # tiny_config's lr; epoch 0, before the milestone
+    model = trainer.model
+    assert {id(p) for p in kernels["params"]} == {id(p) for p in feature_weights(model)}
+    head = {id(p) for p in find_head(model)[1].parameters()}
+    norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters()}
+    assert head | norms <= {id(p) for p in rest["params"]}

@@ -26,6 +26,7 @@ _RANGES = {
     "weight_decay": ("float", 0.0, None),
     "epochs": ("int", 1, None),
     "head_epochs": ("int", 0, None),
+    "head_lr_scale": ("float", 0.0, None),
     "recalibrate_bn": ("bool", None, None),
     "milestones": ("ints", 0, None),
     "gamma": ("float", 0.0, None),
@@ -41,7 +42,7 @@ _RANGES = {
     "num_workers": ("int", 0, None),
     "checkpoint_every": ("int", 1, None),
 }
-_POSITIVE = ("lr", "gamma", "pool_lr")  # strictly above their lower bound
+_POSITIVE = ("lr", "gamma", "pool_lr", "head_lr_scale")  # strictly above their lower bound
 
 
 def _check_types(config) -> None:
@@ -86,6 +87,10 @@ class TrainConfig:
             dimensions outside the head) stay where ``task_init`` put them, so no index changes;
             the remaining epochs train everything (linear probing, then fine-tuning). 0: every
             epoch trains everything. Pool learning is not affected.
+        head_lr_scale: task learning trains the head, the normalisation layers and the biases
+            (what ``head_epochs`` leaves trainable) at ``lr * head_lr_scale``, the kernels and other
+            weights of two or more dimensions at ``lr``, as transfer learning often gives a fresh
+            head a larger rate. 1: one rate for everything. Pool learning is not affected.
         recalibrate_bn: after a task's last epoch, recompute every BatchNorm layer's running
             statistics in one pass over every training image of the task, in batches of
             ``max(batch_size, 256)`` (``torch.optim.swa_utils.update_bn``, no gradient), so that
@@ -146,6 +151,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     epochs: int = 100
     head_epochs: int = 0
+    head_lr_scale: float = 1.0
     recalibrate_bn: bool = True
     schedule: str = "step"
     milestones: list[int] = field(default_factory=lambda: [50, 80])
@@ -219,6 +225,7 @@ class TrainConfig:
             lr=self.pool_lr or self.lr,
             milestones=[max(1, round(m * scale)) for m in self.milestones],
             head_epochs=0,
+            head_lr_scale=1.0,
         )
 
 

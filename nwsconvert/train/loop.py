@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..core.nwsmodel import commitment_loss, distillation_loss, ema_update, search_stats, set_commitment
 from .config import TrainConfig
 from .distributed import DistInfo
+from .heads import feature_weights
 
 __all__ = [
     "Data",
@@ -98,9 +99,24 @@ def make_loader(
     )
 
 
+def param_groups(model: nn.Module, params: list, cfg: TrainConfig) -> list[dict]:
+    """``params`` as optimiser groups, each with its ``lr_scale`` (the factor on the schedule's rate):
+    one group at 1 unless ``cfg.head_lr_scale`` is set; then :func:`~nwsconvert.train.heads.feature_weights`
+    at 1 and the rest (head, normalisation layers, biases) at ``head_lr_scale``. Empty groups are left out."""
+    if cfg.head_lr_scale == 1.0:
+        return [{"params": params, "lr_scale": 1.0}]
+    features = {id(p) for p in feature_weights(model)}
+    groups = [
+        {"params": [p for p in params if id(p) in features], "lr_scale": 1.0},
+        {"params": [p for p in params if id(p) not in features], "lr_scale": cfg.head_lr_scale},
+    ]
+    return [g for g in groups if g["params"]]
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """SGD (momentum, Nesterov, weight decay) or Adam over the model's trainable parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """SGD (momentum, Nesterov, weight decay) or Adam over the model's trainable parameters, in
+    :func:`param_groups` (each group's ``lr`` is set per epoch from its ``lr_scale``)."""
+    params = param_groups(model, [p for p in model.parameters() if p.requires_grad], cfg)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(

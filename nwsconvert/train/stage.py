@@ -102,7 +102,10 @@ def run_stage(
     start = _restore(ctx, ckpt) if ckpt is not None else 0
     optimizer = make_optimizer(ctx.model, cfg)
     if ckpt is not None:
+        scales = [g["lr_scale"] for g in optimizer.param_groups]
         optimizer.load_state_dict(ckpt[2])
+        for group, scale in zip(optimizer.param_groups, scales):  # the run's config, not the file's
+            group["lr_scale"] = scale
     set_commitment(ctx.model, cfg.commitment)
     engine = search_engine(ctx.model, cfg.search)
     try:
@@ -149,7 +152,7 @@ def _epochs(ctx: StageContext, stage, train, val, cfg: TrainConfig, pool: bool, 
                 phase = head_only
             lr = cfg.lr * lr_factor(cfg, epoch)
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group["lr_scale"]
             loader = ctx.loader(train, cfg, True, seed * 1000 + epoch)
             if isinstance(getattr(loader, "sampler", None), DistributedSampler):
                 loader.sampler.set_epoch(epoch)

@@ -8,28 +8,19 @@ that the readers verify before use.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 from nwsconvert.errors import FormatError
 from nwsconvert.formats.schema import Fields
+from nwsconvert.formats.stfile import file_sha256
 from nwsconvert.train.manifest import check_data_info
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "read_bundle", "check_bundle", "file_sha256"]
 
 BUNDLE_FORMAT = "nwsconvert.bundle"
 BUNDLE_VERSION = 2  # 2: pack_sha256, onnx_sha256 and base_sha256 per task; version 1 still reads
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_bundle(desc: dict, path) -> None:

@@ -151,10 +151,11 @@ def _convert_job(job: dict, model, init, seed: int) -> None:
 def _load_job_weights(model, path: Path, recorded: str | None) -> str:
     """Load ``weights=`` into ``model``; returns the file's SHA-256. ``recorded``: the digest the run
     being resumed started from (``None`` for a new run, or a run recorded before digests were kept)."""
-    from ..train.weights import load_weights, weights_sha256
+    from ..formats.stfile import file_sha256
+    from ..train.weights import load_weights
 
     try:
-        digest = weights_sha256(path)
+        digest = file_sha256(path)
     except OSError as e:
         raise UsageError(f"weights: {path}: {e.strerror or e}") from None
     if recorded is not None and digest != recorded:

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..errors import FormatError
 
 __all__ = [
+    "file_sha256",
     "TensorInfo",
     "Header",
     "read_header",
@@ -252,6 +253,15 @@ def raw_digest(data, header: Header, names=None) -> str:
         t = header.tensors[name]
         h.update(json.dumps([name, TORCH_DTYPE[t.dtype], list(t.shape)]).encode())
         h.update(view[t.start : t.end])
+    return h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes (hex), read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
     return h.hexdigest()
 
 

@@ -4,7 +4,7 @@ The weights are loaded into the freshly built model before conversion, so the k-
 base pack and every task start from them. After that the run's pool file and packs carry
 everything: reloading, exporting or evaluating a run never reads the file. ``--resume`` builds the
 model as the run started, so it loads the file again (it must still be there, unchanged: the run
-records the file's SHA-256, :func:`weights_sha256`, and a resume refuses another file) before
+records the file's SHA-256 and a resume refuses another file) before
 converting with the run's own pools.
 
 Only safetensors is read (no pickle): ``safetensors.torch.save_file(model.state_dict(), path)``
@@ -13,7 +13,6 @@ writes such a file from any PyTorch model.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +23,7 @@ from ..formats.stfile import file_kind
 if TYPE_CHECKING:  # torch loads only when weights are loaded: nws-train checks the file before that
     from torch import nn
 
-__all__ = ["load_weights", "weights_file_problem", "weights_sha256"]
+__all__ = ["load_weights", "weights_file_problem"]
 
 _NWS_KINDS = {
     "nwsconvert.poolset": "a pool file (give it as init=FILE)",
@@ -49,15 +48,6 @@ def weights_file_problem(path: Path) -> str | None:
     if kind in _NWS_KINDS:
         return f" is {_NWS_KINDS[kind]}, not a model's state dict"
     return None
-
-
-def weights_sha256(path: str | os.PathLike) -> str:
-    """The SHA-256 of the file's bytes (hex), read in 1 MiB chunks: what a run records of ``weights=``."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> list[str]:

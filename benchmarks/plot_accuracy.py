@@ -134,7 +134,8 @@ def figure(results: list[tuple[Path, dict]]):
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, (path, result) in zip(axes, results):
         variants_seen = 0
-        for p in points(result):
+        panel = points(result)
+        for p in panel:
             variant = p["method"].startswith("nws[")
             marker, variant_colour = VARIANTS[variants_seen % len(VARIANTS)] if variant else ("o", "#333333")
             variants_seen += variant
@@ -153,8 +154,8 @@ def figure(results: list[tuple[Path, dict]]):
                 label=label,
             )
         ax.set_xscale("log")
-        spread = [p["bytes"] for p in points(result)]
-        ax.set_xlim(min(spread) / 1.6, max(spread) * 1.6)  # room for a labelled tick beside the smallest point
+        sizes = [p["bytes"] for p in panel]
+        ax.set_xlim(min(sizes) / 1.6, max(sizes) * 1.6)  # room for a labelled tick beside the smallest point
         ax.xaxis.set_major_formatter(_byte_formatter(compact=True))
         ax.xaxis.set_minor_formatter(_minor_labels(_byte_formatter(compact=True)))
         ax.set_xlabel("memory for every task (files on disk, log scale)")

@@ -483,3 +483,46 @@ def test_head_lr_scale_gives_the_head_norms_and_biases_their_own_rate(tmp_path, 
     head = {id(p) for p in find_head(model)[1].parameters()}
     norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters()}
     assert head | norms <= {id(p) for p in rest["params"]}
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_a_killed_task_with_head_lr_scale_resumes_to_the_uninterrupted_pack(tmp_path, monkeypatch, older):
+    """A task killed after a checkpoint resumes with the run's ``head_lr_scale`` and packs what an
+    uninterrupted run packs, bit for bit; also from a checkpoint written before the option, whose
+    optimiser groups carry no ``lr_scale`` (torch's ``load_state_dict`` keeps only what the file holds)."""
+    from nwsconvert.train import stage
+
+    cfg = tiny_config(epochs=2, head_lr_scale=4.0)
+    train, val = blobs(32, 2, 1), blobs(16, 2, 2)
+    Trainer(tiny_model(), tmp_path / "ref", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False).fit_task(
+        0, train, val, 2
+    )
+
+    class Killed(BaseException):
+        pass
+
+    real_log = StageContext.log
+
+    def log(self, record):
+        if record.get("stage") == "task:0" and record.get("epoch") == 1 and "train_loss" in record:
+            raise Killed  # epoch 1's checkpoint is on disk
+        real_log(self, record)
+
+    monkeypatch.setattr(StageContext, "log", log)
+    t1 = Trainer(tiny_model(), tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    with pytest.raises(Killed):
+        t1.fit_task(0, train, val, 2)
+    t1.close()
+    monkeypatch.setattr(StageContext, "log", real_log)
+    assert load_checkpoint(RunDir(tmp_path / "r").checkpoint_path)[0]["epoch"] == 1
+    if older:
+
+        def without_scales(path):
+            header, model_state, opt_state = load_checkpoint(path)
+            for group in opt_state["param_groups"]:
+                del group["lr_scale"]
+            return header, model_state, opt_state
+
+        monkeypatch.setattr(stage, "load_checkpoint", without_scales)
+    Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False).fit_task(0, train, val, 2)
+    assert RunDir(tmp_path / "r").read().tasks[0].sha256 == RunDir(tmp_path / "ref").read().tasks[0].sha256

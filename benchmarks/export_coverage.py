@@ -1,21 +1,26 @@
 """Export coverage beyond the tests: convert, export_onnx, onnxruntime against PyTorch, per architecture.
 
-    python benchmarks/export_coverage.py --exporter auto --json benchmarks/results/export_coverage_auto.json
+    python benchmarks/export_coverage.py --json benchmarks/results/export_coverage_default.json
     python benchmarks/export_coverage.py --exporter dynamo --models timm:halonet26t@256 torchvision:vgg11_bn
+    python benchmarks/export_coverage.py --init random --pool-size 64      # the old stand-in, for comparison
 
 Each model (timm or torchvision, ``name@size`` for its input size, 96 by
-default) is built with random weights made trained-like (BatchNorm / LayerNorm
-scales in [0.5, 1.5], Linear weights N(0, 0.05), so no head or scale is zero
-and the logits depend on the input), converted with 64-entry random pools and
-exported with the chosen exporter; onnxruntime (CPU, the Runtime's session
-options) runs it on two random images. Before the check every BatchNorm's running
+default; ``preset:timm:NAME`` converts with the family preset ``preset=auto``
+picks, ``zoo:efficientnet_lite0`` is the zoo's ImageNet EfficientNet-Lite0 with
+its own preset) is built with random weights made trained-like (BatchNorm /
+LayerNorm scales in [0.5, 1.5], Linear weights N(0, 0.05), so no head or scale
+is zero and the logits depend on the input) and converted **as a user's
+``convert(model)`` does by default: k-means pools of 512 entries** (``--init`` /
+``--pool-size`` change that). Before the export every BatchNorm's running
 statistics are set from a few random batches (:func:`calibrate_norms`), so the
-logits have a trained network's scale. A model passes (:func:`passes`) when the
-largest logit difference is at most 1e-4 of the largest logit, or when the graph
-is no further from the float64 result than 4x PyTorch's own float32; a record
-whose largest logit is under ``MIN_LOGIT`` fails, since a parity check on
-outputs near zero says little. Each line of output is a JSON record; the summary
-counts passes and the exporter each graph came from.
+logits have a trained network's scale. onnxruntime runs the graph in a **plain
+session** (CPU, no optimizer disabled: the graph must be right in any runtime)
+on two random images. A model passes (:func:`passes`) when the largest logit
+difference is at most 1e-4 of the largest logit, or when the graph is no further
+from the float64 result than 4x PyTorch's own float32; a record whose largest
+logit is under ``MIN_LOGIT`` fails, since a parity check on outputs near zero
+says little. Each line of output is a JSON record; the summary counts passes
+and the exporter each graph came from.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import torchvision
 
 import nwsconvert
 from nwsconvert.export.onnx_graph import export_onnx
-from nwsconvert.export.runtime import DISABLED_OPTIMIZERS
 
 MODELS = (
     "timm:resnet18 timm:resnet26d timm:resnext26ts timm:seresnext26d_32x4d timm:mixnet_s timm:convnext_atto "
@@ -49,7 +53,13 @@ MODELS = (
     "timm:coatnet_nano_rw_224@224 timm:maxvit_nano_rw_256@256 timm:inception_v3@299 torchvision:resnet18 "
     "torchvision:mobilenet_v3_small torchvision:shufflenet_v2_x0_5 torchvision:mnasnet0_5 torchvision:squeezenet1_0 "
     "torchvision:googlenet torchvision:efficientnet_b0 torchvision:regnet_y_400mf torchvision:convnext_tiny "
-    "torchvision:vgg11_bn torchvision:vit_b_16@224 torchvision:swin_t@224 torchvision:maxvit_t@224 torchvision:resnext50_32x4d"
+    "torchvision:vgg11_bn torchvision:vit_b_16@224 torchvision:swin_t@224 torchvision:maxvit_t@224 torchvision:resnext50_32x4d "
+    # Architectures users reported failing under the default conversion (equal index tensors merged by the exporter).
+    "timm:fbnetc_100 timm:inception_next_tiny timm:mambaout_femto timm:starnet_s1 timm:efficientvit_b0 timm:repvit_m0_9 "
+    "timm:ghostnetv2_100 "
+    # Family presets, as nws-train preset=auto and the zoo's pretrained entry convert.
+    "preset:timm:mobilenetv2_050 preset:timm:mobilenetv2_100 preset:timm:resnet18 preset:timm:convnext_atto "
+    "preset:timm:vgg11 zoo:efficientnet_lite0@224"
 ).split()
 
 
@@ -64,10 +74,26 @@ MIN_LOGIT = 1e-3
 
 
 def build(name: str) -> torch.nn.Module:
-    src, _, arch = name.partition(":")
+    """``timm:NAME``, ``torchvision:NAME``, ``preset:<either>`` (the same model) or ``zoo:NAME`` (pretrained entry)."""
+    src, _, arch = name.removeprefix("preset:").partition(":")
     if src == "timm":
         return timm.create_model(arch, pretrained=False, num_classes=5)
+    if src == "zoo":
+        from nwsconvert.zoo import get_pretrained
+
+        return get_pretrained(arch).build(num_classes=5)
     return torchvision.models.get_model(arch, weights=None, num_classes=5)
+
+
+def convert_like_a_user(name: str, model: torch.nn.Module, pool_size: int, init: str) -> None:
+    """``convert(model)`` with the user's defaults; ``preset:`` and ``zoo:`` models through their family preset."""
+    if name.startswith(("preset:", "zoo:")):
+        from nwsconvert.zoo import apply_preset, get_pretrained
+
+        preset = get_pretrained(name.split(":")[1]).preset if name.startswith("zoo:") else None
+        apply_preset(model, preset, pool_size=pool_size, init=init)
+    else:
+        nwsconvert.convert(model, pool_size=pool_size, init=init)
 
 
 def _logits(model: torch.nn.Module, x: torch.Tensor) -> np.ndarray:
@@ -78,8 +104,8 @@ def _logits(model: torch.nn.Module, x: torch.Tensor) -> np.ndarray:
 
 
 def onnx_parity(model: torch.nn.Module, size: int, exporter: str = "auto", batch: int = 2) -> dict:
-    """Export a converted model (eval mode), run it in onnxruntime (CPU, the Runtime's session options)
-    and compare with PyTorch: ``{rel, max_abs, max_logit, top1_agree, exporter, gather_nodes, bytes}``."""
+    """Export a converted model (eval mode), run it in a plain onnxruntime session (CPU, default options)
+    and compare with PyTorch: ``{rel, max_abs, max_logit, top1_agree, exporter, gather_nodes, bytes, index_dtype}``."""
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         nwsconvert.pool_set(model).save(d / "pools.safetensors")
@@ -90,9 +116,7 @@ def onnx_parity(model: torch.nn.Module, size: int, exporter: str = "auto", batch
         ref = _logits(model, x)
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        sess = ort.InferenceSession(
-            str(d / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
-        )
+        sess = ort.InferenceSession(str(d / "m.onnx"), opts, providers=["CPUExecutionProvider"])  # plain
         y = sess.run(None, {"input": x.numpy()})[0]
     ref64 = _logits(copy.deepcopy(model).double(), x.double())  # the exact result, for float32's own error
     err, scale = float(np.abs(y - ref).max()), float(np.abs(ref).max())
@@ -106,10 +130,11 @@ def onnx_parity(model: torch.nn.Module, size: int, exporter: str = "auto", batch
         "exporter": info["exporter"],
         "gather_nodes": info["gather_nodes"],
         "bytes": info["bytes"],
+        "index_dtype": info["index_dtype"],
     }
 
 
-def probe(name: str, size: int, exporter: str) -> dict:
+def probe(name: str, size: int, exporter: str, pool_size: int = 512, init: str = "kmeans") -> dict:
     torch.manual_seed(0)
     model = build(name).eval()
     for m in model.modules():  # trained-like: no zero-initialised head or norm scale
@@ -120,10 +145,13 @@ def probe(name: str, size: int, exporter: str) -> dict:
             torch.nn.init.uniform_(m.weight, 0.5, 1.5)
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, 0, 0.05)
-    model = nwsconvert.convert(model, pool_size=64, init="random").eval()
+    tic = time.perf_counter()
+    convert_like_a_user(name, model, pool_size, init)
+    converted = time.perf_counter() - tic
+    model.eval()
     calibrate_norms(model, size)
     r = onnx_parity(model, size, exporter)
-    return {"ok": passes(r), **r}
+    return {"ok": passes(r), **r, "convert_seconds": round(converted, 1)}
 
 
 def passes(r: dict) -> bool:
@@ -156,6 +184,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--exporter", default="auto", choices=["auto", "torchscript", "dynamo"])
     p.add_argument("--models", nargs="+", default=list(MODELS), help="timm:NAME or torchvision:NAME, optionally @SIZE")
+    p.add_argument("--pool-size", type=int, default=512, help="pool entries per layer (convert's default: 512)")
+    p.add_argument("--init", default="kmeans", choices=["kmeans", "random"], help="pool init (convert's default)")
     p.add_argument("--json", default=None, help="write all records and the summary here")
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -165,7 +195,7 @@ def main() -> None:
         size = int(size or 96)
         tic = time.perf_counter()
         try:
-            rec = {"model": name, "size": size, **probe(name, size, args.exporter)}
+            rec = {"model": name, "size": size, **probe(name, size, args.exporter, args.pool_size, args.init)}
         except Exception as e:  # a failure is a finding: record it and go on
             rec = {"model": name, "size": size, "ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
         rec["seconds"] = round(time.perf_counter() - tic, 1)
@@ -173,7 +203,7 @@ def main() -> None:
         print(json.dumps(rec), flush=True)
     ok = [r for r in records if r["ok"]]
     summary = {
-        "command": "python benchmarks/export_coverage.py --exporter " + args.exporter,
+        "command": f"python benchmarks/export_coverage.py --exporter {args.exporter} --pool-size {args.pool_size} --init {args.init}",
         "commit": commit,
         "torch": torch.__version__,
         "timm": timm.__version__,

@@ -47,9 +47,19 @@ from nwsconvert.errors import NWSError
 from nwsconvert.formats.stfile import read_header
 from nwsconvert.formats.storage import atomic_write_bytes
 
+from .graph_edits import guard_zero_pad_pools, index_source, inline_shared_initializers, prune
 from .indexplanes import pack_index_planes
 
-__all__ = ["export_onnx", "index_nodes", "safetensors_offsets", "ExportError", "EXPORTERS", "OPSET", "IR_VERSION"]
+__all__ = [
+    "export_onnx",
+    "export_graph",
+    "index_nodes",
+    "safetensors_offsets",
+    "ExportError",
+    "EXPORTERS",
+    "OPSET",
+    "IR_VERSION",
+]
 
 OPSET = 17  # TorchScript exporter
 DYNAMO_OPSET = 18  # torch.export-based exporter (its lowest)
@@ -295,22 +305,26 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
         ``(pool Gathers found, index storages used)``.
     """
     graph = proto.graph
+    inline_shared_initializers(graph)
     inits = {t.name: t for t in graph.initializer}
     pools = {layer.name: layer.nws.pool.detach().cpu().float().numpy() for layer in layers}
     offsets = safetensors_offsets(pool_file)
     consumers = _consumers(graph)
     producers = {out: n for n in graph.node for out in n.output}
-    gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in inits]
+    gathers = [(n, n.input[0]) for n in graph.node if n.op_type == "Gather" and n.input[0] in inits]
     renamed: dict[str, str] = {}
+    linked: set[str] = set()
     found = 0
     storage: set[str] = set()
-    new_nodes, drop, after = [], [], []
-    for node in gathers:
-        data = numpy_helper.to_array(inits[node.input[0]])
+    new_nodes, after = [], []
+    for node, pool_init in gathers:
+        data = numpy_helper.to_array(inits[pool_init])
         match = [name for name, p in pools.items() if p.shape == data.shape and np.array_equal(p, data)]
         if not match:
             continue
-        layer = match[0]
+        # Layers whose pools are equal (the exporter gave them one initializer) each keep their own name.
+        layer = next((name for name in match if name not in linked), match[0])
+        linked.add(layer)
         found += 1
         # Pool: external data inside pools.safetensors.
         start, length, dtype, shape = offsets[layer]
@@ -324,8 +338,8 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
                 "Cast", [node.output[0]], [gathered], to=TensorProto.FLOAT, name=f"{node.name or gathered}/cast"
             )
             after.append((node, cast_back))
-        if node.input[0] not in renamed:
-            t = inits[node.input[0]]
+        if pool_init not in renamed:
+            t = inits[pool_init]
             t.data_type = _POOL_TYPES[dtype]
             new_name = f"pool/{layer}"
             for other in consumers.get(t.name, []):
@@ -339,49 +353,61 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
             for key, value in (("location", pool_file.name), ("offset", str(start)), ("length", str(length))):
                 entry = t.external_data.add()
                 entry.key, entry.value = key, value
-        # Indices: the exporter wrote an int32 initializer (and a Cast); store them at
-        # ceil(log2 n) bits and rebuild them in the graph right before the Gather.
-        cast = producers.get(node.input[1])
-        src = cast.input[0] if cast is not None and cast.op_type == "Cast" else node.input[1]
-        if src in inits:
-            idx = numpy_helper.to_array(inits[src]).astype(np.int64)
+        # Indices: the exporter wrote an integer initializer reaching the Gather through Casts (and, from
+        # the torch.export-based exporter, a Reshape to its own 1-D shape); store them at ceil(log2 n)
+        # bits and rebuild them in the graph right before the Gather.
+        src = index_source(node.input[1], producers, inits)
+        if src is not None:
+            idx = numpy_helper.to_array(inits[src]).astype(np.int64).reshape(-1)
             new_inits, nodes, out, kind = index_nodes(f"indices/{layer}", idx, pools[layer].shape[0])
             storage.add(kind)
-            graph.initializer.remove(inits.pop(src))
             graph.initializer.extend(new_inits)
             node.input[1] = out
-            if (
-                cast is not None
-                and cast.op_type == "Cast"
-                and not any(n is not node for n in consumers.get(cast.output[0], []))
-            ):
-                drop.append(cast)
             new_nodes.append((node, nodes))
-    for cast in drop:
-        graph.node.remove(cast)
     for before, nodes in new_nodes:
         pos = list(graph.node).index(before)
         for k, extra in enumerate(nodes):
             graph.node.insert(pos + k, extra)
     for gather, cast_back in after:
         graph.node.insert(list(graph.node).index(gather) + 1, cast_back)
+    prune(graph)  # the old Casts and Reshapes, and initializers nothing reads any more
     if found != len(layers):
-        raise RuntimeError(
-            f"ONNX export: found {found} pool Gathers for the {len(layers)} NWS layers the forward uses: the exporter folded some weights"
+        missing = sorted({layer.name for layer in layers} - linked)
+        raise GraphLinkError(
+            f"found {found} pool Gathers for the {len(layers)} NWS layers the forward uses, none for layer "
+            f"{missing[0]!r}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + ": the exporter folded or merged some weights"
         )
     return found, storage
 
 
 def _write(proto: onnx.ModelProto, out_path: Path, metadata: dict) -> int:
-    """Set IR version and metadata, write atomically, check; returns the file's bytes."""
+    """Set IR version and metadata, check with onnx's checker, then write atomically; returns the file's bytes.
+
+    The graph is checked as a file beside ``out_path`` (its pools are external data found relative to
+    it) and renamed into place only when it passes, so a graph onnxruntime would refuse is never left
+    at ``out_path``.
+
+    Raises:
+        onnx.checker.ValidationError: the graph is invalid (``out_path`` untouched).
+    """
     proto.ir_version = IR_VERSION
     del proto.metadata_props[:]
+    for node in proto.graph.node:  # the torch.export-based exporter's stack traces and scopes: ~25 KB a layer
+        node.doc_string = ""
+        del node.metadata_props[:]
     for key, value in metadata.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value if isinstance(value, str) else json.dumps(value)
     data = proto.SerializeToString()
-    atomic_write_bytes(out_path, data)
-    onnx.checker.check_model(str(out_path))
+    trial = out_path.with_name(f".{out_path.name}.check")
+    atomic_write_bytes(trial, data)
+    try:
+        onnx.checker.check_model(str(trial))
+        os.replace(trial, out_path)
+    finally:
+        trial.unlink(missing_ok=True)
     return len(data)
 
 
@@ -420,13 +446,58 @@ def export_onnx(
     _same_folder(out_path, pool_file)
     layers = nws_layers(model)
     model = model.eval()
-    with export_mode(layers) as ran:
-        proto, used = _trace(
-            model, (torch.zeros(1, *input_shape),), ["input"], {"input": {0: "batch"}, "logits": {0: "batch"}}, exporter
-        )
-    found, storage = _link_pools(proto, [layer for layer in layers if layer.name in ran], pool_file)
-    size = _write(proto, out_path, metadata)
+    axes = {"input": {0: "batch"}, "logits": {0: "batch"}}
+    args = (torch.zeros(1, *input_shape),)
+    _, found, storage, size, used = export_graph(
+        model, args, ["input"], axes, layers, pool_file, out_path, metadata, exporter
+    )
     return {"gather_nodes": found, "index_dtype": ",".join(sorted(storage)), "bytes": size, "exporter": used}
+
+
+def export_graph(
+    module, args: tuple, input_names: list[str], axes: dict, layers, pool_file: Path, out_path: Path, metadata, exporter
+) -> tuple[onnx.ModelProto, int, set[str], int, str]:
+    """Trace ``module(*args)`` with the NWS ``layers`` in export mode, link its pools to ``pool_file``,
+    check the graph and write it to ``out_path``. Under ``exporter="auto"``, a TorchScript graph that
+    cannot be linked or fails onnx's checker is traced again with the torch.export-based exporter.
+
+    Returns:
+        ``(graph, pool Gathers, index storages, bytes written, exporter used)``.
+
+    Raises:
+        ExportError: no exporter gives a valid graph (the message names each one's problem and the layer).
+    """
+    problems: list[str] = []
+    for again in (False, True):
+        with export_mode(layers) as ran:
+            proto, used = _trace(module, args, input_names, axes, "dynamo" if again else exporter)
+        try:
+            found, storage = _link_pools(proto, [layer for layer in layers if layer.name in ran], pool_file)
+            guard_zero_pad_pools(proto)
+            size = _write(proto, out_path, metadata)
+        except (onnx.checker.ValidationError, GraphLinkError) as e:
+            problems.append(f"{used}: {_graph_problem(e)}")
+            if exporter == "auto" and used == "torchscript" and not again:
+                continue
+            raise ExportError(
+                f"no valid ONNX graph for {type(module).__name__} ({'; '.join(problems)}): please report this model"
+            ) from e
+        return proto, found, storage, size, used
+    raise AssertionError("unreachable")
+
+
+class GraphLinkError(RuntimeError):
+    """A traced graph whose pool Gathers cannot all be found (the exporter folded or merged some weights)."""
+
+
+_LAYER = re.compile(r"'?([\w.]+?)\.parametrizations\.weight")
+
+
+def _graph_problem(e: BaseException) -> str:
+    """One line for a graph that failed linking or onnx's checker, naming the NWS layer where the message shows one."""
+    text = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    layer = _LAYER.search(str(e))
+    return f"layer {layer.group(1)!r}: {text}" if layer else text
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ from torch import nn
 from nwsconvert import nws_layers
 from nwsconvert.formats.packs import _nws_keys
 
-from .onnx_graph import _link_pools, _same_folder, _trace, _write, export_mode
+from .onnx_graph import _same_folder, export_graph
 
 __all__ = ["SWITCH_FILE", "export_switch", "switch_input_names"]
 
@@ -114,9 +114,9 @@ def export_switch(
     values = tuple(state[fqn] for fqn in names.values())
     axes = {"input": {0: "batch"}, "logits": {0: "batch"}}
     wrapper = _Functional(model, list(names.values())).eval()  # the exporter restores the wrapper's mode, recursively
-    with export_mode(layers) as ran:
-        proto, used = _trace(wrapper, (torch.zeros(1, *input_shape), *values), ["input", *names], axes, exporter)
-    found, _ = _link_pools(proto, [layer for layer in layers if layer.name in ran], pool_file)
+    args = (torch.zeros(1, *input_shape), *values)
+    proto, found, _, size, used = export_graph(
+        wrapper, args, ["input", *names], axes, layers, pool_file, out_path, metadata, exporter
+    )
     taken = [i.name for i in proto.graph.input if i.name != "input"]
-    size = _write(proto, out_path, metadata)
     return {"gather_nodes": found, "inputs": len(taken), "bytes": size, "exporter": used}

@@ -80,6 +80,23 @@ def test_clear_errors(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_resume_where_no_run_was_started_is_refused_and_starts_nothing(tmp_path, capsys):
+    # --resume continues a run: with no manifest and no job.json there is no job to continue, and
+    # starting the defaults (split-mnist, ResNet-18, pool 512) in its place would train a job nobody asked for.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for out, what in ((tmp_path / "missing", "does not exist"), (empty, "holds no run")):
+        assert train_main(["--resume", f"out={out}", "progress=false"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("nws-train: ") and err.count("\n") == 1, err
+        assert what in err and "nothing to resume" in err and f"out={out} (without --resume)" in err
+        assert not (out / "job.json").exists() and not (out / "manifest.json").exists()
+    assert not (tmp_path / "missing").exists() and [p.name for p in empty.iterdir() if p.name != ".lock"] == []
+    # A folder holding only job.json (a run killed before its manifest) restarts exactly that job:
+    # test_trust.py::test_resume_before_the_manifest_starts_the_run_and_cleans_temporaries; one with a
+    # manifest continues: test_killed_run_resumes_without_losing_tasks.
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_without_losing_tasks(tmp_path):
     out = tmp_path / "run"

@@ -11,6 +11,9 @@ the PyTorch model.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -20,7 +23,9 @@ from model_zoo import TIMM_MODELS, build, export_input_size, input_size, torchvi
 import nwsconvert as nc
 from nwsconvert.conversion.graph import is_weight_layer
 from nwsconvert.export import export_onnx
-from nwsconvert.export.runtime import DISABLED_OPTIMIZERS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from export_coverage import MIN_LOGIT, calibrate_norms, passes, probe  # noqa: E402
 
 #: Over ~20 s each on a 2-core CPU (measured with pytest --durations): marked slow, still run by make test.
 SLOW = {
@@ -87,14 +92,16 @@ def test_convert_model(spec, tmp_path):
     with torch.no_grad():
         assert torch.equal(_logits(fresh(x)), y2)
 
-    # onnxruntime on the exported graph. fp32 tolerance: onnxruntime folds BatchNorm
-    # into the convolution weights and sums in other orders, so each layer adds a few
-    # ulp of relative error; over the whole set the largest difference measured is
-    # 1.7e-6 of the largest logit (benchmarks/parity.py), 1.4e-5 for BiT (StdConv2d, eps 1e-8).
-    # 1e-4 leaves slack and still fails on any wrong kernel, which moves logits by O(their size).
-    # Sessions run as the Runtime's do, without onnxruntime's Pad_Fusion (it breaks BiT's zero
-    # pad + MaxPool stem; see nwsconvert.export.runtime.DISABLED_OPTIMIZERS).
+    # onnxruntime on the exported graph, in a plain session (default options: the graph must be right
+    # in any runtime). BatchNorm statistics first set from random batches as training would, so the
+    # logits have a trained network's scale; a parity check on logits near zero says little, so the
+    # largest must reach MIN_LOGIT. fp32 tolerance: onnxruntime folds BatchNorm into the convolution
+    # weights and sums in other orders, so each layer adds a few ulp of relative error; over the whole
+    # set the largest difference measured is 1.7e-6 of the largest logit (benchmarks/parity.py), 1.4e-5
+    # for BiT (StdConv2d, eps 1e-8). 1e-4 leaves slack and still fails on any wrong kernel, which moves
+    # logits by O(their size).
     s = export_input_size(spec)
+    calibrate_norms(fresh, s)
     x = torch.randn(2, 3, s, s)
     export_onnx(
         fresh,
@@ -103,15 +110,41 @@ def test_convert_model(spec, tmp_path):
         input_shape=(3, s, s),
         metadata={"nwsconvert.model": spec},
     )
-    sess = ort.InferenceSession(
-        str(tmp_path / "task.onnx"), providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
-    )
+    sess = ort.InferenceSession(str(tmp_path / "task.onnx"), providers=["CPUExecutionProvider"])
     y = sess.run(None, {"input": x.numpy()})[0]
     with torch.no_grad():
         ref = _logits(fresh(x)).numpy()
     err, scale = np.abs(y - ref).max(), np.abs(ref).max()
+    assert scale >= MIN_LOGIT, scale
     assert err <= 1e-4 * scale, (err, scale)
     # Top-1 agrees wherever the top two logits are further apart than the error allows.
     top2 = np.sort(ref, axis=1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 2 * 1e-4 * scale
     assert (y.argmax(1) == ref.argmax(1))[clear].all()
+
+
+#: One representative per family whose default conversion once failed to export (equal index tensors
+#: that the TorchScript exporter merged), plus presets and BiT's zero pad before a MaxPool. Each is
+#: converted as convert(model) does by default (k-means pools of 512 entries) or through its preset,
+#: exported with the default exporter and run in a plain onnxruntime session: benchmarks/export_coverage.py's
+#: probe, the path its figures take. The benchmark covers the other architectures.
+DEFAULT_PATH = [
+    "timm:mixnet_s",  # mixed depthwise kernel sizes; conv_stem's indices equal a depthwise layer's
+    "timm:convnext_atto",  # depthwise 7x7 + LayerNorm
+    "torchvision:shufflenet_v2_x0_5",  # channel shuffle, grouped
+    "timm:ghostnet_050",  # cheap operations, grouped
+    "timm:repvit_m0_9@64",  # re-parameterisable blocks, attention-free mobile ViT-style
+    "preset:timm:mobilenetv2_050",  # preset=auto: depthwise kernels as their own pools, indices arange(N)
+    "zoo:efficientnet_lite0@224",  # the README's EfficientNet-Lite0 with its preset
+    "timm:resnetv2_50x1_bit@64",  # BiT: zero Pad then MaxPool (onnxruntime's Pad_Fusion)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", DEFAULT_PATH)
+def test_default_conversion_exports_and_matches_in_a_plain_session(spec):
+    name, _, size = spec.partition("@")
+    r = probe(name, int(size or 96), "auto")
+    assert passes(r), r
+    # ceil(log2 n) bits per index: uint8+1bit at 512 entries (a preset's own-kernel pools have other sizes).
+    assert r["index_dtype"] and all(k.startswith("uint8") for k in r["index_dtype"].split(",")), r

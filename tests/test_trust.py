@@ -214,6 +214,32 @@ def test_swapped_and_foreign_packs_are_refused_by_name(runs, run_a):
     assert own.task == 0 and own.run_id is not None
 
 
+def test_a_base_pack_never_passes_for_a_task(runs, run_a):
+    # A base pack names no task (its header says task: null) and its hash is its own, so only its kind
+    # tells it apart: the torch and the torch-free readers, and the Runtime's switch mode, refuse it by name.
+    from nwsconvert.formats.packfile import read_pack_arrays
+
+    _, b = runs
+    run_id = json.loads((run_a / "manifest.json").read_text())["run_id"]
+    for base, whose in ((run_a / "base.nwspack", "the run's"), (b / "base.nwspack", r"run \w+\.\.\.'s")):
+        for load, says in (
+            (lambda p: nwsconvert.TaskPack.load(p, task=1, run_id=run_id), whose),
+            (lambda p: nwsconvert.TaskPack.load(p, task=1), "a run's"),
+            (lambda p: read_pack_arrays(p, task=1), "a run's"),
+        ):
+            with pytest.raises(PackMismatchError, match=f"{base.name} is {says} base pack .* not task 1's pack"):
+                load(base)
+    assert nwsconvert.TaskPack.load(run_a / "base.nwspack").task is None  # read as what it is, it loads
+    # The same file under task 1's name in an exported bundle, read by the switch mode by path: refused
+    # (the bundle's hash names the file before its kind is read).
+    bundle = run_a / "export"
+    target = bundle / json.loads((bundle / "bundle.json").read_text())["tasks"]["1"]["pack"]
+    shutil.copy(run_a / "base.nwspack", target)
+    x = np.zeros((1, 1, 16, 16), np.float32)
+    with pytest.raises(PackMismatchError, match=target.name):
+        Runtime(bundle, device="cpu", mode="switch").run(1, x)
+
+
 def test_another_runs_pool_file_or_base_is_refused(runs, run_a):
     _, b = runs
     shutil.copy(b / "pools.safetensors", run_a / "pools.safetensors")

@@ -437,14 +437,14 @@ def _train(argv: list[str] | None) -> int:
                 from ..train.runlock import RunLock
 
                 held = RunLock.acquire(out)  # refuse a second writer before saying anything; launch() re-enters it
-            base, source = _recorded_job(out)
+            base, source = _recorded_job(out) if out.is_dir() else (None, "none")
             if base is None:
-                print(
-                    f"nws-train: {out} holds no run yet (stopped before its manifest was written, or new): starting it",
-                    file=sys.stderr,
+                what = "does not exist" if not out.exists() else f"holds no run (no manifest.json, no {JOB_FILE})"
+                raise UsageError(
+                    f"--resume: {str(out)!r} {what}, so there is nothing to resume: "
+                    f"start a run there with nws-train [CONFIG.yaml] [key=value ...] out={out} (without --resume)"
                 )
-                resume = False
-            elif source == JOB_FILE:
+            if source == JOB_FILE:
                 print(
                     f"nws-train: {out} was stopped before its manifest was written: starting it again from {JOB_FILE}",
                     file=sys.stderr,

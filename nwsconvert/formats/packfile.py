@@ -94,6 +94,16 @@ def expect(path: Path, header: dict, **want) -> None:
         PackMismatchError: naming the field (content hash, pool set, run, task).
     """
     names = {"sha256": "content SHA-256", "pool_sha256": "pool set", "run_id": "run", "task": "task"}
+    run = header.get("run_id")
+    if want.get("task") is not None and header.get("task") is None and run is not None:
+        # A pack a run wrote that names no task is that run's base pack (pool learning's indices; a run
+        # writes every task's id into its pack): never a task's pack, whatever its hash. Packs made
+        # outside a run (no run, no task) and version <= 2 packs name neither: their hash pins them.
+        expected = want.get("run_id")
+        whose = "a run's" if expected is None else "the run's" if expected == run else f"run {run[:12]}...'s"
+        raise PackMismatchError(
+            f"{path} is {whose} base pack (pool learning's indices), not task {want['task']}'s pack"
+        )
     for key, value in want.items():
         if value is None:
             continue

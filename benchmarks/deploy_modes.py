@@ -1,21 +1,25 @@
-"""The two Runtime modes side by side, same bundle, same run: per-task sessions vs one session for every task.
+"""The two Runtime modes side by side against the dense ONNX model, on a bundle nws-export writes from a trained run.
 
-    python benchmarks/deploy_modes.py --models resnet18 mobilenetv2_100 --tasks 6 --device cpu
+    python benchmarks/deploy_modes.py --models resnet18 mobilenetv2_100 efficientnet_b0 --tasks 6 --device cpu
 
-For each model a bundle of ``--tasks`` tasks is built without training (random
-512-entry pools, each task its own random indices, BatchNorm statistics and
-head of ``5 + t`` classes), with the exporter the CLI uses: ``task_<t>.onnx``
-per task, ``switch.onnx``, packs (the one-session mode reads each task's pack).
+For each timm model a short real run is trained with the user's defaults (``convert(model)``:
+k-means pools of 512 entries; ``Trainer`` with pool learning off, one epoch per task on 16
+random ``size x size`` images of ``5 + t`` classes; packs delta-coded against the run's base
+pack) and exported as ``nws-export --task all --onnx`` does (:func:`export_bundle`): per-task
+``task_<t>.onnx``, ``switch.onnx`` (the dense template), packs. The dense baseline is task 0's
+model with plain layers (``nwsconvert.materialize``) exported by ``torch.onnx.export`` with
+constant folding, run in a plain session.
 
 Measured, with ``Runtime`` defaults (``max_sessions=4``, fewer than the tasks):
 
-* latency at batch 1 and 32 on one task (interleaved modes, median);
+* latency at batch 1 and 32 on one task, interleaved with the dense model (median);
 * the task-switch cost: each task called twice in a row, cycling over all tasks;
-  the median over pairs of (call right after a switch) minus (the repeat right after it);
-* the first use of a task (session mode: session creation; switch mode: the pack
-  decoded without torch and its values uploaded);
-* memory: resident-set growth per cached task (session mode: folded weights;
-  switch mode: the bound inputs, also reported by ``Runtime.info()``);
+  the median over pairs of (call right after a switch) minus (the repeat right after it),
+  and ``Runtime.last_switch_seconds`` for a switch between two cached tasks;
+* the first use of a task (session mode: session creation; switch mode: the pack decoded,
+  the task's dense tensors gathered and folded with NumPy, a session of the template built);
+* memory: resident-set growth per cached task, the tensors a materialised task holds
+  (``Runtime.info()``), and what a task costs before it is materialised (its pack, on disk);
 * files: per-task ``.onnx`` (session mode), ``.nwspack`` (switch mode's per-task file).
 """
 
@@ -30,15 +34,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import timm
 import torch
-from deploy import converted_model  # benchmarks/ is on sys.path when this script runs
+from torch.utils.data import TensorDataset
 
 import nwsconvert
-from nwsconvert.export import Runtime
-from nwsconvert.export.bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256
-from nwsconvert.export.onnx_graph import export_onnx
-from nwsconvert.export.switch import SWITCH_FILE, export_switch
-from nwsconvert.train.heads import resize_head
+from nwsconvert import TrainConfig, Trainer
+from nwsconvert.export import Runtime, export_bundle
+from nwsconvert.export.switch import SWITCH_FILE
 
 
 def rss() -> int:
@@ -49,63 +52,56 @@ def rss() -> int:
     return 0
 
 
-@torch.no_grad()
-def make_bundle(name: str, tasks: int, size: int, out: Path) -> None:
-    model = converted_model(name)
-    pools = nwsconvert.pool_set(model)
-    pool_sha = pools.save(out / "pools.safetensors")
-    shape = (3, size, size)
-    rows = {}
+def make_bundle(name: str, tasks: int, size: int, out: Path) -> Path:
+    """A trained run of ``tasks`` tasks (the user's defaults) in ``out/run``, exported to ``out/run/export``."""
+    torch.manual_seed(0)
+    model = nwsconvert.convert(timm.create_model(name, num_classes=5))  # k-means, 512 entries
+    config = TrainConfig(epochs=1, lr=0.01, batch_size=8, milestones=[], seed=0)
+    info = {"channels": 3, "input_size": [size, size], "mean": [0.5] * 3, "std": [0.25] * 3}
     g = torch.Generator().manual_seed(1)
-    for t in range(tasks):
-        classes = 5 + t
-        resize_head(model, classes, g)
-        for layer in nwsconvert.nws_layers(model):
-            layer.nws.indices.copy_(torch.randint(0, layer.nws.pool_size, layer.nws.indices.shape, generator=g))
-            layer.nws.invalidate_cache()
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.normal_(0, 0.1, generator=g)
-                m.running_var.uniform_(0.5, 1.5, generator=g)
-        pack = nwsconvert.extract_task(model, task=t)
-        pack_sha = pack.save(out / f"task_{t}.nwspack")
-        info = export_onnx(
-            model,
-            out / f"task_{t}.onnx",
-            out / "pools.safetensors",
-            input_shape=shape,
-            metadata={"nwsconvert.task": t, "nwsconvert.pool_sha256": pool_sha},
-        )
-        rows[str(t)] = {
-            "name": f"t{t}",
-            "num_classes": classes,
-            "pack": f"task_{t}.nwspack",
-            "pack_sha256": pack_sha,
-            "onnx": f"task_{t}.onnx",
-            "onnx_sha256": file_sha256(out / f"task_{t}.onnx"),
-            "onnx_bytes": info["bytes"],
-        }
-    # The last task has the widest head: the switch graph is exported from it.
-    export_switch(
+    with Trainer(model, out / "run", config, model_spec=f"timm:{name}", data_info=info, progress=False) as trainer:
+        for t in range(tasks):
+            classes = 5 + t
+            data = [
+                TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.arange(n) % classes) for n in (16, 8)
+            ]
+            trainer.fit_task(t, data[0], data[1], classes, name=f"t{t}")
+    export_bundle(out / "run", tasks="all", onnx=True)
+    return out / "run" / "export"
+
+
+def dense_onnx(run: Path, size: int, path: Path) -> None:
+    """Task 0's model with plain layers, exported by torch.onnx with constant folding (what a user deploys without NWS)."""
+    model = nwsconvert.load(run, task=0, dense=True).eval()
+    torch.onnx.export(
         model,
-        out / SWITCH_FILE,
-        out / "pools.safetensors",
-        input_shape=shape,
-        metadata={"nwsconvert.pool_sha256": pool_sha},
+        (torch.zeros(1, 3, size, size),),
+        str(path),
+        dynamo=False,
+        opset_version=17,
+        input_names=["input"],
+        output_names=["logits"],
+        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
     )
-    desc = {
-        "format": BUNDLE_FORMAT,
-        "version": BUNDLE_VERSION,
-        "pool_sha256": pool_sha,
-        "model": {"spec": f"timm:{name}"},
-        "data": {"channels": 3, "input_size": [size, size]},
-        "tasks": rows,
-        "switch": {"onnx": SWITCH_FILE, "onnx_sha256": file_sha256(out / SWITCH_FILE), "max_classes": 5 + tasks - 1},
-    }
-    (out / "bundle.json").write_text(json.dumps(desc))
 
 
-def measure(bundle: Path, device: str, threads: int | None, rounds: int, cycles: int) -> dict:
+class _Dense:
+    """A plain onnxruntime session over the dense model, called like a Runtime."""
+
+    def __init__(self, path: Path, device: str, threads: int | None):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        self.sess = ort.InferenceSession(str(path), opts, providers=providers)
+
+    def run(self, task: int, x: np.ndarray) -> np.ndarray:
+        return self.sess.run(None, {"input": x})[0]
+
+
+def measure(bundle: Path, dense: Path, device: str, threads: int | None, rounds: int, cycles: int) -> dict:
     ntasks = len(json.loads((bundle / "bundle.json").read_text())["tasks"])
     x1 = (
         np.random.default_rng(0)
@@ -133,6 +129,10 @@ def measure(bundle: Path, device: str, threads: int | None, rounds: int, cycles:
         rts[mode] = Runtime(bundle, device=device, mode=mode, threads=threads)  # defaults: max_sessions=4
         rts[mode].run(0, x1)
         rts[mode].run(0, x32)
+    out["dense"] = {}
+    rts["dense"] = _Dense(dense, device, threads)
+    rts["dense"].run(0, x1)
+    rts["dense"].run(0, x32)
     for batch, x, n in ((1, x1, rounds), (32, x32, max(3, rounds // 8))):
         lat = {m: [] for m in rts}
         for _ in range(n):  # interleaved
@@ -143,6 +143,8 @@ def measure(bundle: Path, device: str, threads: int | None, rounds: int, cycles:
         for m in rts:
             out[m][f"latency_b{batch}_ms"] = 1e3 * float(np.median(lat[m]))
     for m, rt in rts.items():
+        if m == "dense":
+            continue
         # Each task twice in a row, cycling: a call whose task differs from the previous one is a
         # switch; the next call (same task) is the reference. Both sit in the same loop, so drift cancels.
         for t in rt.tasks:
@@ -161,8 +163,15 @@ def measure(bundle: Path, device: str, threads: int | None, rounds: int, cycles:
         paired = 1e3 * (np.array(switch) - np.array(same))  # each switch call minus the repeat right after it
         out[m]["switch_ms"] = float(np.median(paired))
         out[m]["switch_ms_iqr"] = [float(q) for q in np.percentile(paired, [25, 75])]
-        out[m]["last_switch_seconds"] = rt.last_switch_seconds
         out[m]["providers"] = rt.info()["providers"]
+    # A switch between two tasks both cached (switch mode: a dictionary look-up; session mode: the same).
+    both = Runtime(bundle, device=device, mode="switch", threads=threads)
+    pairs = []
+    for _ in range(50):
+        for t in (0, 1):
+            both.run(t, x1)
+            pairs.append(both.last_switch_seconds)
+    out["switch"]["cached_switch_us"] = 1e6 * float(np.median(pairs[2:]))
     return out
 
 
@@ -191,42 +200,59 @@ def main() -> None:
     for name in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             d = Path(tmp)
-            make_bundle(name, args.tasks, args.size, d)
+            tic = time.perf_counter()
+            bundle = make_bundle(name, args.tasks, args.size, d)
+            dense_onnx(d / "run", args.size, d / "dense.onnx")
+            desc = json.loads((bundle / "bundle.json").read_text())
+            packs = [row["pack_bytes"] for row in desc["tasks"].values()]
             sizes = {
-                "onnx_per_task": os.path.getsize(d / "task_0.onnx"),
-                "pack_per_task": os.path.getsize(d / "task_0.nwspack"),
-                "switch_onnx": os.path.getsize(d / SWITCH_FILE),
-                "pools": os.path.getsize(d / "pools.safetensors"),
+                "onnx_per_task": os.path.getsize(bundle / "task_0.onnx"),
+                "pack_per_task": float(np.median(packs)),
+                "base_pack": os.path.getsize(bundle / desc["tasks"]["0"]["base"])
+                if "base" in desc["tasks"]["0"]
+                else 0,
+                "switch_onnx": os.path.getsize(bundle / SWITCH_FILE),
+                "pools": os.path.getsize(bundle / "pools.safetensors"),
+                "dense_onnx": os.path.getsize(d / "dense.onnx"),
             }
-            r = measure(d, args.device, args.threads, args.rounds, args.cycles)
+            built = time.perf_counter() - tic
+            r = measure(bundle, d / "dense.onnx", args.device, args.threads, args.rounds, args.cycles)
         r["files"] = sizes
+        r["build_seconds"] = built
         results["models"][name] = r
-        s, w = r["session"], r["switch"]
-        print(f"{name} {args.size}x{args.size}, {args.tasks} tasks, {args.device} ({s['providers']})")
+        s, w, dn = r["session"], r["switch"], r["dense"]
         print(
-            f"  latency b1: session {s['latency_b1_ms']:.2f} ms, switch {w['latency_b1_ms']:.2f} ms (x{w['latency_b1_ms'] / s['latency_b1_ms']:.2f})"
+            f"{name} {args.size}x{args.size}, {args.tasks} tasks, {args.device} ({s['providers']}; run + export {built:.0f} s)"
         )
-        print(
-            f"  latency b32: session {s['latency_b32_ms']:.1f} ms, switch {w['latency_b32_ms']:.1f} ms (x{w['latency_b32_ms'] / s['latency_b32_ms']:.2f})"
-        )
+        for b in (1, 32):
+            key = f"latency_b{b}_ms"
+            print(
+                f"  latency b{b}: dense {dn[key]:.2f} ms, session {s[key]:.2f} ms (x{s[key] / dn[key]:.2f}), "
+                f"switch {w[key]:.2f} ms (x{w[key] / dn[key]:.2f})"
+            )
         print(
             f"  call after a switch / same task again, {args.tasks} tasks (max_sessions=4): session {s['switch_call_ms']:.2f} / {s['same_call_ms']:.2f} ms, "
             f"switch {w['switch_call_ms']:.2f} / {w['same_call_ms']:.2f} ms"
         )
         print(
-            f"  switch cost (median paired difference [IQR]): session {s['switch_ms']:.2f} ms, switch {w['switch_ms']:.3f} ms "
-            f"[{w['switch_ms_iqr'][0]:.2f}, {w['switch_ms_iqr'][1]:.2f}]; "
-            f"Runtime.last_switch_seconds (switch mode, re-bind): {1e6 * w['last_switch_seconds']:.1f} us"
+            f"  switch cost, {args.tasks} tasks round robin, 4 cached (median paired difference [IQR]): session {s['switch_ms']:.2f} ms "
+            f"[{s['switch_ms_iqr'][0]:.2f}, {s['switch_ms_iqr'][1]:.2f}], switch {w['switch_ms']:.2f} ms "
+            f"[{w['switch_ms_iqr'][0]:.2f}, {w['switch_ms_iqr'][1]:.2f}]; between two cached tasks (switch mode): "
+            f"{w['cached_switch_us']:.1f} us"
         )
         print(
-            f"  first use of a task: session {s['first_use_ms']:.1f} ms (session creation), switch {w['first_use_ms']:.1f} ms (pack decoded, values uploaded)"
+            f"  first use of a task: session {s['first_use_ms']:.1f} ms (session creation), switch {w['first_use_ms']:.1f} ms "
+            "(pack decoded, tensors gathered and folded, session of the template)"
         )
         print(
-            f"  memory per cached task (RSS growth): session {s['rss_per_task'] / 1e6:.1f} MB, switch {w['rss_per_task'] / 1e6:.2f} MB "
-            f"(bound inputs {np.mean(list(w['info']['bytes_per_task'].values())) / 1e6:.2f} MB)"
+            f"  memory per cached task (RSS growth): session {s['rss_per_task'] / 1e6:.1f} MB, switch {w['rss_per_task'] / 1e6:.1f} MB "
+            f"(materialised tensors {np.mean(list(w['info']['bytes_per_task'].values())) / 1e6:.2f} MB); "
+            f"a task not materialised: its pack, {sizes['pack_per_task'] / 1e6:.3f} MB on disk"
         )
         print(
-            f"  files per task: .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB (session mode), .nwspack {sizes['pack_per_task'] / 1e6:.2f} MB (switch mode); shared: switch.onnx {sizes['switch_onnx'] / 1e6:.2f} MB, pools {sizes['pools'] / 1e6:.2f} MB"
+            f"  files: per task .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB (session mode), .nwspack {sizes['pack_per_task'] / 1e6:.3f} MB "
+            f"(switch mode); shared: switch.onnx {sizes['switch_onnx'] / 1e6:.3f} MB, base pack {sizes['base_pack'] / 1e6:.3f} MB, "
+            f"pools {sizes['pools'] / 1e6:.2f} MB; dense model {sizes['dense_onnx'] / 1e6:.1f} MB"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

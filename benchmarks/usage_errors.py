@@ -53,6 +53,10 @@ def _cases(tmp: Path, run: Path | None) -> list[tuple[str, list[str]]]:
         ["nope=1", out],
         ["model=resnet18", out],
         ["--resume"],
+        ["--resume", f"out={tmp / 'never_started'}"],
+        ["--resume", f"out={tmp}"],  # a folder that holds no run
+        ["model=timm:resnet_nope", out],  # these two import torch and timm to ask the registry
+        ["model.nope=1", out],
     ]
     cases = [("nws-train", args) for args in train]
     cases += [

@@ -2,7 +2,7 @@
 
     nwsconvert.export.export_bundle("runs/mnist", tasks="all", onnx=True)   # = nws-export --task all --onnx
     rt = nwsconvert.export.Runtime("runs/mnist/export")
-    rt.predict(task=2, images, k=3)
+    rt.predict(2, images, k=3)
 
 Names are imported on first use: ``Runtime`` and the bundle reader need
 neither torch nor timm, so a robot that only runs bundles never loads them.

@@ -185,6 +185,7 @@ def _export_switch(
         "max_classes": rows[widest]["num_classes"],
         "gather_nodes": info["gather_nodes"],
         "exporter": info["exporter"],
+        "tensors": info["tensors"],
     }
 
 

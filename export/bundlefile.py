@@ -9,10 +9,12 @@ that the readers verify before use.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
 from nwsconvert.errors import FormatError
+from nwsconvert.formats.limits import MAX_KERNELS
 from nwsconvert.formats.schema import Fields
 from nwsconvert.formats.stfile import file_sha256
 from nwsconvert.train.manifest import check_data_info
@@ -68,6 +70,32 @@ def check_bundle(desc: dict, path) -> None:
         switch.sha("onnx_sha256")
         switch.int("max_classes", lo=1)
         switch.int("onnx_bytes", lo=0, optional=True)
+        for i, row in enumerate(switch.list("tensors", optional=True) or []):
+            _check_tensor_row(f.sub(row, f"switch.tensors[{i}]"))
+
+
+#: What the runtime reads of a ``switch.tensors`` row, by kind (:func:`nwsconvert.export.densify.dense_template`).
+_TENSOR_FIELDS = {
+    "gather": ("name", "layer"),
+    "fold": ("name", "bias_name", "layer", "scale", "shift", "mean", "var"),
+    "state": ("name",),
+}
+
+
+def _check_tensor_row(r) -> None:
+    kind = r.str("kind")
+    if kind not in _TENSOR_FIELDS:
+        raise r.fail("kind", f"one of {', '.join(_TENSOR_FIELDS)}", kind)
+    for key in _TENSOR_FIELDS[kind]:
+        r.str(key)
+    shape = r.ints("shape", lo=1)
+    if not 1 <= len(shape) <= 8 or math.prod(shape) > MAX_KERNELS:
+        raise r.fail("shape", f"1 to 8 dimensions, at most {MAX_KERNELS} elements", shape)
+    if kind == "fold":
+        r.str("conv_bias", optional=True)
+        eps = r.number("eps")
+        if not eps >= 0:
+            raise r.fail("eps", "a number >= 0", eps)
 
 
 def read_bundle(bundle: str | os.PathLike) -> dict:

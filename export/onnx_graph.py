@@ -47,6 +47,7 @@ from nwsconvert.errors import NWSError
 from nwsconvert.formats.stfile import read_header
 from nwsconvert.formats.storage import atomic_write_bytes
 
+from .densify import PLACEHOLDER
 from .graph_edits import guard_zero_pad_pools, index_source, inline_shared_initializers, prune
 from .indexplanes import pack_index_planes
 
@@ -401,6 +402,18 @@ def _write(proto: onnx.ModelProto, out_path: Path, metadata: dict) -> int:
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value if isinstance(value, str) else json.dumps(value)
     data = proto.SerializeToString()
+    placeholders = [t for t in proto.graph.initializer if _location(t) == PLACEHOLDER]
+    if placeholders:  # no file holds them: check the structure, with them as graph inputs
+        probe = onnx.ModelProto()
+        probe.CopyFrom(proto)
+        held = {t.name for t in placeholders}
+        kept = [t for t in probe.graph.initializer if t.name not in held]
+        del probe.graph.initializer[:]
+        probe.graph.initializer.extend(kept)
+        probe.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in placeholders)
+        onnx.checker.check_model(probe)
+        atomic_write_bytes(out_path, data)
+        return len(data)
     trial = out_path.with_name(f".{out_path.name}.check")
     atomic_write_bytes(trial, data)
     try:
@@ -409,6 +422,10 @@ def _write(proto: onnx.ModelProto, out_path: Path, metadata: dict) -> int:
     finally:
         trial.unlink(missing_ok=True)
     return len(data)
+
+
+def _location(t) -> str | None:
+    return next((e.value for e in t.external_data if e.key == "location"), None)
 
 
 def _same_folder(out_path: Path, pool_file: Path) -> None:
@@ -448,21 +465,35 @@ def export_onnx(
     model = model.eval()
     axes = {"input": {0: "batch"}, "logits": {0: "batch"}}
     args = (torch.zeros(1, *input_shape),)
-    _, found, storage, size, used = export_graph(
+    _, found, storage, size, used, _ = export_graph(
         model, args, ["input"], axes, layers, pool_file, out_path, metadata, exporter
     )
     return {"gather_nodes": found, "index_dtype": ",".join(sorted(storage)), "bytes": size, "exporter": used}
 
 
 def export_graph(
-    module, args: tuple, input_names: list[str], axes: dict, layers, pool_file: Path, out_path: Path, metadata, exporter
-) -> tuple[onnx.ModelProto, int, set[str], int, str]:
+    module,
+    args: tuple,
+    input_names: list[str],
+    axes: dict,
+    layers,
+    pool_file: Path,
+    out_path: Path,
+    metadata,
+    exporter,
+    edit=None,
+) -> tuple[onnx.ModelProto, int, set[str], int, str, object]:
     """Trace ``module(*args)`` with the NWS ``layers`` in export mode, link its pools to ``pool_file``,
     check the graph and write it to ``out_path``. Under ``exporter="auto"``, a TorchScript graph that
     cannot be linked or fails onnx's checker is traced again with the torch.export-based exporter.
 
+    Args:
+        edit: ``edit(graph) -> result``, applied to the linked graph before it is checked and
+            written (the one-session template, :func:`nwsconvert.export.densify.dense_template`); its
+            external data at :data:`~nwsconvert.export.densify.PLACEHOLDER` is supplied at run time.
+
     Returns:
-        ``(graph, pool Gathers, index storages, bytes written, exporter used)``.
+        ``(graph, pool Gathers, index storages, bytes written, exporter used, edit's result)``.
 
     Raises:
         ExportError: no exporter gives a valid graph (the message names each one's problem and the layer).
@@ -474,6 +505,7 @@ def export_graph(
         try:
             found, storage = _link_pools(proto, [layer for layer in layers if layer.name in ran], pool_file)
             guard_zero_pad_pools(proto)
+            edited = edit(proto) if edit is not None else None
             size = _write(proto, out_path, metadata)
         except (onnx.checker.ValidationError, GraphLinkError) as e:
             problems.append(f"{used}: {_graph_problem(e)}")
@@ -482,7 +514,7 @@ def export_graph(
             raise ExportError(
                 f"no valid ONNX graph for {type(module).__name__} ({'; '.join(problems)}): please report this model"
             ) from e
-        return proto, found, storage, size, used
+        return proto, found, storage, size, used, edited
     raise AssertionError("unreachable")
 
 

@@ -1,9 +1,9 @@
 """onnxruntime deployment of a bundle, with fast task switching.
 
     rt = nwsconvert.export.Runtime("runs/mnist/export")     # CUDA when present, else CPU
-    logits = rt.run(task=2, images)                         # (B, C, H, W) float32, normalised
-    rt.predict(task=2, images, k=3)                          # [[(class name, probability), ...], ...]
-    rt = Runtime("runs/mnist/export", mode="switch")        # one session for every task: switch by re-binding
+    logits = rt.run(2, images)                              # images: (B, C, H, W) float32, normalised
+    rt.predict(2, images, k=3)                               # [[(class name, probability), ...], ...]
+    rt = Runtime("runs/mnist/export", mode="switch")        # one dense template, each task materialised from its pack
 
 Two modes (measured side by side in ``benchmarks/RESULTS.md``, "Runtime modes"):
 
@@ -14,13 +14,15 @@ Two modes (measured side by side in ``benchmarks/RESULTS.md``, "Runtime modes"):
     session costs a session creation, and each cached session holds its own
     dense weights.
 ``switch``
-    one session for the bundle (``switch.onnx``) whose indices and state are graph
-    inputs. Each task's values come from its pack (``task_<t>.nwspack``, decoded
-    without torch by :func:`nwsconvert.formats.packfile.read_pack_arrays`, so a task costs
-    its pack's bytes on disk) and are uploaded once as OrtValues on the device and
-    bound with IOBinding: a switch is a re-bind (microseconds), and a cached task
-    costs its indices and state only. The weights are gathered at every run,
-    which costs latency.
+    every task runs the bundle's dense template (``switch.onnx``, see
+    :mod:`nwsconvert.export.densify`): on a task's first use its pack is decoded (without
+    torch, :func:`nwsconvert.formats.packfile.read_pack_arrays`), its dense weights gathered
+    from the mapped pools and its BatchNorms folded into the convolutions with NumPy, and a
+    session of the template is built with them as constants. Inference then runs the dense
+    model (weights prepacked as onnxruntime does for any constant). The last
+    ``max_sessions`` tasks stay materialised: a switch between them is a look-up
+    (microseconds); a task not materialised costs only its pack, on disk, and its first use
+    tens of milliseconds. No per-task ``.onnx`` is needed: the per-task file is the pack.
 
 The pool file is memory-mapped once; its tensors are handed to every task's
 session by name (``SessionOptions.add_external_initializers``, which replaces
@@ -30,7 +32,8 @@ switch costs one session creation (indices + small tensors) and never reads
 the checked header gives, whatever offsets the graph was exported with.
 (``add_initializer`` is not used: onnxruntime ignores it for initializers
 stored as external data and reads the file at the graph's offsets.)
-Sessions are cached, least recently used first out.
+Sessions are cached, least recently used first out; a Runtime that keeps rebuilding
+sessions it evicted (more tasks in turn than ``max_sessions``) warns once.
 
 Everything it opens is checked first: ``bundle.json``'s fields, the pool file
 against the bundle's pool-set hash (once, on the mapped file), and each task
@@ -41,6 +44,7 @@ NaN. Imports neither torch nor timm.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import warnings
@@ -55,6 +59,7 @@ from nwsconvert.formats.packfile import read_pack_arrays
 from nwsconvert.formats.stfile import nws_header, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle
+from .densify import materialise
 
 #: onnxruntime graph rewrites every session runs without. ``Pad_Fusion`` folds a zero-valued
 #: constant Pad into a following MaxPool, whose own padding counts as -inf, so a window that
@@ -86,8 +91,8 @@ class Runtime:
     Attributes:
         providers: the providers requested; ``session(task).get_providers()`` says what runs.
         last_switch_seconds: time the last switch to a task not already selected took
-            (session mode: the session creation; switch mode: reading and uploading its
-            inputs the first time, re-binding after).
+            (session mode: the session creation; switch mode: materialising the task from its
+            pack the first time, a look-up while it stays materialised).
 
     Raises:
         FileNotFoundError: no bundle there. FormatError: ``bundle.json``, the pool file
@@ -126,12 +131,15 @@ class Runtime:
         self.threads = threads
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[int, object] = OrderedDict()
+        self._evicted: set[int] = set()
+        self.rebuilds = 0  # sessions built again (switch mode: tasks materialised again) after their eviction
         self._pools = self._map_pools(self.path / "pools.safetensors")
         self._verified: set[int] = set()
         self.last_switch_seconds = None
-        self._switch = None  # switch mode: the one session, then per task (binding, classes, OrtValues)
-        self._bound: dict[int, tuple] = {}  # small (indices + state): kept for every task used, no eviction
+        self._switch: bytes | None = None  # switch mode: the checked template graph
+        self._dense: OrderedDict[int, tuple] = OrderedDict()  # switch mode: (session, classes, bytes, OrtValues)
         self._selected = None
+        self._pool_arrays = {name[len("pool/") :]: value.numpy() for name, value in self._pools.items()}
 
     def _map_pools(self, pool_file: Path) -> dict:
         """The pool file, mapped once, checked against the bundle's pool-set hash, shared by every session."""
@@ -206,8 +214,7 @@ class Runtime:
     def session(self, task: int):
         """The session that runs ``task``: its own (session mode, created on first use, then cached) or the bundle's one."""
         if self.mode == "switch":
-            self._row(task)
-            return self._switch_session()
+            return self._materialised(task)[0]
         if task in self._sessions:
             self._sessions.move_to_end(task)
             return self._sessions[task]
@@ -223,69 +230,116 @@ class Runtime:
             )
         self.last_switch_seconds = time.perf_counter() - tic
         self._sessions[task] = sess
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
+        self._cached(self._sessions, task)
         return sess
 
+    def _cached(self, cache: OrderedDict, task: int) -> None:
+        """After ``task`` joined ``cache``: evict the least recently used beyond ``max_sessions``, and warn
+        once when tasks evicted before keep coming back (more tasks in turn than the cache holds)."""
+        if task in self._evicted:
+            self.rebuilds += 1
+            if self.rebuilds == self.max_sessions:
+                cheaper = "" if self.mode == "switch" else ", or use mode='switch' (a cheaper rebuild)"
+                warnings.warn(
+                    f"Runtime({self.path}): {self.rebuilds} task sessions built again after eviction "
+                    f"({1e3 * self.last_switch_seconds:.0f} ms each; max_sessions={self.max_sessions} for more tasks "
+                    f"in turn): raise max_sessions{cheaper}",
+                    stacklevel=3,
+                )
+        while len(cache) > self.max_sessions:
+            self._evicted.add(cache.popitem(last=False)[0])
+
     # ---------------------------------------------------------------- switch mode
-    def _switch_session(self):
+    def _template(self) -> bytes:
+        """``switch.onnx``'s bytes, checked against bundle.json once (every task's session is built from them)."""
         if self._switch is None:
             info = self.desc["switch"]
-            self._switch = self._open(
-                self.path / info["onnx"], info["onnx_sha256"], "the one-session graph switch.onnx"
-            )
+            graph = self.path / info["onnx"]
+            if "tensors" not in info:
+                raise FormatError(
+                    f"{graph}: a one-session graph of an earlier kind (weights gathered at every run): "
+                    "export the bundle again with nws-export --onnx"
+                )
+            if not graph.is_file():
+                raise FileNotFoundError(f"{graph}: the one-session graph switch.onnx is missing from the bundle")
+            data = graph.read_bytes()
+            if hashlib.sha256(data).hexdigest() != info["onnx_sha256"]:
+                raise FormatError(
+                    f"{graph}: content does not match the SHA-256 bundle.json records: the graph is corrupted or was replaced"
+                )
+            self._switch = data
         return self._switch
 
-    def _binding(self, task: int) -> tuple:
-        """``(IOBinding with the task's inputs bound, num_classes, bytes held)``, built on first use and kept."""
-        if task in self._bound:
+    def _materialised(self, task: int) -> tuple:
+        """``(session, num_classes, bytes held)`` of ``task`` in switch mode: its dense tensors computed from
+        its pack (one gather per layer, BatchNorm folded) and given to a session of the bundle's template
+        as constants; kept for the ``max_sessions`` tasks used last."""
+        if task in self._dense:
+            self._dense.move_to_end(task)
             if self._selected != task:
                 tic = time.perf_counter()
                 self._selected = task
                 self.last_switch_seconds = time.perf_counter() - tic
-            return self._bound[task]
+            return self._dense[task]
         row = self._row(task)
-        sess = self._switch_session()
+        template = self._template()
         tic = time.perf_counter()
         path = self.path / row["pack"]
-        arrays = _switch_inputs(
+        values = _switch_inputs(
             path,
             self.path / row["base"] if row.get("base") else None,
             row.get("pack_sha256"),
             self.desc["pool_sha256"],
             task,
         )
-        on_gpu = "CUDAExecutionProvider" in sess.get_providers()
-        binding = sess.io_binding()
-        values, held = [], 0
-        for spec in sess.get_inputs():
-            if spec.name == "input":
-                continue
-            if spec.name not in arrays:
-                raise FormatError(f"{path}: no value for switch.onnx's input {spec.name!r} (a file of another model?)")
-            arr = _fit(arrays[spec.name], spec.shape, path, spec.name)
-            value = self.ort.OrtValue.ortvalue_from_numpy(arr, "cuda" if on_gpu else "cpu", 0)
-            binding.bind_ortvalue_input(spec.name, value)
-            values.append(value)
-            held += arr.nbytes
-        self._bound[task] = (binding, row["num_classes"], held, values)
+        recipe = self.desc["switch"]["tensors"]
+        try:
+            tensors = materialise(recipe, self._pool_arrays, values)
+        except KeyError as e:
+            raise FormatError(
+                f"{path}: no value for {e.args[0]!r}, which switch.onnx takes (a file of another model?)"
+            ) from None
+        except ValueError as e:
+            raise FormatError(f"{path}: {e}: export the bundle again") from None
+        names = list(tensors)
+        held = [self.ort.OrtValue.ortvalue_from_numpy(tensors[n]) for n in names]
+        opts = self.ort.SessionOptions()
+        opts.log_severity_level = 3
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        opts.add_external_initializers(names, held)
+        graph = self.path / self.desc["switch"]["onnx"]
+        try:
+            sess = self.ort.InferenceSession(
+                template, sess_options=opts, providers=self.providers, disabled_optimizers=DISABLED_OPTIMIZERS
+            )
+        except Exception as e:  # onnxruntime raises its own exception types
+            raise FormatError(
+                f"{graph}: onnxruntime cannot load it with task {task}'s tensors ({type(e).__name__}: {str(e)[:200]})"
+            ) from None
+        if self.requested_cuda and "CUDAExecutionProvider" not in sess.get_providers():
+            warnings.warn(
+                f"{graph.name}: the CUDA provider was requested but the session runs on {sess.get_providers()}",
+                stacklevel=3,
+            )
+        self._dense[task] = (sess, row["num_classes"], sum(t.nbytes for t in tensors.values()), held)
         self._selected = task
         self.last_switch_seconds = time.perf_counter() - tic
-        return self._bound[task]
+        self._cached(self._dense, task)
+        return self._dense[task]
 
     def info(self) -> dict:
         """What this Runtime uses: ``mode``, ``providers`` (of the sessions built so far), ``cached_tasks`` and
-        ``bytes_per_task`` (switch mode: the bound indices and state on the device; session mode: ``None``,
-        each cached session holds its folded dense weights, about the dense model's size)."""
-        sessions = (
-            [self._switch] if self.mode == "switch" and self._switch is not None else list(self._sessions.values())
-        )
-        providers = sorted({p for s in sessions for p in s.get_providers()})
+        ``bytes_per_task`` (switch mode: the dense tensors materialised for each cached task, which its
+        session holds as constants; session mode: ``None``, each cached session holds its folded dense
+        weights, about the dense model's size)."""
         if self.mode == "switch":
-            cached = list(self._bound)
-            per_task = {t: v[2] for t, v in self._bound.items()}
+            sessions = [v[0] for v in self._dense.values()]
+            cached, per_task = list(self._dense), {t: v[2] for t, v in self._dense.items()}
         else:
+            sessions = list(self._sessions.values())
             cached, per_task = list(self._sessions), None
+        providers = sorted({p for s in sessions for p in s.get_providers()})
         return {
             "mode": self.mode,
             "providers": providers or self.providers,
@@ -301,11 +355,8 @@ class Runtime:
         """Logits ``(B, num_classes)`` for ``images`` ``(B, C, H, W)`` (normalised as the bundle's metadata says)."""
         x = np.ascontiguousarray(np.asarray(images, dtype=np.float32))
         if self.mode == "switch":
-            binding, classes, _, _ = self._binding(task)
-            binding.bind_cpu_input("input", x)
-            binding.bind_output("logits")  # fresh each run: the batch size may change
-            self._switch.run_with_iobinding(binding)
-            return binding.copy_outputs_to_cpu()[0][:, :classes]
+            sess, classes, _, _ = self._materialised(task)
+            return sess.run(None, {"input": x})[0][:, :classes]
         return self.session(task).run(None, {"input": x})[0]
 
     def predict(self, task: int, images, k: int = 1) -> list[list[tuple[str, float]]]:
@@ -331,18 +382,3 @@ def _switch_inputs(
         if np.issubdtype(value.dtype, np.floating):
             out[f"state/{key}"] = value.astype(np.float32)
     return out
-
-
-def _fit(arr: np.ndarray, shape, path: Path, name: str) -> np.ndarray:
-    """``arr`` shaped for a graph input: equal, or (a head narrower than the graph's) zero-padded along dim 0."""
-    dims = [d if isinstance(d, int) else None for d in shape]
-    if len(dims) != arr.ndim or any(d is not None and d != a for d, a in zip(dims[1:], arr.shape[1:])):
-        raise FormatError(f"{path}: {name} has shape {list(arr.shape)}, switch.onnx takes {shape}")
-    if dims and dims[0] is not None and arr.shape[0] != dims[0]:
-        if arr.shape[0] > dims[0]:
-            raise FormatError(
-                f"{path}: {name} has {arr.shape[0]} rows, switch.onnx takes at most {dims[0]}: export the bundle again"
-            )
-        pad = np.zeros((dims[0] - arr.shape[0], *arr.shape[1:]), dtype=arr.dtype)
-        arr = np.concatenate([arr, pad])
-    return np.ascontiguousarray(arr)

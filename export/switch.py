@@ -1,20 +1,16 @@
-"""One ONNX graph for every task of a bundle: ``switch.onnx`` (the one-session mode).
+"""One ONNX graph for every task of a bundle: ``switch.onnx``, the dense template of the one-session mode.
 
 The per-task graphs (``task_<t>.onnx``) hold their indices as constants, so
 onnxruntime folds each task into a dense model when its session is built: fast
-inference, but a task switch is a session creation (tens to hundreds of ms).
-``switch.onnx`` instead takes each NWS layer's indices and each state entry
-(BatchNorm statistics and affine parameters, biases) as graph inputs:
-
-    inputs   input (B, C, H, W) float32
-             indices/<layer> (N_layer,) int32        one per NWS layer
-             state/<key> (entry's shape) float32      one per floating state entry
-    output   logits (B, max_classes)
-
-Every run gathers the weights from the shared pools (``pool/<layer>``, external
-data in ``pools.safetensors``, as in the per-task graphs). A runtime keeps one
-session for the bundle and, per task, the input values on the device; a task
-switch re-binds them (:class:`nwsconvert.export.Runtime`, ``mode="switch"``).
+inference, but a task switch is a session creation over a graph of Gathers.
+``switch.onnx`` is traced with each NWS layer's indices and each state entry
+(BatchNorm statistics and affine parameters, biases) as graph inputs, then edited
+into a dense template (:func:`nwsconvert.export.densify.dense_template`): the
+gathered weights, the convolutions with their BatchNorm folded in and the other
+state entries become placeholders that the runtime fills with a task's tensors,
+computed from its pack with NumPy (:class:`nwsconvert.export.Runtime`,
+``mode="switch"``). The recipe for those tensors is returned and stored in
+``bundle.json`` (``switch.tensors``).
 
 Tasks with different class counts share the graph: the head is exported with
 the bundle's largest class count; a task with fewer classes pads its head
@@ -33,6 +29,7 @@ from torch import nn
 from nwsconvert import nws_layers
 from nwsconvert.formats.packs import _nws_keys
 
+from .densify import dense_template
 from .onnx_graph import _same_folder, export_graph
 
 __all__ = ["SWITCH_FILE", "export_switch", "switch_input_names"]
@@ -103,7 +100,7 @@ def export_switch(
         exporter: as :func:`nwsconvert.export.onnx_graph.export_onnx`.
 
     Returns:
-        ``{'gather_nodes', 'inputs' (task inputs the graph takes), 'bytes', 'exporter'}``.
+        ``{'gather_nodes' (of the traced graph), 'tensors' (the recipe: one row per task tensor), 'bytes', 'exporter'}``.
     """
     out_path, pool_file = Path(out_path), Path(pool_file)
     _same_folder(out_path, pool_file)
@@ -115,8 +112,17 @@ def export_switch(
     axes = {"input": {0: "batch"}, "logits": {0: "batch"}}
     wrapper = _Functional(model, list(names.values())).eval()  # the exporter restores the wrapper's mode, recursively
     args = (torch.zeros(1, *input_shape), *values)
-    proto, found, _, size, used = export_graph(
-        wrapper, args, ["input", *names], axes, layers, pool_file, out_path, metadata, exporter
+    shapes = {layer.name: tuple(layer.nws.weight_shape) for layer in layers}
+    _, found, _, size, used, recipe = export_graph(
+        wrapper,
+        args,
+        ["input", *names],
+        axes,
+        layers,
+        pool_file,
+        out_path,
+        metadata,
+        exporter,
+        edit=lambda proto: dense_template(proto, shapes),
     )
-    taken = [i.name for i in proto.graph.input if i.name != "input"]
-    return {"gather_nodes": found, "inputs": len(taken), "bytes": size, "exporter": used}
+    return {"gather_nodes": found, "tensors": recipe, "bytes": size, "exporter": used}

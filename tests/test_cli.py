@@ -91,7 +91,7 @@ def test_resume_where_no_run_was_started_is_refused_and_starts_nothing(tmp_path,
         assert err.startswith("nws-train: ") and err.count("\n") == 1, err
         assert what in err and "nothing to resume" in err and f"out={out} (without --resume)" in err
         assert not (out / "job.json").exists() and not (out / "manifest.json").exists()
-    assert not (tmp_path / "missing").exists() and [p.name for p in empty.iterdir() if p.name != ".lock"] == []
+    assert not (tmp_path / "missing").exists() and list(empty.iterdir()) == []  # not even a lock file
     # A folder holding only job.json (a run killed before its manifest) restarts exactly that job:
     # test_trust.py::test_resume_before_the_manifest_starts_the_run_and_cleans_temporaries; one with a
     # manifest continues: test_killed_run_resumes_without_losing_tasks.

@@ -1,7 +1,9 @@
-"""The demo `make demo` runs (split-mnist through nws-train), here with a tiny model and one task."""
+"""The demo `make demo` runs (split-mnist through nws-train), here with a tiny model and two tasks, at the
+default pool size (512 entries: 9-bit indices through packs, nws-export and both runtime modes)."""
 
 import contextlib
 import io
+import json
 
 import numpy as np
 import pytest
@@ -10,10 +12,11 @@ import torch
 import nwsconvert
 from nwsconvert import RunDir
 from nwsconvert.cli import demo
-from nwsconvert.export import Runtime, export_bundle
+from nwsconvert.export import Runtime
+from nwsconvert.export.cli import export_main
 from nwsconvert.zoo import get_suite
 
-DEMO_ARGS = ["model=timm:test_resnet", "pool_size=32", "epochs=1", "pool_epochs=1", "tasks=2", "progress=false"]
+DEMO_ARGS = ["model=timm:test_resnet", "epochs=1", "pool_epochs=1", "tasks=2", "progress=false"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,10 @@ def test_onnxruntime_top1_agrees_on_the_demo_test_sets(demo_run, tmp_path):
     """Deployment answers like PyTorch on the demo's own test images (split-mnist, 160 per task), in
     both runtime modes (per-task sessions; one session fed from the packs)."""
     out, _ = demo_run
-    export_bundle(out, tmp_path / "b", "all", onnx=True)
+    assert RunDir(out).read().model.convert["pool_size"] == 512  # the default, as a user's run has it
+    assert export_main([str(out), "--task", "all", "--onnx", "--out", str(tmp_path / "b")]) == 0
+    desc = json.loads((tmp_path / "b" / "bundle.json").read_text())
+    assert {row["index_dtype"] for row in desc["tasks"].values()} == {"uint8+1bit"}  # 9 bits per index
     runtimes = {mode: Runtime(tmp_path / "b", device="cpu", mode=mode) for mode in ("session", "switch")}
     suite = get_suite("split-mnist")
     for t in (0, 1, 0):  # the switch mode goes back to task 0 after task 1

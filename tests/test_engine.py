@@ -32,6 +32,11 @@ KERNELS = [
 
 def small_net(depth: int = 1, width: int = 8) -> nn.Module:
     """3x3 convs (D = 9), a depthwise conv, 1x1 convs and a linear head (scalar pools, D = 1)."""
+    return nwsconvert.convert(_wide_net(depth, width), pool_size=16, seed=0).to(DEVICE)
+
+
+def _wide_net(depth: int, width: int) -> nn.Module:
+    """small_net's layers, unconverted: 3x3, depthwise 3x3 (both D = 9), 1x1 and a linear head."""
     layers = [nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
     for _ in range(depth):
         layers += [
@@ -41,8 +46,7 @@ def small_net(depth: int = 1, width: int = 8) -> nn.Module:
             nn.Conv2d(width, width, 1),
             nn.ReLU(),
         ]
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 3)]
-    return nwsconvert.convert(nn.Sequential(*layers), pool_size=16, seed=0).to(DEVICE)
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 3))
 
 
 def batches(steps: int, seed: int = 0):
@@ -104,6 +108,7 @@ def test_engine_commitment_gradient_is_the_layers_up_to_rounding(kernel):
     for m in (a, b):
         set_commitment(m, 1.0)
     oa, ob = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (a, b))
+    start = {layer.name: layer.weight.detach().clone() for layer in nws_layers(a)}
     with SearchEngine(b, kernel=kernel):
         for x, y in batches(4):
             sgd_step(a, oa, x, y)
@@ -111,7 +116,8 @@ def test_engine_commitment_gradient_is_the_layers_up_to_rounding(kernel):
             assert_exact(b, x)
         for la, lb in zip(nws_layers(a), nws_layers(b)):
             torch.testing.assert_close(la.weight, lb.weight, rtol=0, atol=1e-6)
-            assert not torch.equal(la.weight, lb.weight) or la.weight.grad is not None
+            # Both moved well beyond the tolerance, so agreeing within it says the two paths computed the same steps.
+            assert (lb.weight - start[lb.name]).abs().max() > 1e-3, lb.name
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -184,6 +190,59 @@ def _step_ops(model, kernel: str | None) -> list[str]:
         if ctx is not None:
             ctx.close()
     return count.ops
+
+
+class _ManyToFew(TorchDispatchMode):
+    """Records every accumulating scatter of many sources into few destinations: on a GPU each is float or
+    integer atomics on a handful of addresses, which serialise (a 12 M-row index_add_ into 37 layer
+    counters took 60 % of a resnet50 step on an H200)."""
+
+    SOURCES, DESTINATIONS = 10_000, 1_000
+    OPS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "bincount"}
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        sources = destinations = None
+        if name in self.OPS - {"bincount"}:
+            out, dim, index = args[0], args[1], args[2]
+            sources, destinations = index.numel(), out.shape[dim] if out.dim() else 1
+        elif name == "bincount":
+            sources, destinations = args[0].numel(), max(int(kwargs.get("minlength", 0)), 1)
+        elif name in ("index_put", "index_put_") and (args[3] if len(args) > 3 else kwargs.get("accumulate", False)):
+            sources, destinations = args[1][0].numel(), args[0].shape[0]
+        if sources is not None and sources >= self.SOURCES and destinations <= self.DESTINATIONS:
+            self.found.append((name, sources, destinations))
+        return func(*args, **kwargs)
+
+
+def test_a_training_step_has_no_many_to_few_atomic_reduction():
+    """The engine's update reduces per layer without scattering many rows into few slots: per-pool-row
+    values through a padded (L, Pmax) view, per-row flags counted when read. 10,592 kernel rows of D = 9
+    and 10,752 pool rows in 21 layers: both past the rule's 10,000 sources."""
+    torch.manual_seed(0)
+    model = nwsconvert.convert(_wide_net(depth=10, width=32), pool_size=512, seed=0).to(DEVICE)
+    with SearchEngine(model, kernel="torch") as probe:
+        group = {g.dim: g for g in probe.groups}[9]
+        assert sum(n for _, n in group.rows) >= 10_000 and sum(n for _, n in group.pools) >= 10_000
+    set_commitment(model, 1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = list(batches(2))
+    with SearchEngine(model, kernel="torch") as engine:
+        sgd_step(model, opt, *data[0])
+        with _ManyToFew() as watch:
+            sgd_step(model, opt, *data[1])
+            engine.searched_fraction()
+        assert watch.found == [], watch.found
+        stats = engine.stats()
+    # The counts read afterwards are the rows the step searched, layer by layer.
+    per_layer = [layer.nws.stats for layer in nws_layers(model)]
+    assert sum(s["searched"] for s in per_layer) == stats["searched"] > 0
+    assert sum(s["total"] for s in per_layer) == stats["total"]
 
 
 @pytest.mark.skipif(not fused_search.available(DEVICE), reason="needs Triton (CPU-only torch wheels ship without it)")

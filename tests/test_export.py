@@ -130,20 +130,57 @@ def test_stale_bundle_and_cli_errors(run, tmp_path, capsys):
     assert infer_main(["--bundle", str(tmp_path / "d"), "--task", "1", "--bench", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "latency" in out and "task switch" in out
+    # A one-task bundle in switch mode: its first use is reported as such, and no switch is invented.
+    argv = ["--bundle", str(tmp_path / "d"), "--task", "1", "--bench", "--device", "cpu", "--mode", "switch"]
+    assert infer_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "first use of a task" in out and "holds one task, nothing to switch to" in out and " us over" not in out
+    # A bundle written without --onnx: the one line says how to get graphs.
+    assert infer_main(["--bundle", str(tmp_path / "e"), "--task", "1"]) == 2
+    assert "holds no ONNX graphs (exported without --onnx): export it again with nws-export" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         export_main(["--help"])
 
 
+def test_a_session_cache_that_thrashes_warns_once(run, tmp_path):
+    export_bundle(run, tmp_path / "b", "all", onnx=True)
+    rt = Runtime(tmp_path / "b", device="cpu", max_sessions=1)
+    x = np.zeros((1, *rt.session(0).get_inputs()[0].shape[1:]), np.float32)
+    with pytest.warns(UserWarning, match=r"1 task sessions built again after eviction .*max_sessions=1.*mode='switch'"):
+        for t in (0, 1, 0):  # the third call builds task 0's session again
+            rt.run(t, x)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        for t in (1, 0, 1):
+            rt.run(t, x)
+    assert rt.rebuilds == 4 and list(rt.info()["cached_tasks"]) == [1]
+
+
 # ------------------------------------------------------------------ one session for every task
 def test_switch_mode_matches_pytorch_and_never_mixes_tasks(run, tmp_path):
-    """switch.onnx takes indices and state as inputs; tasks of 3 and 2 classes share it (head padded)."""
+    """switch.onnx is the dense template: every task tensor (gathered weights, convolutions with their
+    BatchNorm folded in, the other state) is a placeholder the runtime fills from the task's pack;
+    tasks of 3 and 2 classes share it (head padded)."""
+    from nwsconvert.export.densify import PLACEHOLDER
+
     desc = export_bundle(run, tmp_path / "b", "all", onnx=True)
     assert desc["switch"]["max_classes"] == 3 and (tmp_path / "b" / "switch.onnx").is_file()
     proto = onnx.load(str(tmp_path / "b" / "switch.onnx"), load_external_data=False)
-    names = {i.name for i in proto.graph.input}
+    assert [i.name for i in proto.graph.input] == ["input"]
+    ops = {n.op_type for n in proto.graph.node}
+    assert "Gather" not in ops and "BatchNormalization" not in ops  # dense, every conv + BatchNorm folded
     layers = nws_layers(nwsconvert.load(run, task=0))
-    assert {f"indices/{l.name}" for l in layers} <= names and "input" in names
-    assert not any(t.name.startswith("indices/") for t in proto.graph.initializer)  # no task is baked in
+    rows = desc["switch"]["tensors"]
+    assert sorted(r["layer"] for r in rows if r["kind"] != "state") == sorted(l.name for l in layers)
+    assert any(r["kind"] == "fold" for r in rows)
+    # No task is baked in: every tensor a recipe row names is external data at the placeholder.
+    held = {r["name"] for r in rows} | {r["bias_name"] for r in rows if r["kind"] == "fold"}
+    placeholders = {
+        t.name for t in proto.graph.initializer if any(e.value == PLACEHOLDER for e in t.external_data)
+    }
+    assert held == placeholders
     x = torch.randn(4, 1, 16, 16)
     refs = {}
     for t in (0, 1):
@@ -166,6 +203,11 @@ def test_switch_mode_matches_pytorch_and_never_mixes_tasks(run, tmp_path):
     assert info["mode"] == "switch" and info["providers"] == ["CPUExecutionProvider"]
     assert sorted(info["cached_tasks"]) == [0, 1] and all(b > 0 for b in info["bytes_per_task"].values())
     assert rt.last_switch_seconds is not None and rt.run(1, x[:1].numpy()).shape == (1, 2)
+    # One materialised task at a time: A, B, A evicts and materialises A again, bit for bit the same.
+    small = Runtime(tmp_path / "b", device="cpu", mode="switch", max_sessions=1)
+    for t in (0, 1, 0, 1):
+        assert np.array_equal(small.run(t, x.numpy()), seen[t])
+        assert small.info()["cached_tasks"] == [t]
 
 
 def test_the_torch_export_based_exporter_writes_working_bundles(run, tmp_path):

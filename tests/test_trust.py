@@ -489,7 +489,8 @@ def test_one_writer_per_run_and_a_killed_holder_blocks_nothing(run_a, tmp_path, 
         assert train_main(["--resume", f"out={run_a}", "progress=false"]) == 1
         err = capsys.readouterr().err
         assert err.startswith("nws-train: ") and "another process" in err and err.count("\n") == 1
-        (run_a / "manifest.json").rename(tmp_path / "manifest.json")  # a run stopped before its manifest
+        (run_a / "manifest.json").rename(tmp_path / "manifest.json")  # a run stopped before its manifest:
+        (run_a / "job.json").write_text(json.dumps(job))  # its job.json, written first, is all there is
         assert train_main(["--resume", f"out={run_a}", "progress=false"]) == 1
         err = capsys.readouterr().err  # refused before saying it would start the run
         assert err.startswith("nws-train: ") and "another process" in err and err.count("\n") == 1
@@ -653,6 +654,16 @@ def test_every_bad_value_is_one_line_exit_2_before_torch_loads(tmp_path):
         assert len(lines) == 2 and lines[0].startswith("nws-train: ") and message in lines[0], (arg, proc.stderr)
         assert lines[1] == "NO-TORCH", (arg, "torch was imported before the value was refused")
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_with_nothing_to_resume_is_refused_before_torch_loads(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "never_started", tmp_path / "empty"):
+        proc = _probe("cli.train", "train_main", ["--resume", f"out={out}"])
+        lines = proc.stderr.splitlines()
+        assert proc.returncode == 2 and len(lines) == 2 and "nothing to resume" in lines[0], proc.stderr
+        assert lines[1] == "NO-TORCH"
+    assert list((tmp_path / "empty").iterdir()) == [] and not (tmp_path / "never_started").exists()
 
 
 def test_head_epochs_beyond_the_epochs_is_one_line_exit_2(tmp_path):

@@ -39,7 +39,7 @@ RUNTIME_MODULES = {
     "nwsconvert.conversion": ("nwsconvert/conversion", ["__init__", "config"]),
     "nwsconvert.train": ("nwsconvert/train", ["__init__", "rundir", "manifest"]),
     "nwsconvert.cli": ("nwsconvert/cli", ["__init__", "common"]),
-    "nwsconvert.export": ("export", ["__init__", "bundlefile", "runtime", "cli"]),
+    "nwsconvert.export": ("export", ["__init__", "bundlefile", "densify", "runtime", "cli"]),
 }
 #: the main distribution's dependencies the runtime keeps (by distribution name), plus Pillow for nws-infer's images.
 KEEP = ("numpy", "constriction", "onnxruntime", "onnxruntime-gpu")

@@ -246,6 +246,26 @@ def validate_job(job: dict) -> None:
     TrainConfig(**fields)  # types and ranges of the training options (the recipe's own values are known good)
 
 
+def _check_model_spec(spec: str, kwargs: dict) -> None:
+    """Refuse an unknown timm / torchvision name or factory keyword in a fraction of a second: the model
+    is built on the meta device (no memory, no init), before the suite's data load. Any other failure
+    there is left to the real build, which some models need (their init reads tensor values)."""
+    import torch
+
+    from ..train.specs import build_model
+
+    try:
+        with torch.device("meta"):
+            build_model(spec, num_classes=2, **kwargs)
+    except TypeError as e:  # an unknown or ill-typed keyword: the factory's own words
+        raise UsageError(f"model={spec} with model.{', model.'.join(kwargs) or '()'}: {e}") from None
+    except ValueError as e:
+        if "has no model" in str(e) or "in_chans" in str(e):  # build_model's own checks of the spec
+            raise UsageError(str(e)) from None
+    except Exception:  # noqa: BLE001 (the real build below reports what it finds)
+        pass
+
+
 def _check_pool_file(path: Path) -> None:
     from ..formats.stfile import file_kind
 
@@ -278,6 +298,8 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
     from ..train.trainer import Trainer
 
     config = _train_config(job)
+    if is_registry_spec(job["model"]):
+        _check_model_spec(job["model"], job["model_kwargs"])  # before the data loads
     try:
         suite = get_suite(job["suite"], **job["suite_options"])
     except (KeyError, TypeError, ValueError) as e:
@@ -433,11 +455,12 @@ def _train(argv: list[str] | None) -> int:
             out = Path(user["out"]).expanduser()
             if out.exists() and not out.is_dir():
                 raise UsageError(f"cannot resume: out={str(out)!r} is a file, not a run directory")
-            if out.is_dir() and os.environ.get("RANK", "0") == "0":
+            started = out.is_dir() and (RunDir(out).exists() or (out / JOB_FILE).is_file())
+            if started and os.environ.get("RANK", "0") == "0":
                 from ..train.runlock import RunLock
 
                 held = RunLock.acquire(out)  # refuse a second writer before saying anything; launch() re-enters it
-            base, source = _recorded_job(out) if out.is_dir() else (None, "none")
+            base, source = _recorded_job(out) if started else (None, "none")
             if base is None:
                 what = "does not exist" if not out.exists() else f"holds no run (no manifest.json, no {JOB_FILE})"
                 raise UsageError(

@@ -121,12 +121,16 @@ class _Group:
         rows, pools: per layer ``(offset, count)`` (Python ints).
         blocks: the search kernel's block table (:func:`~nwsconvert.core.fused_search.row_blocks`).
         row_pool: ``(R,)`` int64, the flat-pool offset of each row's layer.
-        row_layer: ``(R,)`` int64 layer number; pool_layer: ``(P,)`` int64.
+        row_layer: ``(R,)`` int64 layer number.
+        pool_grid: ``(L * Pmax,)`` int64: layer ``i``'s pool rows at ``i * Pmax ..``, then the index ``P``
+            (a padding slot): a per-pool-row vector with one value appended, gathered through it and
+            viewed ``(L, Pmax)``, reduces per layer along dim 1 (no scatter of P rows into L slots).
         ref: ``(R, D)`` float32 W at each row's last search. budget: ``(R,)`` float32 squared budget
             (<= 0 or NaN: search again).
         index: ``(R,)`` int64 pool-local index. seen: ``(P, D)`` float32 pools the budgets account for.
         pieces: per layer, its gathered weight in W's shape (views of one buffer) from the last update.
-        searched, exact_rows: ``(L,)`` float32 counts of the last update.
+        need, exact: ``(R,)`` bool, the rows the last update searched and those it searched in float64;
+            per-layer counts are taken from them when read (:meth:`counts`), not every step.
     """
 
     def __init__(self, dim: int, layers: list, device: torch.device, search):
@@ -143,9 +147,11 @@ class _Group:
         counts = torch.tensor([count for _, count in self.rows], device=device)
         self.row_layer = torch.repeat_interleave(torch.arange(len(layers), device=device), counts)
         self.row_pool = torch.tensor([off for off, _ in self.pools], device=device).index_select(0, self.row_layer)
-        self.pool_layer = torch.repeat_interleave(
-            torch.arange(len(layers), device=device), torch.tensor([n for _, n in self.pools], device=device)
-        )
+        widest = max(n for _, n in self.pools)
+        grid = torch.full((len(layers), widest), p, dtype=torch.int64)
+        for i, (off, n) in enumerate(self.pools):
+            grid[i, :n] = torch.arange(off, off + n)
+        self.pool_grid = grid.view(-1).to(device)
         self.ones = torch.ones(dim, device=device)
         self.ref = torch.zeros(r, dim, device=device)
         self.budget = torch.full((r,), -1.0, device=device)  # no state: searched at the first update
@@ -177,8 +183,8 @@ class _Group:
             )
         self.pieces: list[torch.Tensor] | None = None
         self._scales: tuple[tuple[float, ...], torch.Tensor] | None = None  # (per-layer scales, per-row tensor)
-        self.searched = torch.zeros(len(layers), device=device)
-        self.exact_rows = torch.zeros(len(layers), device=device)
+        self.need = torch.zeros(r, dtype=torch.bool, device=device)
+        self.exact = torch.zeros(r, dtype=torch.bool, device=device)
 
     def _scale(self) -> torch.Tensor | None:
         """Per-row commitment-gradient scale ``(R, 1)``, None when every layer's is 0."""
@@ -200,9 +206,7 @@ class _Group:
             pools = torch.cat([layer.nws.pool.detach().float() for layer in self.layers])
             # Budgets shrink by their layer's largest pool-entry movement (float64, 1e-5 slack, rounded down).
             entry_move = (pools - self.seen).norm(dim=1).double()
-            layer_move = torch.zeros(len(self.layers), dtype=torch.float64, device=x.device)
-            layer_move = layer_move.scatter_reduce(0, self.pool_layer, entry_move, reduce="amax", include_self=True)
-            move = layer_move.index_select(0, self.row_layer)
+            move = self._per_layer(entry_move).amax(1).index_select(0, self.row_layer)  # NaN stays NaN
             left = (self.budget.double().clamp_min(0).sqrt() - move * (1 + 1e-5)).clamp_min(0)
             shrunk = torch.where(self.budget > 0, round_down_f32(left.square()), self.budget.clamp_max(0))
             budget = torch.where(move != 0, shrunk, self.budget)  # NaN movement gives NaN: searched
@@ -215,16 +219,15 @@ class _Group:
                 entry = self.index + self.row_pool
                 value = x[:, 0]
                 inside = (lo.index_select(0, entry) < value) & (value < hi.index_select(0, entry))
-                changed = (~(pools == cut_from)).any(dim=1).to(torch.int64)  # NaN counts as changed
-                stale = torch.zeros(len(self.layers), dtype=torch.int64, device=x.device)
-                stale = stale.index_add_(0, self.pool_layer, changed).index_select(0, self.row_layer) > 0
+                changed = (~(pools == cut_from)).any(dim=1)  # NaN counts as changed
+                stale = self._per_layer(changed).any(1).index_select(0, self.row_layer)
                 need = torch.where(stale, need, ~inside)
             index, radius, exact = self.search(x, pools, self.blocks, need)
             self.index.copy_(torch.where(need, index, self.index))
             self.ref.copy_(torch.where(need[:, None], x, self.ref))
             self.budget.copy_(torch.where(need, _budget_sq(radius, x, x), budget))
-            self.searched.zero_().index_add_(0, self.row_layer, need.float())
-            self.exact_rows.zero_().index_add_(0, self.row_layer, exact.float())
+            self.need.copy_(need)
+            self.exact.copy_(exact)
             native = [layer.nws.pool.detach() for layer in self.layers]
             flat = pools if all(p.dtype == torch.float32 for p in native) else torch.cat(native)
             k = flat.index_select(0, self.index + self.row_pool)
@@ -237,13 +240,28 @@ class _Group:
             piece.view(layer.nws.weight_shape) for piece, layer in zip(k.view(-1).split(self.sizes), self.layers)
         ]
 
+    def _per_layer(self, values: torch.Tensor) -> torch.Tensor:
+        """``(P,)`` per pool row -> ``(L, Pmax)``, each layer's row padded with zeros (``False``)."""
+        padded = torch.cat([values, values.new_zeros(1)])
+        return padded.index_select(0, self.pool_grid).view(len(self.layers), -1)
+
+    def counts(self) -> torch.Tensor:
+        """``(L, 2)`` int64: rows the last update searched, and searched in float64, per layer (each
+        layer's rows are contiguous: differences of one cumulative sum at the layer offsets)."""
+        flags = torch.stack([self.need, self.exact], 1).to(torch.int64)
+        total = torch.cat([flags.new_zeros(1, 2), flags.cumsum(0)])
+        starts = torch.tensor([off for off, _ in self.rows], device=flags.device)
+        ends = torch.tensor([off + count for off, count in self.rows], device=flags.device)
+        return total.index_select(0, ends) - total.index_select(0, starts)
+
     @torch.no_grad()
     def hand_back(self) -> None:
         """Give every layer the state the engine kept, so that its own lazy search goes on from it."""
+        counts = self.counts().tolist()
         for i, layer in enumerate(self.layers):
             nws = layer.nws
             (off, count), (poff, size) = self.rows[i], self.pools[i]
-            nws.stats = {"searched": int(self.searched[i]), "total": count, "exact_rows": int(self.exact_rows[i])}
+            nws.stats = {"searched": counts[i][0], "total": count, "exact_rows": counts[i][1]}
             if self.dim == 1:
                 nws._scalar_ready = True  # scalar pools need no state beyond the indices
                 continue
@@ -345,7 +363,7 @@ class SearchEngine:
 
     def searched_fraction(self) -> torch.Tensor:
         """Fraction of kernels the last update re-searched, a 0-dim device tensor (no host sync)."""
-        return sum(g.searched.sum() for g in self.groups) / max(self.total, 1)
+        return sum(g.need.sum() for g in self.groups) / max(self.total, 1)
 
     def stats(self) -> dict:
         """Kernels re-searched by the last update, as :func:`~nwsconvert.core.nwsmodel.search_stats` reports them
@@ -353,7 +371,7 @@ class SearchEngine:
         total = self.total
         if self._stamp is None:
             return {"searched": 0, "total": total, "fraction": 0.0, "exact_rows": 0}
-        counts = torch.stack([torch.stack([g.searched.sum(), g.exact_rows.sum()]) for g in self.groups]).sum(0)
+        counts = torch.stack([torch.stack([g.need.sum(), g.exact.sum()]) for g in self.groups]).sum(0)
         searched, exact = (int(v) for v in counts.tolist())
         return {"searched": searched, "total": total, "fraction": searched / max(total, 1), "exact_rows": exact}
 

@@ -1,0 +1,226 @@
+"""The one-session mode's graph: the task's dense, BatchNorm-folded weights as initializers the runtime supplies.
+
+:func:`dense_template` edits a traced ``switch`` graph (every NWS layer's indices and every
+floating state entry as graph inputs, weights rebuilt by ``Reshape(Gather(pool, indices))``)
+into the graph a task runs at dense speed:
+
+* each NWS layer's gathered weight becomes an initializer ``weight/<layer>``;
+* a convolution followed only by an inference ``BatchNormalization`` whose four parameters are
+  state inputs is fused: the convolution takes ``fold/<layer>/weight`` and ``fold/<layer>/bias``
+  (``W * s`` and ``(b - mean) * s + beta``, ``s = gamma / sqrt(var + eps)`` per output channel) and
+  the BatchNormalization is gone;
+* every other state input becomes an initializer of the same name;
+* the Gathers, the index unpacking and the pools are removed.
+
+Every new initializer is external data at :data:`PLACEHOLDER`, a location that does not exist:
+the graph holds no task. The runtime computes a task's tensors from its pack with NumPy
+(:func:`materialise`: one gather per layer, the folds) and hands them to onnxruntime with
+``SessionOptions.add_external_initializers``, which replaces the references by name before
+anything is read. Being constants, onnxruntime optimises them as in a per-task graph (weight
+prepacking, NCHWc layouts on CPU): inference costs what the dense model costs. The recipe,
+one row per tensor (:func:`dense_template`'s return value), goes into ``bundle.json``.
+
+Imported by the runtime for :func:`materialise` only (NumPy, no onnx, no torch); the export half
+imports ``onnx`` inside the functions that edit graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["PLACEHOLDER", "dense_template", "materialise", "RECIPE_KINDS"]
+
+#: External-data location of the task tensors in the template: never a file, always supplied by name.
+PLACEHOLDER = "task-tensors-supplied-by-the-runtime"
+
+#: ``kind`` of a recipe row: a layer's gathered weight, a conv + BatchNorm fold, a state entry as it is.
+RECIPE_KINDS = ("gather", "fold", "state")
+
+_PASS = ("Cast", "Reshape", "Identity")
+
+
+def dense_template(proto, layers: dict[str, tuple[int, ...]]) -> list[dict]:
+    """Edit a linked ``switch`` graph in place into the dense template; returns the recipe.
+
+    Args:
+        proto: the traced graph after its pools were linked (``pool/<layer>`` initializers,
+            ``indices/<layer>`` and ``state/<key>`` graph inputs).
+        layers: NWS layer name -> its weight shape (the head with the bundle's largest class count).
+
+    Returns:
+        One row per task tensor the template takes, in graph order: ``{"kind": "gather", "name",
+        "layer", "shape"}``, ``{"kind": "fold", "name", "bias_name", "layer", "shape", "conv_bias",
+        "scale", "shift", "mean", "var", "eps"}`` (the last four and ``conv_bias`` name state inputs;
+        ``conv_bias`` may be None) or ``{"kind": "state", "name", "shape"}``.
+
+    Raises:
+        ValueError: a layer's Gather was not found (the graph is not a linked switch graph).
+    """
+    from onnx import TensorProto, helper
+
+    from .graph_edits import prune
+
+    graph = proto.graph
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    shapes = {
+        v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+        for v in graph.input
+    }
+    recipe: list[dict] = []
+    weights: dict[str, str] = {}  # tensor the layer's consumers read -> layer
+    for node in list(graph.node):
+        if node.op_type != "Gather" or not node.input[0].startswith("pool/"):
+            continue
+        layer = node.input[0][len("pool/") :]
+        out = node.output[0]
+        while len(consumers.get(out, [])) == 1 and consumers[out][0].op_type in _PASS:
+            out = consumers[out][0].output[0]  # through the Cast (float16 pools) and the Reshape to W's shape
+        weights[out] = layer
+    missing = sorted(set(layers) - set(weights.values()))
+    if missing:
+        raise ValueError(f"no pool Gather found for layer {missing[0]!r}: not a linked switch graph")
+    names: dict[str, str] = {}  # old tensor -> new initializer name
+    for tensor, layer in weights.items():
+        names[tensor] = f"weight/{layer}"
+    folded: dict[str, dict] = {}
+    for tensor, layer in weights.items():
+        readers = consumers.get(tensor, [])
+        if len(readers) != 1 or readers[0].op_type != "Conv" or list(readers[0].input[1:2]) != [tensor]:
+            continue
+        conv = readers[0]
+        after = consumers.get(conv.output[0], [])
+        if len(after) != 1 or after[0].op_type != "BatchNormalization" or len(after[0].output) != 1:
+            continue
+        bn = after[0]
+        params = list(bn.input[1:5])
+        bias = conv.input[2] if len(conv.input) > 2 and conv.input[2] else None
+        if not all(p.startswith("state/") and p in shapes for p in params) or (bias and not bias.startswith("state/")):
+            continue
+        if any(a.name == "training_mode" and a.i for a in bn.attribute):
+            continue
+        eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+        folded[tensor] = {
+            "kind": "fold",
+            "name": f"fold/{layer}/weight",
+            "bias_name": f"fold/{layer}/bias",
+            "layer": layer,
+            "shape": list(layers[layer]),
+            "conv_bias": bias,
+            "scale": params[0],
+            "shift": params[1],
+            "mean": params[2],
+            "var": params[3],
+            "eps": float(eps),
+        }
+        conv.input[:] = [conv.input[0], f"fold/{layer}/weight", f"fold/{layer}/bias"]
+        conv.output[0] = bn.output[0]
+        graph.node.remove(bn)
+    for tensor in weights:
+        if tensor in folded:
+            continue
+        for reader in consumers.get(tensor, []):
+            reader.input[:] = [names[tensor] if i == tensor else i for i in reader.input]
+    prune(graph)  # the Gathers, index unpacking, BatchNorms' inputs only they read, the pools
+    read = {name for n in graph.node for name in n.input}
+    state = [i for i in graph.input if i.name.startswith("state/") and i.name in read]
+    stale = [i.name for i in graph.input if i.name.startswith("indices/") and i.name in read]
+    if stale:
+        raise ValueError(f"the graph still reads {stale[0]!r} outside a pool Gather: not a linked switch graph")
+    for tensor, layer in weights.items():
+        row = folded.get(tensor) or {
+            "kind": "gather",
+            "name": names[tensor],
+            "layer": layer,
+            "shape": list(layers[layer]),
+        }
+        recipe.append(row)
+    for value in state:
+        if any(d is None for d in shapes[value.name]):
+            raise ValueError(f"state input {value.name!r} has no fixed shape")
+        recipe.append({"kind": "state", "name": value.name, "shape": shapes[value.name]})
+    dims = _image_dims(proto)
+    del graph.input[:]  # keep the image input only
+    graph.input.append(helper.make_tensor_value_info("input", TensorProto.FLOAT, dims))
+    for row in recipe:
+        tensors = [(row["name"], row["shape"])]
+        if row["kind"] == "fold":
+            tensors.append((row["bias_name"], [row["shape"][0]]))
+        for name, shape in tensors:
+            t = graph.initializer.add()
+            t.name, t.data_type = name, TensorProto.FLOAT
+            t.dims.extend(int(d) for d in shape)
+            t.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", PLACEHOLDER), ("offset", "0"), ("length", str(4 * int(np.prod(shape))))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+    return recipe
+
+
+def _image_dims(proto) -> list:
+    for value in proto.graph.input:
+        if value.name == "input":
+            return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+    raise ValueError("the graph has no 'input'")
+
+
+def materialise(
+    recipe: list[dict], pools: dict[str, np.ndarray], values: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """A task's tensors for the dense template, with NumPy.
+
+    Args:
+        recipe: :func:`dense_template`'s rows (from ``bundle.json``).
+        pools: layer name -> ``(n, D)`` pool (float32 or float16: gathered, then widened exactly).
+        values: the task's ``indices/<layer>`` ``(N,)`` integer and ``state/<key>`` float32 arrays (its pack).
+
+    Returns:
+        Tensor name -> C-contiguous float32 array of the recipe's shape (head rows beyond the task's
+        classes padded: their logits are dropped).
+
+    Raises:
+        KeyError: a value the recipe needs is missing (the caller names the pack).
+        ValueError: a value of another size than the template takes.
+    """
+    out: dict[str, np.ndarray] = {}
+    for row in recipe:
+        shape = tuple(row["shape"])
+        if row["kind"] == "state":
+            out[row["name"]] = _padded(values[row["name"]], shape, row["name"])
+            continue
+        pool = pools[row["layer"]]
+        count = int(np.prod(shape)) // pool.shape[1]
+        idx = values[f"indices/{row['layer']}"]
+        if idx.size > count:
+            raise ValueError(f"indices/{row['layer']}: {idx.size} indices, the template takes {count}")
+        full = np.zeros(count, np.int64)
+        full[: idx.size] = idx
+        weight = pool[full].astype(np.float32).reshape(shape)
+        if row["kind"] == "gather":
+            out[row["name"]] = np.ascontiguousarray(weight)
+            continue
+        channels = (shape[0],)
+        gamma, beta, mean, var = (
+            _padded(values[row[k]], channels, row[k]).astype(np.float64) for k in ("scale", "shift", "mean", "var")
+        )
+        bias = (
+            _padded(values[row["conv_bias"]], channels, row["conv_bias"]).astype(np.float64)
+            if row["conv_bias"]
+            else np.zeros(channels)
+        )
+        s = gamma / np.sqrt(var + row["eps"])
+        out[row["name"]] = np.ascontiguousarray((weight * s.reshape(-1, *[1] * (len(shape) - 1))).astype(np.float32))
+        out[row["bias_name"]] = ((bias - mean) * s + beta).astype(np.float32)
+    return out
+
+
+def _padded(arr: np.ndarray, shape: tuple, name: str) -> np.ndarray:
+    """``arr`` as float32 of ``shape``: equal, or zero-padded along dim 0 (a head narrower than the template's)."""
+    arr = np.asarray(arr, dtype=np.float32)
+    if arr.shape[1:] != tuple(shape[1:]) or arr.shape[0] > shape[0]:
+        raise ValueError(f"{name} has shape {list(arr.shape)}, the template takes {list(shape)}")
+    if arr.shape[0] < shape[0]:
+        arr = np.concatenate([arr, np.zeros((shape[0] - arr.shape[0], *shape[1:]), np.float32)])
+    return np.ascontiguousarray(arr)

@@ -47,9 +47,9 @@ import torch
 from baselines import METHODS, fit  # benchmarks/ is on sys.path when this script runs
 
 from nwsconvert.analysis.summary import run_summary
-from nwsconvert.cli.train import _train_config, resolve_job, run_job
 from nwsconvert.formats.atomic import atomic_write_bytes
 from nwsconvert.train.config import BEFORE_OPTION, TrainConfig
+from nwsconvert.train.job import resolve_job, run_job, train_config
 from nwsconvert.train.specs import build_model
 from nwsconvert.zoo import get_suite
 
@@ -57,7 +57,7 @@ from nwsconvert.zoo import get_suite
 def pretrained_model(job: dict, seed: int) -> torch.nn.Module:
     """The dense model every baseline starts from: built as the NWS run's, pretrained on the suite's
     pretraining split with the pool-learning recipe (the NWS run learns its pools on the same data)."""
-    cfg = _train_config({**job, "seed": seed})
+    cfg = train_config({**job, "seed": seed})
     suite = get_suite(job["suite"], **job["suite_options"])
     kwargs = dict(job["model_kwargs"])
     if job["model"].startswith("timm:") and suite.channels != 3:
@@ -101,7 +101,7 @@ def nws_run(job: dict, seed: int, folder: str, peers_start=None) -> dict:
 
 def method_run(name: str, pretrained: torch.nn.Module, job: dict, seed: int, folder: str) -> dict:
     """Every task of the suite with baseline ``name``; accuracies re-loaded from its files, after the last task."""
-    cfg = _train_config({**job, "seed": seed})
+    cfg = train_config({**job, "seed": seed})
     suite = get_suite(job["suite"], **job["suite_options"])
     tasks = suite.tasks[: job["tasks"]] if job["tasks"] else suite.tasks
     method = METHODS[name](pretrained, folder, cfg, seed)
@@ -215,7 +215,7 @@ def _result(args, commit, job, names, variants, rows, partial=None) -> dict:
         "commit": commit,
         "machine": _machine(),
         "job": job,
-        "nws_config": _train_config(job).to_dict(),
+        "nws_config": train_config(job).to_dict(),
         "methods": names,
         "rows": rows,
         "variants": {name: v for name, v in zip(variants, args.nws_variants)},
@@ -238,7 +238,7 @@ def recorded_nws_config(result: dict) -> dict:
     if result.get("nws_config"):
         return {**BEFORE_OPTION, **result["nws_config"]}
     job = {"task_init": "previous", **BEFORE_OPTION, **result.get("job", {})}
-    return json.loads(json.dumps(_train_config(job).to_dict()))
+    return json.loads(json.dumps(train_config(job).to_dict()))
 
 
 def _resumed(path: str, suite: str, job: dict) -> dict:
@@ -259,7 +259,7 @@ def _resumed(path: str, suite: str, job: dict) -> dict:
     # changed since must not mix two settings under one name); the job's other keys as written.
     options = set(TrainConfig.__dataclass_fields__)
     differ = sorted(k for k in {*here, *there} - options if here.get(k) != there.get(k))
-    config = json.loads(json.dumps(_train_config(job).to_dict()))
+    config = json.loads(json.dumps(train_config(job).to_dict()))
     recorded = recorded_nws_config(old)
     differ += [k for k in sorted(recorded) if recorded[k] != config.get(k)]
     if old.get("suite") != suite:

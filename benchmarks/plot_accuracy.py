@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from nwsconvert.analysis.html import _byte_formatter, _figure, _png
+from nwsconvert.analysis.html import byte_formatter, figure_png, new_figure
 from nwsconvert.formats.atomic import atomic_write_bytes
 from nwsconvert.train.config import TrainConfig
 
@@ -130,7 +130,7 @@ def figure(results: list[tuple[Path, dict]]):
     n = len(results)
     cols = min(n, 2)
     rows = math.ceil(n / cols)
-    fig = _figure(7.6 * cols, 4.5 * rows)
+    fig = new_figure(7.6 * cols, 4.5 * rows)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, (path, result) in zip(axes, results):
         variants_seen = 0
@@ -156,8 +156,8 @@ def figure(results: list[tuple[Path, dict]]):
         ax.set_xscale("log")
         sizes = [p["bytes"] for p in panel]
         ax.set_xlim(min(sizes) / 1.6, max(sizes) * 1.6)  # room for a labelled tick beside the smallest point
-        ax.xaxis.set_major_formatter(_byte_formatter(compact=True))
-        ax.xaxis.set_minor_formatter(_minor_labels(_byte_formatter(compact=True)))
+        ax.xaxis.set_major_formatter(byte_formatter(compact=True))
+        ax.xaxis.set_minor_formatter(_minor_labels(byte_formatter(compact=True)))
         ax.set_xlabel("memory for every task (files on disk, log scale)")
         ax.set_ylabel("average accuracy, % (mean ± std over seeds)")
         ax.set_title(title_of(result, path), fontsize=9)
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         for other in panel[1:]:
             result = merge(result, other)
         results.append((Path(arg.split("+")[0]), result))
-    atomic_write_bytes(args.out, _png(figure(results)))
+    atomic_write_bytes(args.out, figure_png(figure(results)))
     print(f"wrote {args.out}")
     return 0
 

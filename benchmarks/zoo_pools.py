@@ -242,7 +242,7 @@ def train_dense(suite, recipe: str, seed: int, tasks: int | None = None) -> dict
 
     from accuracy import method_run, pretrained_model
 
-    from nwsconvert.cli.train import resolve_job
+    from nwsconvert.train.job import resolve_job
 
     entry = get_pretrained(ENTRY)
     items = [

@@ -510,10 +510,10 @@ def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
 
 
 def test_probe_reports_each_phase_and_the_stored_model_scores_the_last(pretrained):
-    """benchmarks/probe_baselines.py: PackNet's phases are measured on the model it then stores (its
+    """benchmarks/probes/probe_baselines.py: PackNet's phases are measured on the model it then stores (its
     files score the stored accuracy exactly), BatchNorm re-estimation leaves the weights as they
     were, and Piggyback's per-layer report covers every masked layer with fractions in [0, 1]."""
-    import probe_baselines
+    from probes import probe_baselines
 
     task, cfg = TASKS[0], tiny_config(epochs=2)
     rows = [probe_baselines.probe_packnet(pretrained, cfg, 1993, task, retrain) for retrain in (1, 2)]
@@ -539,9 +539,9 @@ def test_probe_reports_each_phase_and_the_stored_model_scores_the_last(pretraine
 
 @pytest.mark.parametrize("start, loaded", [("previous", [None, 0]), ("base", [None, None])])
 def test_probe_task_state_starts_each_task_from_where_it_says(tmp_path, monkeypatch, start, loaded):
-    """benchmarks/probe_task_state.py: task t's BatchNorm and head come from task t-1 (nws-train's
+    """benchmarks/probes/probe_task_state.py: task t's BatchNorm and head come from task t-1 (nws-train's
     rule) or from the base pack for every task; afterwards nws-train is as it was."""
-    import probe_task_state
+    from probes import probe_task_state
 
     from nwsconvert.train.store import RunStore
     from nwsconvert.train.trainer import Trainer

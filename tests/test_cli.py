@@ -16,8 +16,9 @@ import torch
 import nwsconvert
 from nwsconvert import RunDir, TaskPack
 from nwsconvert.cli.info import info_main
-from nwsconvert.cli.train import resolve_job, train_main
+from nwsconvert.cli.train import train_main
 from nwsconvert.errors import UsageError
+from nwsconvert.train.job import resolve_job
 
 FAST = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "progress=false"]
 

@@ -177,9 +177,7 @@ def test_switch_mode_matches_pytorch_and_never_mixes_tasks(run, tmp_path):
     assert any(r["kind"] == "fold" for r in rows)
     # No task is baked in: every tensor a recipe row names is external data at the placeholder.
     held = {r["name"] for r in rows} | {r["bias_name"] for r in rows if r["kind"] == "fold"}
-    placeholders = {
-        t.name for t in proto.graph.initializer if any(e.value == PLACEHOLDER for e in t.external_data)
-    }
+    placeholders = {t.name for t in proto.graph.initializer if any(e.value == PLACEHOLDER for e in t.external_data)}
     assert held == placeholders
     x = torch.randn(4, 1, 16, 16)
     refs = {}

@@ -74,6 +74,29 @@ def test_rebuilt_model_scores_exactly_the_training_time_accuracy(finished_run):
         assert evaluate(loaded, test)["correct"] == m["val_correct"]
 
 
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_under_autocast_the_rebuilt_model_scores_the_training_time_accuracy(tmp_path, amp):
+    """The AMP path (on CUDA by default; here on the CPU, where ``amp`` given explicitly runs it):
+    convolutions run in the low precision during training and evaluation, indices stay exact in
+    float32, and the model rebuilt from each pack scores what the trained model scored, image for image."""
+    seen = set()
+    model = tiny_model()
+    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    conv.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
+    trainer = train_run(tmp_path / "r", model, amp=amp)
+    assert (torch.bfloat16 if amp == "bf16" else torch.float16) in seen  # (BatchNorm recalibration runs in float32)
+    manifest = RunDir(tmp_path / "r").read()
+    assert trainer.config.amp == amp and len(manifest.tasks) == 2
+    for entry in manifest.tasks:
+        assert entry.metrics["rebuilt_acc"] == entry.metrics["val_acc"]
+        # Loaded afresh and evaluated under the same autocast: the same images right (train_run's validation sets).
+        val = blobs(16, entry.num_classes, 20 + entry.id)
+        assert (
+            evaluate(nwsconvert.load(tmp_path / "r", task=entry.id), val, amp=amp)["correct"]
+            == entry.metrics["val_correct"]
+        )
+
+
 def test_load_matches_the_trained_model_bitwise(finished_run):
     out, trainer, tasks, _, _ = finished_run
     # The trainer's model ends in the last task's state.

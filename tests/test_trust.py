@@ -504,7 +504,8 @@ def test_one_writer_per_run_and_a_killed_holder_blocks_nothing(run_a, tmp_path, 
 
 
 def test_resume_before_the_manifest_starts_the_run_and_cleans_temporaries(tmp_path, capsys):
-    from nwsconvert.cli.train import JOB_FILE, resolve_job, train_main
+    from nwsconvert.cli.train import train_main
+    from nwsconvert.train.job import JOB_FILE, resolve_job
 
     out = tmp_path / "r"
     out.mkdir()

@@ -33,6 +33,9 @@ from ..formats.storage import atomic_write_bytes
 from .selection import analyse_run
 
 __all__ = [
+    "new_figure",
+    "figure_png",
+    "byte_formatter",
     "heatmap_figure",
     "selection_figure",
     "bytes_task_figure",
@@ -46,13 +49,13 @@ __all__ = [
 _COLORS = {"indices": "#4C72B0", "state": "#DD8452", "head": "#55A868", "pool": "#8C8C8C"}
 
 
-def _figure(width: float, height: float, layout: str | None = "constrained"):
+def new_figure(width: float, height: float, layout: str | None = "constrained"):
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=100, layout=layout)
 
 
-def _png(fig) -> bytes:
+def figure_png(fig) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
@@ -79,7 +82,7 @@ def _task_ticks(ax, tasks: list[dict], width: int = 14) -> None:
     )
 
 
-def _byte_formatter(compact: bool = False):
+def byte_formatter(compact: bool = False):
     """Tick labels in B / KB / MB; ``compact``: ``1 KB`` rather than ``1.00 KB`` (log axes)."""
     from matplotlib.ticker import FuncFormatter
 
@@ -115,7 +118,7 @@ def heatmap_figure(
     )
     n_l, n_t = data.shape
     annotate = n_t <= 24 and n_l <= 80
-    fig = _figure(
+    fig = new_figure(
         max(5.0, 1.6 + 0.62 * n_t + 0.07 * max((len(s) for s in layers), default=0)), max(3.0, 1.3 + 0.3 * n_l)
     )
     ax = fig.add_subplot()
@@ -158,7 +161,7 @@ def selection_figure(analysis: dict, task: int):
     rows = (len(layers) + cols - 1) // cols
     # Fixed margins in inches instead of constrained layout: half the drawing time for 20+ subplots.
     width, height = 3.4 * cols, 0.9 + 2.0 * rows
-    fig = _figure(width, height, layout=None)
+    fig = new_figure(width, height, layout=None)
     fig.subplots_adjust(
         left=0.65 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.95 / height, wspace=0.28, hspace=0.75
     )
@@ -198,7 +201,7 @@ def bytes_task_figure(analysis: dict):
         a Figure with one stacked bar per task, the total written above it.
     """
     tasks = analysis["tasks"]
-    fig = _figure(min(14.0, max(6.0, 3.5 + 0.6 * len(tasks))), 4.2 + 0.8 * (len(tasks) > 8))
+    fig = new_figure(min(14.0, max(6.0, 3.5 + 0.6 * len(tasks))), 4.2 + 0.8 * (len(tasks) > 8))
     ax = fig.add_subplot()
     x = range(len(tasks))
     bottom = [0] * len(tasks)
@@ -211,7 +214,7 @@ def bytes_task_figure(analysis: dict):
     _task_ticks(ax, tasks)
     ax.set_xlabel("task (id, name)")
     ax.set_ylabel("bytes stored per task")
-    ax.yaxis.set_major_formatter(_byte_formatter())
+    ax.yaxis.set_major_formatter(byte_formatter())
     ax.set_ylim(0, max(bottom, default=1) * 1.15 or 1)
     shared = f"pool set {format_bytes(analysis['pools_bytes'])}"
     if analysis.get("base_bytes") is not None:
@@ -236,7 +239,7 @@ def bytes_layer_figure(analysis: dict):
     lo = np.array([min(r) if r else np.nan for r in idx])
     hi = np.array([max(r) if r else np.nan for r in idx])
     pool = np.array([r["pool_bytes"] for r in layers], dtype=float)
-    fig = _figure(max(6.5, 3.5 + 0.07 * max((len(s) for s in names), default=0)), max(3.0, 1.7 + 0.32 * len(layers)))
+    fig = new_figure(max(6.5, 3.5 + 0.07 * max((len(s) for s in names), default=0)), max(3.0, 1.7 + 0.32 * len(layers)))
     ax = fig.add_subplot()
     y = np.arange(len(layers))
     ax.barh(
@@ -250,7 +253,7 @@ def bytes_layer_figure(analysis: dict):
     )
     ax.barh(y + 0.2, pool, height=0.4, color=_COLORS["pool"], label="pool, shared by all tasks")
     ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(_byte_formatter(compact=True))
+    ax.xaxis.set_major_formatter(byte_formatter(compact=True))
     left = np.nanmin(np.concatenate([mean[mean > 0], pool[pool > 0], [1.0]])) / 3
     ax.set_xlim(left=left)
     for i in np.flatnonzero(mean == 0):  # nothing stored (e.g. unchanged from the base): no bar on a log axis
@@ -271,7 +274,7 @@ def accuracy_figure(analysis: dict):
         a Figure with one bar per task; tasks without a recorded accuracy are left empty.
     """
     tasks = analysis["tasks"]
-    fig = _figure(min(12.0, max(5.0, 1.8 + 0.6 * len(tasks))), 4.0 + 0.8 * (len(tasks) > 8))
+    fig = new_figure(min(12.0, max(5.0, 1.8 + 0.6 * len(tasks))), 4.0 + 0.8 * (len(tasks) > 8))
     ax = fig.add_subplot()
     acc = [None if t["acc"] is None else 100 * t["acc"] for t in tasks]
     ax.bar(range(len(tasks)), [a or 0 for a in acc], color=_COLORS["indices"], width=0.7)
@@ -311,8 +314,8 @@ def render_figures(analysis: dict) -> dict[str, bytes]:
     names = [r["name"] for r in analysis["layers"]]
     tasks = analysis["tasks"]
     out = {
-        "accuracy.png": _png(accuracy_figure(analysis)),
-        "kur.png": _png(
+        "accuracy.png": figure_png(accuracy_figure(analysis)),
+        "kur.png": figure_png(
             heatmap_figure(
                 analysis["kur"],
                 names,
@@ -321,7 +324,7 @@ def render_figures(analysis: dict) -> dict[str, bytes]:
                 "KUR",
             )
         ),
-        "ls.png": _png(
+        "ls.png": figure_png(
             heatmap_figure(
                 analysis["ls"],
                 names,
@@ -330,11 +333,11 @@ def render_figures(analysis: dict) -> dict[str, bytes]:
                 "LS",
             )
         ),
-        "bytes_task.png": _png(bytes_task_figure(analysis)),
-        "bytes_layer.png": _png(bytes_layer_figure(analysis)),
+        "bytes_task.png": figure_png(bytes_task_figure(analysis)),
+        "bytes_layer.png": figure_png(bytes_layer_figure(analysis)),
     }
     for i, t in enumerate(tasks):
-        out[f"selection_task_{t['id']}.png"] = _png(selection_figure(analysis, i))
+        out[f"selection_task_{t['id']}.png"] = figure_png(selection_figure(analysis, i))
     return out
 
 

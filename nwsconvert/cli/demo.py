@@ -17,9 +17,10 @@ from __future__ import annotations
 import sys
 import time
 
+from ..train.job import launch, resolve_job, validate_job
 from ..train.rundir import RunDir
 from .common import run_cli
-from .train import launch, resolve_job, validate_job
+from .train import print_summary
 
 DEMO = ["suite=split-mnist", "model=timm:resnet18", "recipe=demo", "out=runs/demo"]
 
@@ -42,7 +43,7 @@ def _demo(argv: list[str] | None) -> int:
             f"{job['out']} holds a demo run: continuing it (finished stages are skipped; rm -r {job['out']} to start over)"
         )
     tic = time.perf_counter()
-    launch(job, resume=resume)
+    print_summary(launch(job, resume=resume))
     print(
         f"\ndemo finished in {time.perf_counter() - tic:.0f} s; run directory {job['out']} "
         f"(nws-info {job['out']}, nwsconvert.load('{job['out']}', task=0))"

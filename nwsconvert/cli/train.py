@@ -1,53 +1,27 @@
 """Command line ``nws-train``: pool learning, then tasks, into a run directory.
 
-The CLI is an application on top of the library: it picks data and recipes
-from ``nwsconvert.zoo`` (imported here, never by the core modules).
-
-``nws-train`` checks the whole job (types, ranges, paths, the device, file
-kinds) before it imports torch, so a bad value is refused in a fraction of a
-second with one line and exit code 2; failures while training are one line
-and exit code 1 (``--debug`` shows the traceback; :mod:`nwsconvert.cli.common`).
+Argument parsing and printing only: the job itself (its keys, their checks, the run) is
+:mod:`nwsconvert.train.job`. ``nws-train`` checks the whole job (types, ranges, paths, the device,
+file kinds) before it imports torch, so a bad value is refused in a fraction of a second with one
+line and exit code 2; failures while training are one line and exit code 1 (``--debug`` shows the
+traceback; :mod:`nwsconvert.cli.common`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
-from ..devices import check_device
-from ..errors import FormatError, RunExistsError, UntrustedCodeError, UsageError
-from ..formats.atomic import atomic_write_bytes
-from ..formats.limits import MAX_POOL_SIZE
-from ..train.config import BEFORE_OPTION, TrainConfig
+from ..errors import UntrustedCodeError, UsageError
+from ..train.config import TrainConfig
+from ..train.job import JOB_FILE, launch, recorded_job, resolve_job, validate_job
 from ..train.rundir import RunDir
-from ..train.specs import LOADING_KWARGS, is_registry_spec
+from ..train.specs import is_registry_spec
 from .common import run_cli
 
-__all__ = ["train_main", "run_job", "resolve_job", "validate_job", "launch", "DEFAULT_JOB"]
-
-JOB_FILE = "job.json"  # the job, written before anything else: --resume finds it even before the manifest exists
-
-#: Job keys of ``nws-train`` besides the TrainConfig fields.
-DEFAULT_JOB: dict = {
-    "suite": "split-mnist",  # nwsconvert.zoo.list_suites()
-    "suite_options": {},  # e.g. {"path": "~/data/cifar-100-python.tar.gz"}
-    "model": "timm:resnet18",  # timm:<name>, torchvision:<name>, module:factory
-    "model_kwargs": {},  # factory keyword arguments; in_chans follows the suite for timm
-    "pool_size": 512,
-    "group_size": 1,  # floats per pool vector for 1x1 convs and the FC layer
-    "preset": None,  # conversion preset: nwsconvert.zoo.list_presets() or "auto"
-    "init": "kmeans",  # kmeans | random | <pool file>
-    "weights": None,  # safetensors state dict loaded into the model before conversion
-    "recipe": "demo",  # nwsconvert.zoo.list_recipes()
-    "learn_pools": True,  # pool learning on the suite's pretraining data
-    "tasks": None,  # how many tasks to train (None: all)
-    "device": None,  # cuda / cpu (None: CUDA when present)
-    "out": None,  # run directory (default runs/<suite>-<model>)
-    "progress": True,
-}
+__all__ = ["train_main"]
 
 _HELP_KEYS = """\
 keys (key=value; values are YAML: 3, 0.01, true, [50, 80], {{a: 1}}):
@@ -79,298 +53,6 @@ training options (override the recipe): {fields}
 """
 
 
-def _parse_value(text: str):
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def _apply(job: dict, key: str, value, source: str) -> None:
-    train_fields = set(TrainConfig.__dataclass_fields__)
-    if key.startswith("suite."):
-        job["suite_options"] = {**job["suite_options"], key[6:]: value}
-    elif key.startswith("model."):
-        job["model_kwargs"] = {**job["model_kwargs"], key[6:]: value}
-    elif key in DEFAULT_JOB or key in train_fields:
-        job[key] = value
-    else:
-        known = sorted(set(DEFAULT_JOB) | train_fields)
-        raise UsageError(f"unknown key {key!r} in {source}; known keys: {', '.join(known)} (and suite.X, model.X)")
-
-
-def resolve_job(items: list[str], base: dict | None = None) -> dict:
-    """Defaults <- ``base`` <- YAML files <- ``key=value`` items, in the order given."""
-    import yaml
-
-    job = {**DEFAULT_JOB, **(base or {})}
-    for item in items:
-        if "=" in item:
-            key, _, value = item.partition("=")
-            _apply(job, key.strip(), _parse_value(value), f"argument {item!r}")
-            continue
-        path = Path(item)
-        if not path.is_file():
-            raise UsageError(f"{item!r} is neither key=value nor an existing YAML config file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise UsageError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(data, dict):
-            raise UsageError(f"{path}: the YAML config must be a mapping of keys to values")
-        for key, value in data.items():
-            if key in ("suite_options", "model_kwargs") and isinstance(value, dict):
-                for k, v in value.items():
-                    _apply(job, f"{key.split('_')[0]}.{k}", v, str(path))
-            else:
-                _apply(job, key, value, str(path))
-    return job
-
-
-def _convert_job(job: dict, model, init, seed: int) -> None:
-    """Convert ``model`` as the job says: its pool and group size, through its preset if it names one."""
-    from ..conversion.converter import convert
-
-    options = {"pool_size": int(job["pool_size"]), "group_size": int(job["group_size"]), "init": init, "seed": seed}
-    if job["preset"] in (None, "none"):
-        convert(model, **options)
-        return
-    from nwsconvert.zoo import get_preset, preset_for
-
-    name = preset_for(model) if job["preset"] == "auto" else str(job["preset"])
-    try:
-        preset = get_preset(name)
-    except KeyError as e:
-        raise UsageError(f"{e.args[0]} (or preset=auto)") from None
-    print(f"conversion preset {name!r}", flush=True)
-    preset.apply(model, **options)
-
-
-def _load_job_weights(model, path: Path, recorded: str | None) -> str:
-    """Load ``weights=`` into ``model``; returns the file's SHA-256. ``recorded``: the digest the run
-    being resumed started from (``None`` for a new run, or a run recorded before digests were kept)."""
-    from ..formats.stfile import file_sha256
-    from ..train.weights import load_weights
-
-    try:
-        digest = file_sha256(path)
-    except OSError as e:
-        raise UsageError(f"weights: {path}: {e.strerror or e}") from None
-    if recorded is not None and digest != recorded:
-        raise UsageError(
-            f"weights={str(path)!r}: not the file the run started from (SHA-256 {digest[:12]}..., the run "
-            f"recorded {recorded[:12]}...): restore that file, or start a new run in another out=DIR"
-        )
-    try:
-        kept = load_weights(model, path)
-    except (FileNotFoundError, FormatError, ValueError) as e:
-        raise UsageError(f"weights: {e}") from None
-    note = f" (classifier {', '.join(kept)} left fresh: the file's has another shape)" if kept else ""
-    print(f"weights: {path}{note}", flush=True)
-    return digest
-
-
-def _train_config(job: dict) -> TrainConfig:
-    from nwsconvert.zoo import get_recipe
-
-    fields = {k: v for k, v in job.items() if k in TrainConfig.__dataclass_fields__}
-    try:
-        return get_recipe(job["recipe"], **fields)
-    except (KeyError, ValueError, TypeError) as e:
-        raise UsageError(e.args[0] if e.args else str(e)) from None
-
-
-def default_out(job: dict) -> str:
-    return job["out"] or f"runs/{job['suite']}-{str(job['model']).split(':')[-1]}"
-
-
-def validate_job(job: dict) -> None:
-    """Check every key of a resolved job before anything heavy is imported or built.
-
-    Raises:
-        UsageError: the first key of the wrong type, out of range, naming a missing
-            or wrong kind of file, or a device this machine lacks (the message names the key).
-    """
-
-    def expect(key, ok, what):
-        if not ok:
-            raise UsageError(f"{key}={job[key]!r}: expected {what}")
-
-    def whole(v, low):
-        return type(v) is int and v >= low
-
-    for key in ("suite", "recipe", "model"):
-        expect(key, isinstance(job[key], str) and job[key], "a name")
-    source, sep, name = job["model"].partition(":")
-    expect("model", sep and source and name, "timm:<name>, torchvision:<name> or package.module:factory")
-    for key in ("suite_options", "model_kwargs"):
-        if not isinstance(job[key], dict):
-            raise UsageError(f"{key}: expected a mapping, got {job[key]!r}")
-    loading = sorted(k for k in job["model_kwargs"] if k in LOADING_KWARGS)
-    if loading:
-        raise UsageError(
-            f"model.{loading[0]}: runs never load weights or files through the model factory (pools and packs "
-            "carry them); start from a dense checkpoint with weights=FILE (a safetensors state dict)"
-        )
-    expect(
-        "pool_size",
-        whole(job["pool_size"], 2) and job["pool_size"] <= MAX_POOL_SIZE,
-        f"a whole number in [2, {MAX_POOL_SIZE}]",
-    )
-    expect("group_size", whole(job["group_size"], 1), "a whole number >= 1")
-    expect("tasks", job["tasks"] is None or whole(job["tasks"], 1), "a whole number >= 1 (or leave it out: every task)")
-    expect("preset", job["preset"] is None or isinstance(job["preset"], str), "a preset name or auto")
-    for key in ("learn_pools", "progress"):
-        expect(key, type(job[key]) is bool, "true or false")
-    expect("out", job["out"] is None or (isinstance(job["out"], str) and job["out"]), "a directory")
-    why = check_device(job["device"])
-    if why is not None:
-        raise UsageError(why)
-    init = job["init"]
-    expect("init", isinstance(init, str) and init, "kmeans, random or a pool file")
-    if init not in ("kmeans", "random"):
-        _check_pool_file(Path(init).expanduser())
-    expect("weights", job["weights"] is None or (isinstance(job["weights"], str) and job["weights"]), "a file")
-    if job["weights"] is not None:
-        from ..train.weights import weights_file_problem
-
-        why = weights_file_problem(Path(job["weights"]).expanduser())
-        if why is not None:
-            raise UsageError(f"weights={str(Path(job['weights']).expanduser())!r}{why}")
-    out = Path(default_out(job)).expanduser()
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"out={str(out)!r} is a file, not a directory: choose another out=DIR")
-    fields = {k: v for k, v in job.items() if k in TrainConfig.__dataclass_fields__}
-    TrainConfig(**fields)  # types and ranges of the training options (the recipe's own values are known good)
-
-
-def _check_model_spec(spec: str, kwargs: dict) -> None:
-    """Refuse an unknown timm / torchvision name or factory keyword in a fraction of a second: the model
-    is built on the meta device (no memory, no init), before the suite's data load. Any other failure
-    there is left to the real build, which some models need (their init reads tensor values)."""
-    import torch
-
-    from ..train.specs import build_model
-
-    try:
-        with torch.device("meta"):
-            build_model(spec, num_classes=2, **kwargs)
-    except TypeError as e:  # an unknown or ill-typed keyword: the factory's own words
-        raise UsageError(f"model={spec} with model.{', model.'.join(kwargs) or '()'}: {e}") from None
-    except ValueError as e:
-        if "has no model" in str(e) or "in_chans" in str(e):  # build_model's own checks of the spec
-            raise UsageError(str(e)) from None
-    except Exception:  # noqa: BLE001 (the real build below reports what it finds)
-        pass
-
-
-def _check_pool_file(path: Path) -> None:
-    from ..formats.stfile import file_kind
-
-    if not path.is_file():
-        raise UsageError(f"init={str(path)!r}: no such file (init takes kmeans, random or a pool file)")
-    try:
-        kind = file_kind(path)
-    except FormatError:
-        kind = None
-    if kind != "nwsconvert.poolset":
-        what = {"nwsconvert.taskpack": "a task pack", "nwsconvert.train.checkpoint": "a checkpoint"}.get(
-            kind, "not an nwsconvert pool file"
-        )
-        raise UsageError(f"init={str(path)!r} is {what}; init takes a pool file (pools.safetensors of a run)")
-
-
-def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
-    """Run a resolved, validated job (see :data:`DEFAULT_JOB`, :func:`validate_job`); returns the run directory.
-
-    Args:
-        trust_code: let a ``package.module:factory`` model spec import its code (the
-            command line trusts specs the user typed; ``--trust-code`` one read from a run).
-    """
-    import torch
-
-    from nwsconvert.zoo import get_suite
-
-    from ..analysis.summary import format_summary, run_summary
-    from ..train.specs import build_model
-    from ..train.trainer import Trainer
-
-    config = _train_config(job)
-    if is_registry_spec(job["model"]):
-        _check_model_spec(job["model"], job["model_kwargs"])  # before the data loads
-    try:
-        suite = get_suite(job["suite"], **job["suite_options"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise UsageError(e.args[0] if e.args else str(e)) from None
-    out = default_out(job)
-    run = RunDir(out)
-    if run.exists() and not resume:
-        raise RunExistsError(f"{out!r} already holds a run: add --resume to continue it, or out=OTHER_DIR")
-    kwargs = dict(job["model_kwargs"])
-    source = job["model"].split(":")[0]
-    if source == "timm" and suite.channels != 3:
-        kwargs.setdefault("in_chans", suite.channels)
-    elif source == "torchvision" and suite.channels != 3:
-        raise UsageError(
-            f"{job['suite']} has {suite.channels}-channel images and torchvision classifiers take 3; "
-            "use a timm model (model=timm:resnet18) or a factory that accepts them"
-        )
-    first = suite.pretrain_classes or suite.tasks[0].num_classes
-    torch.manual_seed(config.seed)  # the model's random init too: a seed reproduces the whole run
-    try:
-        model = build_model(job["model"], num_classes=first, trust_code=trust_code, **kwargs)
-    except UntrustedCodeError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise UsageError(str(e)) from None
-    data_info = {**suite.info(), "job": job}
-    if job.get("weights") is not None:  # a job recorded before the key existed has none
-        recorded = run.read().data.get("weights_sha256") if run.exists() else None
-        data_info["weights_sha256"] = _load_job_weights(model, Path(job["weights"]).expanduser(), recorded)
-    init = job["init"]
-    if run.exists() and run.pool_path.is_file():
-        init = str(run.pool_path)  # resuming: the run's own pools, no k-means again
-    elif init not in ("kmeans", "random"):
-        init = str(Path(init).expanduser())
-    _convert_job(job, model, init, config.seed)
-    print(model.nws_report.table().splitlines()[0] + f"; {model.nws_report.kernels:,} kernels", flush=True)
-    trainer = Trainer(
-        model,
-        out,
-        config,
-        model_spec=job["model"],
-        model_kwargs=kwargs,
-        data_info=data_info,
-        device=job["device"],
-        resume=resume,
-        progress=bool(job["progress"]),
-    )
-    with trainer:
-        main = trainer.dist.is_main
-        if job["learn_pools"] and suite.pretrain is not None:
-            m = trainer.fit_pools(suite.pretrain, suite.pretrain_test, num_classes=suite.pretrain_classes)
-            if main and m:
-                print(
-                    f"pools: val acc {100 * m.get('val_acc', 0):.2f}%  pool usage {100 * m.get('pool_usage', 0):.1f}%",
-                    flush=True,
-                )
-        tasks = suite.tasks[: job["tasks"]] if job["tasks"] else suite.tasks
-        for t, task in enumerate(tasks):
-            m = trainer.fit_task(
-                t, task.train, task.test, task.num_classes, name=task.name, class_names=task.class_names
-            )
-            if main:
-                print(
-                    f"task {t} ({task.name}): acc {100 * m['val_acc']:.2f}%  rebuilt from pack {100 * m['rebuilt_acc']:.2f}%",
-                    flush=True,
-                )
-    if main:
-        print(format_summary(run_summary(out)))
-    return out
-
-
 def _user_keys(items: list[str]) -> set[str]:
     """The job keys the command line itself sets (key=value items and the keys of its YAML files)."""
     import yaml
@@ -386,33 +68,6 @@ def _user_keys(items: list[str]) -> set[str]:
                 continue
             keys.update(data if isinstance(data, dict) else ())
     return keys
-
-
-def _recorded_job(out: Path) -> tuple[dict | None, str]:
-    """The job a run directory recorded: from its manifest, else from ``job.json`` (a run stopped
-    before its manifest was written); ``(None, why)`` when it has neither."""
-    run = RunDir(out)
-    if run.exists():
-        manifest = run.read()
-        job = manifest.data.get("job")
-        if not isinstance(job, dict):
-            raise FormatError(
-                f"{run.manifest_path}: field data.job: the run's job is missing; restate it with key=value items"
-            )
-        # Every training option as the run started with it: a default that changed since (task_init
-        # did, recalibrate_bn did) must not change a run half-way; options the run predates as they
-        # ran then. The job's own keys are the same values.
-        return {**BEFORE_OPTION, **manifest.config, **job}, "manifest"
-    path = out / JOB_FILE
-    if path.is_file():
-        try:
-            job = json.loads(path.read_bytes())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise FormatError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(job, dict):
-            raise FormatError(f"{path}: expected a JSON object of job keys")
-        return job, JOB_FILE
-    return None, "none"
 
 
 def _train(argv: list[str] | None) -> int:
@@ -460,7 +115,7 @@ def _train(argv: list[str] | None) -> int:
                 from ..train.runlock import RunLock
 
                 held = RunLock.acquire(out)  # refuse a second writer before saying anything; launch() re-enters it
-            base, source = _recorded_job(out) if started else (None, "none")
+            base, source = recorded_job(out) if started else (None, "none")
             if base is None:
                 what = "does not exist" if not out.exists() else f"holds no run (no manifest.json, no {JOB_FILE})"
                 raise UsageError(
@@ -483,37 +138,20 @@ def _train(argv: list[str] | None) -> int:
                     f"the run's model spec {job['model']!r} would import and call code named by {out}: "
                     "add --trust-code if you trust who wrote it, or restate model=... yourself"
                 )
-        launch(job, resume=resume, trust_code=trusted)
+        out = launch(job, resume=resume, trust_code=trusted)
+        print_summary(out)
     finally:
         if held is not None:
             held.release()
     return 0
 
 
-def launch(job: dict, resume: bool = False, trust_code: bool = True) -> str:
-    """Lock the run directory, record the job in it, then :func:`run_job` (the job already validated).
+def print_summary(out: str) -> None:
+    """The finished run's memory and accuracy table (``nws-info``'s), from the main process only."""
+    if os.environ.get("RANK", "0") == "0":
+        from ..analysis.summary import format_summary, run_summary
 
-    Raises:
-        RunLockedError: another process writes the run. UsageError: ``out`` holds a run and ``resume`` is false.
-    """
-    job["out"] = default_out(job)
-    _train_config(job)  # the recipe with the job's options (head_epochs within its epochs): before anything is written
-    main_rank = os.environ.get("RANK", "0") == "0"
-    lock = None
-    if main_rank:
-        from ..train.runlock import RunLock
-
-        lock = RunLock.acquire(job["out"])
-    try:
-        run = RunDir(job["out"])
-        if main_rank and not resume and run.exists():
-            raise UsageError(f"{job['out']!r} already holds a run: add --resume to continue it, or out=OTHER_DIR")
-        if main_rank and not run.exists():
-            atomic_write_bytes(run.path / JOB_FILE, (json.dumps(job, indent=2) + "\n").encode())
-        return run_job(job, resume=resume, trust_code=trust_code)
-    finally:
-        if lock is not None:
-            lock.release()
+        print(format_summary(run_summary(out)))
 
 
 def train_main(argv: list[str] | None = None) -> int:

@@ -45,8 +45,9 @@ from torch import nn
 
 from . import fused_search
 from .fused_search import row_blocks, segmented_nearest_two
-from .layers import _budget_sq
-from .search import PreparedPool, flat_nonzero, nearest_two, round_down_f32
+from .nwsmodel import _require
+from .rounding import budget_sq, full_precision, round_down_f32
+from .search import PreparedPool, flat_nonzero, nearest_two
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -198,6 +199,7 @@ class _Group:
             )
         return self._scales[1]
 
+    @full_precision
     def update(self) -> None:
         """Search what drifted, then gather every layer's weight (differentiable in W while grad is on)."""
         w = torch.cat([layer.weight.reshape(-1, self.dim) for layer in self.layers])  # (R, D), W's dtype
@@ -225,7 +227,7 @@ class _Group:
             index, radius, exact = self.search(x, pools, self.blocks, need)
             self.index.copy_(torch.where(need, index, self.index))
             self.ref.copy_(torch.where(need[:, None], x, self.ref))
-            self.budget.copy_(torch.where(need, _budget_sq(radius, x, x), budget))
+            self.budget.copy_(torch.where(need, budget_sq(radius, x, x), budget))
             self.need.copy_(need)
             self.exact.copy_(exact)
             native = [layer.nws.pool.detach() for layer in self.layers]
@@ -286,8 +288,6 @@ class SearchEngine:
     """
 
     def __init__(self, model: nn.Module, kernel: str = "auto"):
-        from .nwsmodel import _require
-
         layers = _require(model)
         device = layers[0].weight.device
         if kernel == "auto":
@@ -395,8 +395,6 @@ def search_engine(model: nn.Module, search: str = "auto") -> SearchEngine | None
     fused search cannot run); ``layer``: never."""
     if search == "layer":
         return None
-    from .nwsmodel import _require
-
     device = _require(model)[0].weight.device
     if search == "auto" and not (device.type == "cuda" and fused_search.available(device)):
         return None

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from .search import _RADIUS_SHRINK, _U32
+from .rounding import RADIUS_SHRINK, U32
 
 __all__ = ["BLOCK_R", "available", "fused_nearest_two", "row_blocks", "segmented_nearest_two"]
 
@@ -114,7 +114,7 @@ def segmented_nearest_two(x: torch.Tensor, pool: torch.Tensor, blocks: tuple, ac
     _launch(x, pool, blocks, flags, idx, d1, d2, "float32")
 
     # Certify: true distances lie within gamma (relative) + tiny (subnormal rounding) of the computed ones.
-    gamma = 2.0 * (dim + 2) * _U32
+    gamma = 2.0 * (dim + 2) * U32
     tiny = (2 * dim + 2) * _TINY32
     a, b = d1.double(), d2.double()
     upper1 = a * (1 + gamma) + tiny
@@ -122,7 +122,7 @@ def segmented_nearest_two(x: torch.Tensor, pool: torch.Tensor, blocks: tuple, ac
     exact = ~(torch.isfinite(a) & (lower2 > upper1))  # NaN compares false: uncertified
     if active is not None:
         exact &= active
-    radius = ((lower2.clamp_min(0).sqrt() - upper1.sqrt()) * (0.5 * _RADIUS_SHRINK)).clamp_min(0)
+    radius = ((lower2.clamp_min(0).sqrt() - upper1.sqrt()) * (0.5 * RADIUS_SHRINK)).clamp_min(0)
 
     e1 = torch.empty(n_rows, dtype=torch.float64, device=x.device)
     e2 = torch.empty_like(e1)
@@ -130,7 +130,7 @@ def segmented_nearest_two(x: torch.Tensor, pool: torch.Tensor, blocks: tuple, ac
     r1, r2 = e1.sqrt(), e2.sqrt()
     half_gap = (r2 - r1) * 0.5
     # float64 distances are ~1e-16 relative: a gap below 1e-12 of their scale is a tie (radius 0).
-    exact_radius = torch.where(half_gap > 1e-12 * (r2 + 1e-30), half_gap * _RADIUS_SHRINK, 0.0)
+    exact_radius = torch.where(half_gap > 1e-12 * (r2 + 1e-30), half_gap * RADIUS_SHRINK, 0.0)
     return idx, torch.where(exact, exact_radius, radius), exact
 
 

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .search import DEFAULT_CHUNK, PreparedPool, flat_nonzero, nearest_scalar, nearest_two, round_down_f32
+from .rounding import budget_sq, full_precision, round_down_f32
+from .search import DEFAULT_CHUNK, PreparedPool, flat_nonzero, nearest_scalar, nearest_two
 
 if TYPE_CHECKING:
     from .engine import SearchEngine
@@ -67,21 +68,6 @@ def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
         buf = torch.empty(numel, dtype=like.dtype, device=like.device)
         _SCRATCH[key] = buf
     return buf[:numel]
-
-
-def _budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Squared movement budget per row, float32, never rounded up; <= 0 (or NaN) where none is left.
-
-    Args:
-        radius: ``(b,)`` float64 safe radii from the search. vec: ``(b, D)`` the
-            searched rows. ref: ``(b, D)`` their stored copies (drift is measured
-            from ``ref``, so any rounding of the copy is spent here).
-    """
-    if ref.dtype == vec.dtype:  # an exact copy: no rounding to spend
-        left = radius
-    else:
-        left = radius - torch.linalg.vector_norm(vec.double() - ref.double(), dim=1) * (1 + 1e-6)
-    return round_down_f32(left.clamp_min(0).square())
 
 
 def _rows_not_below(value: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
@@ -241,6 +227,7 @@ class NWSWeight(nn.Module):
 
     # ---------------------------------------------------------------- search
     @torch.no_grad()
+    @full_precision
     def full_search(self, weight: torch.Tensor) -> None:
         """Search every kernel of ``weight`` and restart the lazy-search state."""
         vec = self._vectors(weight)
@@ -252,7 +239,7 @@ class NWSWeight(nn.Module):
             res = nearest_two(vec, self._prepared(), self.chunk)
             self.indices.copy_(res.index)
             self._ref = vec.to(REF_DTYPE, copy=True)  # never an alias of W
-            self._budget_sq = _budget_sq(res.radius, vec, self._ref)
+            self._budget_sq = budget_sq(res.radius, vec, self._ref)
             exact_rows = res.exact_rows
         self.stats = {"searched": self.num_vectors, "total": self.num_vectors, "exact_rows": exact_rows}
 
@@ -328,6 +315,7 @@ class NWSWeight(nn.Module):
         return self._prep
 
     @torch.no_grad()
+    @full_precision
     def update_indices(self, weight: torch.Tensor) -> None:
         """Bring ``indices`` up to date with ``weight``; equals a full search exactly.
 
@@ -370,7 +358,7 @@ class NWSWeight(nn.Module):
         res = nearest_two(sub, prep, self.chunk)
         ref = sub.to(REF_DTYPE)
         self._set_indices(rows, res.index)
-        self._budget_sq.index_copy_(0, rows, _budget_sq(res.radius, sub, ref))
+        self._budget_sq.index_copy_(0, rows, budget_sq(res.radius, sub, ref))
         self._ref.index_copy_(0, rows, ref)
         self.stats = {"searched": count, "total": self.num_vectors, "exact_rows": res.exact_rows}
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .rounding import RADIUS_SHRINK, U32, round_down_f32, round_f32  # noqa: F401 (round_down_f32: re-exported)
+
 __all__ = [
     "SearchResult",
     "PreparedPool",
@@ -40,13 +42,6 @@ __all__ = [
 #: Rows per ``addmm`` block. 2048 x 512 float32 distances = 4 MiB: fits in L2/L3
 #: caches on CPUs and is large enough to keep a GPU busy.
 DEFAULT_CHUNK = 2048
-
-# Unit roundoff of float32.
-_U32 = 2.0**-24
-# Relative shrink applied to every radius, so that the float32 drift test made
-# by the caller (error << 1e-5 relative for vectors of <= 1024 elements) never
-# lets a row through that exact arithmetic would re-search.
-_RADIUS_SHRINK = 1.0 - 1e-4
 
 
 class PreparedPool:
@@ -92,27 +87,6 @@ class PreparedPool:
             # float32, x < hi iff x < hi rounded up (x itself being a float32).
             self.lo32 = round_f32(self.lo, up=False)
             self.hi32 = round_f32(self.hi, up=True)
-
-
-def round_f32(x: torch.Tensor, up: bool) -> torch.Tensor:
-    """float64 -> float32, rounded toward +inf (``up``) or -inf instead of to nearest."""
-    r32 = x.float()
-    bad = r32.double() < x if up else r32.double() > x
-    toward = torch.tensor(float("inf") if up else float("-inf"), device=x.device)
-    return torch.where(bad, torch.nextafter(r32, toward), r32)
-
-
-def round_down_f32(x: torch.Tensor) -> torch.Tensor:
-    """float64 ``x >= 0`` -> float32 never above it, in three cheap ops (:func:`round_f32` takes six).
-
-    ``x * (1 - 2^-22) - 2^-149`` rounds to a float32 below ``x``: the relative
-    rounding of a normal float32 (at most 2^-24) is covered by the first term, the
-    absolute rounding of a subnormal one (at most 2^-150) by the second. Costs
-    ``x`` 2^-22 of its value; 0 maps to a negative number, NaN to NaN, values
-    beyond float32's range to +inf (which a float32 drift, finite or not,
-    compares with as with the true value or more cautiously).
-    """
-    return (x * (1.0 - 2.0**-22) - 2.0**-149).float()
 
 
 def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
@@ -211,7 +185,7 @@ def _exact_two(x: torch.Tensor, pool) -> tuple[torch.Tensor, torch.Tensor]:
     radius = (r2 - r1) * 0.5
     # Float64 rounding of the distances is ~1e-16 relative: below 1e-12 of the
     # distance scale we call it a tie and always re-search.
-    radius = np.where(radius > 1e-12 * (r2 + 1e-30), radius * _RADIUS_SHRINK, 0.0)
+    radius = np.where(radius > 1e-12 * (r2 + 1e-30), radius * RADIUS_SHRINK, 0.0)
     return torch.from_numpy(idx).to(x.device), torch.from_numpy(radius).to(x.device)
 
 
@@ -275,7 +249,7 @@ def _radius(d1, d2, tol):
     """
     r1 = np.sqrt(np.maximum(d1 + tol, 0.0))
     r2 = np.sqrt(np.maximum(d2 - tol, 0.0))
-    return np.maximum((r2 - r1) * (0.5 * _RADIUS_SHRINK), 0.0)
+    return np.maximum((r2 - r1) * (0.5 * RADIUS_SHRINK), 0.0)
 
 
 def _nearest_two_f64(vectors: torch.Tensor, prep: PreparedPool) -> tuple[np.ndarray, np.ndarray, int]:
@@ -342,7 +316,7 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
         idx_np, rad_np, exact_rows = _nearest_two_f64(vectors, prep)
         return SearchResult(torch.from_numpy(idx_np), torch.from_numpy(rad_np), exact_rows)
     if vectors.device.type == "cuda":
-        from . import fused_search  # it imports this module's constants: not at the top
+        from . import fused_search  # imports Triton's wrapper only when a CUDA search runs
 
         if fused_search.available(vectors.device):
             # One fused kernel pass, certified and resolved on the device (no N x n matrix, no host sync).
@@ -353,7 +327,7 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
     if num == 0:
         return SearchResult(index, radius)
     pool_sq, pool_t, max_pool_sq = prep.pool_sq, prep.pool_t, prep.max_pool_sq
-    err_scale = (dim + 4) * _U32 * 2.0
+    err_scale = (dim + 4) * U32 * 2.0
     exact_rows = 0
     for s in range(0, num, chunk):
         x = vectors[s : s + chunk]
@@ -371,7 +345,7 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
         certain = (d2 - d1) > 2 * tol
         d1_hi = (d1 + tol).double().clamp_min(0).sqrt()
         d2_lo = (d2 - tol).double().clamp_min(0).sqrt()
-        rad = ((d2_lo - d1_hi) * 0.5 * _RADIUS_SHRINK).clamp_min(0)
+        rad = ((d2_lo - d1_hi) * 0.5 * RADIUS_SHRINK).clamp_min(0)
         index[s : s + x.shape[0]] = idx
         radius[s : s + x.shape[0]] = rad
         if not bool(certain.all()):

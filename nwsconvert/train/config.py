@@ -133,7 +133,8 @@ class TrainConfig:
             the base pack and every task are searched against them, so each task is trained,
             evaluated and rebuilt with the same pools). A resumed run keeps the value it
             started with.
-        amp: ``auto`` (bfloat16/float16 autocast on CUDA, off on CPU), ``off``, ``bf16``, ``fp16``.
+        amp: ``auto`` (bfloat16/float16 autocast on CUDA, off on CPU), ``off``, ``bf16``, ``fp16``
+            (given explicitly, also on CPU).
         search: how training keeps indices exact. ``engine``: one update for the whole model
             (:class:`~nwsconvert.core.engine.SearchEngine`: flat buffers, fused Triton search, no host
             sync); ``layer``: each layer's own lazy search (BLAS + NumPy, fastest on CPU);

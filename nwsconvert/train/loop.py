@@ -63,14 +63,19 @@ def use_deterministic() -> Callable[[], None]:
 
 
 def autocast_for(device: torch.device, amp: str):
-    """``(autocast context, GradScaler or None)`` for ``amp`` = ``off`` / ``auto`` / ``bf16`` / ``fp16`` (CUDA only)."""
-    if device.type != "cuda" or amp == "off":
+    """``(autocast context, GradScaler or None)`` for ``amp`` = ``off`` / ``auto`` / ``bf16`` / ``fp16``.
+
+    ``auto``: bfloat16 (float16 where the GPU lacks bfloat16) on CUDA, off elsewhere. ``bf16`` and
+    ``fp16`` given explicitly run on a CPU too (``torch.autocast("cpu")``), which is how the tests
+    check the AMP path without a GPU; float16 comes with a GradScaler."""
+    if amp == "off" or (amp == "auto" and device.type != "cuda"):
         return contextlib.nullcontext(), None
     dtype = torch.float16 if amp == "fp16" else torch.bfloat16
     if amp == "auto" and not torch.cuda.is_bf16_supported():
         dtype = torch.float16
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
-    return torch.autocast("cuda", dtype=dtype), scaler
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    scaler = torch.amp.GradScaler(kind) if dtype == torch.float16 else None
+    return torch.autocast(kind, dtype=dtype), scaler
 
 
 def make_loader(

@@ -14,7 +14,7 @@ first is what NWS's task learning adds on top of it. Measured on the hard Fashio
 
     nws-train suite=split-fashion-mnist suite.pairs=hard suite.train_per_class=200 \\
         suite.pretrain_images=2000 seed=1993 out=/tmp/q/run
-    python benchmarks/probe_base.py /tmp/q/run --json /tmp/q/base.json
+    python benchmarks/probes/probe_base.py /tmp/q/run --json /tmp/q/base.json
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: accuracy, baselines
 
 from accuracy import method_run, pretrained_model  # noqa: E402
 from baselines import METHODS  # noqa: E402
 
 from nwsconvert.analysis.summary import run_summary  # noqa: E402
-from nwsconvert.cli.train import _recorded_job  # noqa: E402
 from nwsconvert.core.nwsmodel import materialize  # noqa: E402
 from nwsconvert.formats.atomic import atomic_write_bytes  # noqa: E402
 from nwsconvert.train.distributed import DistInfo  # noqa: E402
+from nwsconvert.train.job import recorded_job  # noqa: E402
 from nwsconvert.train.loading import build_run_model, load_run_pools  # noqa: E402
 from nwsconvert.train.rundir import RunDir  # noqa: E402
 from nwsconvert.train.specs import build_model  # noqa: E402
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not RunDir(args.run).exists():
         parser.error(f"{args.run}: no nws-train run there (no manifest.json)")
-    job, _ = _recorded_job(Path(args.run))
+    job, _ = recorded_job(Path(args.run))
     if job is None or not job.get("learn_pools", True):
         parser.error(f"{args.run}: the run learned no pools, so it has no base pack to start from")
     summary = run_summary(args.run)

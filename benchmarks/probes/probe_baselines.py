@@ -12,7 +12,7 @@ same pretrained model as ``benchmarks/accuracy.py`` builds (same job keys, same 
   weights its mask switched off and the layer's mean ``|W|`` (the score update of the shared SGD
   recipe is ``lr * W * dL/dW_masked``: large weights flip their masks first).
 
-    python benchmarks/probe_baselines.py suite.pairs=hard suite.train_per_class=200 \\
+    python benchmarks/probes/probe_baselines.py suite.pairs=hard suite.train_per_class=200 \\
         suite.pretrain_images=2000 suite.resize=64 model=nwsconvert.zoo.pretrained:efficientnet_lite0 \\
         model.in_chans=1 model.image_size=64 preset=inverted-residual --suite split-fashion-mnist
 """
@@ -21,16 +21,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
+from pathlib import Path
 
-import accuracy  # benchmarks/ is on sys.path when this script runs
-import baselines
 import torch
-from torch.optim.swa_utils import update_bn
-from torch.utils.data import DataLoader
 
-from nwsconvert.train.evaluation import evaluate
-from nwsconvert.zoo import get_suite
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: accuracy, baselines
+import accuracy  # noqa: E402
+import baselines  # noqa: E402
+from torch.optim.swa_utils import update_bn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from nwsconvert.train.evaluation import evaluate  # noqa: E402
+from nwsconvert.zoo import get_suite  # noqa: E402
 
 
 def _reestimate_bn(model: torch.nn.Module, data) -> None:

@@ -10,7 +10,7 @@ with BatchNorm and the head loaded from the base pack (the end of pool learning)
 It is a probe, not a training option: measured on the hard Fashion-MNIST pairs over 3 seeds, the
 base start did not help (``benchmarks/RESULTS.md``, "Why NWS misses, and what helped")::
 
-    OMP_NUM_THREADS=1 python benchmarks/probe_task_state.py --start base suite=split-fashion-mnist \\
+    OMP_NUM_THREADS=1 python benchmarks/probes/probe_task_state.py --start base suite=split-fashion-mnist \\
         suite.pairs=hard suite.train_per_class=200 suite.pretrain_images=2000 seed=1993 out=/tmp/q/base
 """
 

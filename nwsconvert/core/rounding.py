@@ -1,0 +1,71 @@
+"""Float32 rounding bounds shared by the exact searches and the lazy drift test.
+
+The searches (:mod:`.search`, :mod:`.fused_search`) and the layers' and engine's movement
+budgets (:mod:`.layers`, :mod:`.engine`) all certify float32 results against exact arithmetic
+with these bounds; one module keeps them in one place (and the modules that use them free of
+imports of each other).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["U32", "RADIUS_SHRINK", "round_f32", "round_down_f32", "budget_sq", "full_precision"]
+
+#: Unit roundoff of float32.
+U32 = 2.0**-24
+#: Relative shrink applied to every radius, so that the float32 drift test made
+#: by the caller (error << 1e-5 relative for vectors of <= 1024 elements) never
+#: lets a row through that exact arithmetic would re-search.
+RADIUS_SHRINK = 1.0 - 1e-4
+
+
+def round_f32(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float64 -> float32, rounded toward +inf (``up``) or -inf instead of to nearest."""
+    r32 = x.float()
+    bad = r32.double() < x if up else r32.double() > x
+    toward = torch.tensor(float("inf") if up else float("-inf"), device=x.device)
+    return torch.where(bad, torch.nextafter(r32, toward), r32)
+
+
+def round_down_f32(x: torch.Tensor) -> torch.Tensor:
+    """float64 ``x >= 0`` -> float32 never above it, in three cheap ops (:func:`round_f32` takes six).
+
+    ``x * (1 - 2^-22) - 2^-149`` rounds to a float32 below ``x``: the relative
+    rounding of a normal float32 (at most 2^-24) is covered by the first term, the
+    absolute rounding of a subnormal one (at most 2^-150) by the second. Costs
+    ``x`` 2^-22 of its value; 0 maps to a negative number, NaN to NaN, values
+    beyond float32's range to +inf (which a float32 drift, finite or not,
+    compares with as with the true value or more cautiously).
+    """
+    return (x * (1.0 - 2.0**-22) - 2.0**-149).float()
+
+
+def budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Squared movement budget per row, float32, never rounded up; <= 0 (or NaN) where none is left.
+
+    Args:
+        radius: ``(b,)`` float64 safe radii from the search. vec: ``(b, D)`` the
+            searched rows. ref: ``(b, D)`` their stored copies (drift is measured
+            from ``ref``, so any rounding of the copy is spent here).
+    """
+    if ref.dtype == vec.dtype:  # an exact copy: no rounding to spend
+        left = radius
+    else:
+        left = radius - torch.linalg.vector_norm(vec.double() - ref.double(), dim=1) * (1 + 1e-6)
+    return round_down_f32(left.clamp_min(0).square())
+
+
+def full_precision(fn):
+    """Run ``fn`` with autocast off on CPU and CUDA: the searches and the drift test certify float32 (and
+    float64) arithmetic, and an ``addmm`` or ``mv`` that autocast ran in bfloat16 or float16 would break
+    their bounds (a training step under ``amp`` calls them from inside its autocast region)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper

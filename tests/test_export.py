@@ -332,3 +332,44 @@ def test_the_runtime_wheel_needs_neither_torch_nor_timm(run, tmp_path):
             assert np.array_equal(
                 np.asarray(got[mode][str(t)], dtype=np.float32), rt.run(t, x)
             )  # same code, same floats
+
+
+@pytest.mark.parametrize(
+    ("available", "gpu", "device", "providers", "warned"),
+    [
+        (["CPUExecutionProvider"], False, "auto", ["CPUExecutionProvider"], False),
+        (
+            ["CUDAExecutionProvider", "CPUExecutionProvider"],
+            True,
+            "auto",
+            ["CUDAExecutionProvider", "CPUExecutionProvider"],
+            False,
+        ),
+        (["CUDAExecutionProvider", "CPUExecutionProvider"], False, "auto", ["CPUExecutionProvider"], False),
+        (["CUDAExecutionProvider", "CPUExecutionProvider"], True, "cpu", ["CPUExecutionProvider"], False),
+        (["CPUExecutionProvider"], True, "cuda", ["CPUExecutionProvider"], True),  # onnxruntime without CUDA
+        (["CUDAExecutionProvider", "CPUExecutionProvider"], False, "cuda", ["CPUExecutionProvider"], True),  # no GPU
+    ],
+)
+def test_the_runtime_picks_its_providers_from_what_onnxruntime_and_the_machine_offer(
+    run, tmp_path, monkeypatch, available, gpu, device, providers, warned
+):
+    """The provider choice, with onnxruntime's list and the GPU's presence faked (the suite runs without a GPU)."""
+    import warnings
+
+    import onnxruntime
+
+    import nwsconvert.export.runtime as runtime
+
+    export_bundle(run, tmp_path / "b", 0)
+    preloaded = []
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: list(available))
+    monkeypatch.setattr(onnxruntime, "preload_dlls", lambda *a, **k: preloaded.append(1), raising=False)
+    monkeypatch.setattr(runtime, "_gpu_present", lambda: gpu)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rt = Runtime(tmp_path / "b", device=device)
+    assert rt.providers == providers
+    assert rt.requested_cuda == (device == "cuda" or providers[0] == "CUDAExecutionProvider")
+    assert bool(preloaded) == (providers[0] == "CUDAExecutionProvider")  # CUDA / cuDNN loaded only when used
+    assert any("CUDA requested but" in str(w.message) for w in caught) == warned

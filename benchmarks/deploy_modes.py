@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -101,8 +102,35 @@ class _Dense:
         return self.sess.run(None, {"input": x})[0]
 
 
-def measure(bundle: Path, dense: Path, device: str, threads: int | None, rounds: int, cycles: int) -> dict:
+def memory(bundle: Path, mode: str, device: str, threads: int | None) -> dict:
+    """In a fresh process: RSS growth per task with every task of the bundle cached (``max_sessions`` = tasks),
+    ``Runtime.info()``, and each task's first use."""
     ntasks = len(json.loads((bundle / "bundle.json").read_text())["tasks"])
+    size = json.loads((bundle / "bundle.json").read_text())["data"]["input_size"]
+    x1 = np.random.default_rng(0).standard_normal((1, 3, *size)).astype(np.float32)
+    rt = Runtime(bundle, device=device, mode=mode, threads=threads, max_sessions=ntasks)
+    rt.run(rt.tasks[0], x1)  # the pools mapped, the first session's one-off costs paid
+    before = rss()
+    first = []
+    for t in rt.tasks[1:]:
+        rt.run(t, x1)
+        first.append(rt.last_switch_seconds)
+    return {
+        "rss_per_task": (rss() - before) / max(ntasks - 1, 1),
+        "info": rt.info(),
+        "first_use_ms": 1e3 * float(np.median(first)),
+    }
+
+
+def _memory_child(bundle: Path, mode: str, device: str, threads: int | None) -> dict:
+    cmd = [sys.executable, __file__, "--memory-child", str(bundle), mode, "--device", device]
+    cmd += ["--threads", str(threads)] if threads else []
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    out["info"]["bytes_per_task"] = {int(k): v for k, v in (out["info"]["bytes_per_task"] or {}).items()} or None
+    return out
+
+
+def measure(bundle: Path, dense: Path, device: str, threads: int | None, rounds: int, cycles: int) -> dict:
     x1 = (
         np.random.default_rng(0)
         .standard_normal((1, 3, *json.loads((bundle / "bundle.json").read_text())["data"]["input_size"]))
@@ -112,20 +140,7 @@ def measure(bundle: Path, dense: Path, device: str, threads: int | None, rounds:
     out = {}
     rts = {}
     for mode in ("session", "switch"):
-        before = rss()
-        rt = Runtime(
-            bundle, device=device, mode=mode, threads=threads, max_sessions=ntasks
-        )  # all cached: memory per task
-        first = []
-        for t in rt.tasks:
-            rt.run(t, x1)
-            first.append(rt.last_switch_seconds)
-        out[mode] = {
-            "rss_per_task": (rss() - before) / ntasks,
-            "info": rt.info(),
-            "first_use_ms": 1e3 * float(np.median(first[1:] or first)),
-        }
-        del rt
+        out[mode] = _memory_child(bundle, mode, device, threads)  # a fresh process: RSS growth is the Runtime's
         rts[mode] = Runtime(bundle, device=device, mode=mode, threads=threads)  # defaults: max_sessions=4
         rts[mode].run(0, x1)
         rts[mode].run(0, x32)
@@ -185,7 +200,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--memory-child", nargs=2, metavar=("BUNDLE", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.memory_child:
+        print(json.dumps(memory(Path(args.memory_child[0]), args.memory_child[1], args.device, args.threads)))
+        return
     import onnxruntime as ort
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

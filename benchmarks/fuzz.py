@@ -459,13 +459,14 @@ TARGETS = {
         "pack",
         {"pack": 3, "pack_expect": 3, "load": 3, "summary": 1, "analyse": 1, "export": 1},
     ),
-    "bundle/bundle.json": (4, "json", {"bundle": 3, "runtime": 3}),
-    "bundle/pools.safetensors": (3, "pool", {"pool": 2, "runtime": 3}),
+    "bundle/bundle.json": (4, "json", {"bundle": 3, "runtime": 3, "switch": 3}),
+    "bundle/pools.safetensors": (3, "pool", {"pool": 2, "runtime": 3, "switch": 2}),
     "bundle/task_0.onnx": (2, "onnx", {"runtime": 1}),
     "bundle/task_1.onnx": (2, "onnx", {"runtime": 1}),
-    "bundle/task_0.nwspack": (2, "pack", {"pack": 1, "pack_expect": 1}),
-    "bundle/task_1.nwspack": (2, "pack", {"pack": 1, "pack_expect": 1}),
-    "bundle/base.nwspack": (2, "pack", {"pack": 1, "pack_expect": 1, "pack_dep": 2}),
+    "bundle/switch.onnx": (2, "onnx", {"switch": 1}),
+    "bundle/task_0.nwspack": (2, "pack", {"pack": 1, "pack_expect": 1, "switch": 2}),
+    "bundle/task_1.nwspack": (2, "pack", {"pack": 1, "pack_expect": 1, "switch": 2}),
+    "bundle/base.nwspack": (2, "pack", {"pack": 1, "pack_expect": 1, "pack_dep": 2, "switch": 2}),
 }
 ST_KINDS = {
     "flip_any": 6,
@@ -523,7 +524,7 @@ ONNX_KINDS = {
     "swap:other_run": 2,
     "remove": 1,
 }
-HEAVY = ("load", "runtime", "summary", "analyse", "export")
+HEAVY = ("load", "runtime", "switch", "summary", "analyse", "export")
 
 
 def weighted(rng: random.Random, table: dict):
@@ -544,6 +545,8 @@ def plan_case(seed: int, i: int, heavy: float) -> tuple[Case, random.Random]:
             kinds["swap:pack"] = 1
     else:
         kinds = JSON_KINDS if fmt == "json" else ONNX_KINDS
+        if target == "bundle/switch.onnx":  # one per bundle: no other task's to swap in
+            kinds = {k: w for k, w in kinds.items() if k != "swap:other_task"}
     kind = weighted(rng, kinds)
     readers = {r: w * (heavy if r in HEAVY else 1.0) for r, w in readers.items()}
     if kind.startswith(("swap:", "symlink:")) and "pack" in readers:
@@ -1310,7 +1313,7 @@ class Readers:
             return ("pack", self.pack_rel(case))
         if case.reader == "pool":
             return ("pool",)
-        if case.reader in ("load", "runtime"):
+        if case.reader in ("load", "runtime", "switch"):
             return (case.reader, case.task)
         return (case.reader,)
 
@@ -1340,6 +1343,8 @@ class Readers:
             return self.read_bundle(self.bundle)
         if r == "runtime":
             return self.Runtime(self.bundle, device="cpu", threads=1).run(case.task, self.x)
+        if r == "switch":  # the one-session mode: the template, the recipe in bundle.json, the task's pack
+            return self.Runtime(self.bundle, device="cpu", threads=1, mode="switch").run(case.task, self.x)
         raise AssertionError(r)
 
     def diff(self, case: Case, result, ref) -> str | None:
@@ -1355,7 +1360,7 @@ class Readers:
             if tensor_key(result[1]) != tensor_key(ref[1]):
                 return f"logits differ (max abs {float((result[1] - ref[1]).abs().max()) if result[1].shape == ref[1].shape else 'shape'})"
             return None
-        if r == "runtime":
+        if r in ("runtime", "switch"):
             a, b = self.np.asarray(result), self.np.asarray(ref)
             if a.shape != b.shape or a.dtype != b.dtype or a.tobytes() != b.tobytes():
                 return f"logits differ ({f'max abs {float(self.np.abs(a - b).max()):.3g}' if a.shape == b.shape else f'shape {a.shape}'})"
@@ -1502,7 +1507,7 @@ def expected_difference(case: Case, diff: str) -> str | None:
         return "a valid file laid out again or re-signed: only the file size it reports differs"
     if (
         resigned
-        and case.reader not in ("load", "runtime")
+        and case.reader not in ("load", "runtime", "switch")
         and diff.startswith("header field")
         and "indices" not in diff
     ):

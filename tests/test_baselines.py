@@ -559,12 +559,12 @@ def test_probe_task_state_starts_each_task_from_where_it_says(tmp_path, monkeypa
 
 
 def test_probe_base_starts_a_peer_from_the_base_pack_kernels(tmp_path, capsys):
-    """benchmarks/probe_base.py: the dense model it starts from holds, layer by layer, exactly the
+    """benchmarks/probes/probe_base.py: the dense model it starts from holds, layer by layer, exactly the
     pool kernels the run's base pack names (and pool learning's BatchNorm); it trains the peer from
     there and from dense pretraining, leaves the run as it was, and writes what it printed."""
     import json
 
-    import probe_base
+    from probes import probe_base
 
     from nwsconvert.cli.train import train_main
     from nwsconvert.core.nwsmodel import nws_layers
@@ -575,7 +575,7 @@ def test_probe_base_starts_a_peer_from_the_base_pack_kernels(tmp_path, capsys):
     run_dir = tmp_path / "run"
     argv = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1", "tasks=2", "progress=false"]
     assert train_main([*argv, f"out={run_dir}"]) == 0
-    job = probe_base._recorded_job(run_dir)[0]
+    job = probe_base.recorded_job(run_dir)[0]
     dense = probe_base.base_model(run_dir, job)
     assert dense.training and not nws_layers(dense)
     run = RunDir(run_dir)

@@ -11,6 +11,7 @@ the PyTorch model.
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -95,11 +96,11 @@ def test_convert_model(spec, tmp_path):
     # onnxruntime on the exported graph, in a plain session (default options: the graph must be right
     # in any runtime). BatchNorm statistics first set from random batches as training would, so the
     # logits have a trained network's scale; a parity check on logits near zero says little, so the
-    # largest must reach MIN_LOGIT. fp32 tolerance: onnxruntime folds BatchNorm into the convolution
-    # weights and sums in other orders, so each layer adds a few ulp of relative error; over the whole
-    # set the largest difference measured is 1.7e-6 of the largest logit (benchmarks/parity.py), 1.4e-5
-    # for BiT (StdConv2d, eps 1e-8). 1e-4 leaves slack and still fails on any wrong kernel, which moves
-    # logits by O(their size).
+    # largest must reach MIN_LOGIT. fp32 tolerance (benchmarks/export_coverage.py's `passes`):
+    # onnxruntime folds BatchNorm into the convolution weights and sums in other orders, so each layer
+    # adds a few ulp of relative error: within 1e-4 of the largest logit, or no further from the
+    # float64 result than 4x PyTorch's own float32 is (a deep network at a trained scale, such as
+    # Inception-v3, is 1e-4 off float64 in PyTorch itself). A wrong kernel moves logits by O(their size).
     s = export_input_size(spec)
     calibrate_norms(fresh, s)
     x = torch.randn(2, 3, s, s)
@@ -114,12 +115,19 @@ def test_convert_model(spec, tmp_path):
     y = sess.run(None, {"input": x.numpy()})[0]
     with torch.no_grad():
         ref = _logits(fresh(x)).numpy()
-    err, scale = np.abs(y - ref).max(), np.abs(ref).max()
-    assert scale >= MIN_LOGIT, scale
-    assert err <= 1e-4 * scale, (err, scale)
+    with torch.no_grad():
+        ref64 = _logits(copy.deepcopy(fresh).double()(x.double())).numpy()
+    err, scale = float(np.abs(y - ref).max()), float(np.abs(ref).max())
+    r = {
+        "rel": err / scale,
+        "rel_onnx_fp64": float(np.abs(y - ref64).max()) / scale,
+        "rel_torch_fp64": float(np.abs(ref - ref64).max()) / scale,
+        "max_logit": scale,
+    }
+    assert scale >= MIN_LOGIT and passes(r), r
     # Top-1 agrees wherever the top two logits are further apart than the error allows.
     top2 = np.sort(ref, axis=1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > 2 * 1e-4 * scale
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * err
     assert (y.argmax(1) == ref.argmax(1))[clear].all()
 
 

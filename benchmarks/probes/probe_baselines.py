@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     job = accuracy.resolve_job([f"suite={args.suite}", "progress=false", *args.items])
-    cfg = accuracy._train_config({**job, "seed": args.seed})
+    cfg = accuracy.train_config({**job, "seed": args.seed})
     task = get_suite(job["suite"], **job["suite_options"]).tasks[0]
     pretrained = accuracy.pretrained_model(job, args.seed)
     result = {"job": job, "seed": args.seed, "task": task.name, "packnet": [], "piggyback": None}

@@ -145,8 +145,9 @@ def _infer(argv: list[str] | None) -> int:
         "--mode",
         default="session",
         choices=["session", "switch"],
-        help="session: one folded session per task (dense-speed inference, a switch builds a session); "
-        "switch: one session for every task, a switch re-binds the task's inputs (microseconds; gathers weights every run)",
+        help="session: one session per task graph (dense speed; a switch to an uncached task builds a session over its "
+        "Gathers); switch: every task runs the bundle's dense template with its tensors materialised from its pack "
+        "(dense speed; a switch between cached tasks is a look-up, an uncached one a NumPy gather and a session)",
     )
     p.add_argument("--bench", action="store_true", help="print latency and the task-switch time")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
@@ -221,6 +222,6 @@ def _infer(argv: list[str] | None) -> int:
                         rt.run(t, x)
                         switches.append(rt.last_switch_seconds)
                 print(
-                    f"task switch (re-bind): median {1e6 * float(np.median(switches)):.1f} us over {len(switches)} switches"
+                    f"task switch (between cached tasks): median {1e6 * float(np.median(switches)):.1f} us over {len(switches)} switches"
                 )
     return 0

@@ -30,7 +30,7 @@ from nwsconvert.formats.storage import atomic_write_bytes
 from nwsconvert.train.loading import build_run_model, load_run_pools, load_task_files
 from nwsconvert.train.manifest import Manifest
 
-from .bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256, read_bundle
+from .bundlefile import BUNDLE_FORMAT, BUNDLE_VERSION, file_sha256, read_bundle, recipe_sha256
 from .onnx_graph import export_onnx
 from .switch import SWITCH_FILE, export_switch
 
@@ -186,6 +186,7 @@ def _export_switch(
         "gather_nodes": info["gather_nodes"],
         "exporter": info["exporter"],
         "tensors": info["tensors"],
+        "tensors_sha256": recipe_sha256(info["tensors"]),
     }
 
 

@@ -8,6 +8,7 @@ that the readers verify before use.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from nwsconvert.formats.schema import Fields
 from nwsconvert.formats.stfile import file_sha256
 from nwsconvert.train.manifest import check_data_info
 
-__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "read_bundle", "check_bundle", "file_sha256"]
+__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "read_bundle", "check_bundle", "file_sha256", "recipe_sha256"]
 
 BUNDLE_FORMAT = "nwsconvert.bundle"
 BUNDLE_VERSION = 2  # 2: pack_sha256, onnx_sha256 and base_sha256 per task; version 1 still reads
@@ -70,8 +71,17 @@ def check_bundle(desc: dict, path) -> None:
         switch.sha("onnx_sha256")
         switch.int("max_classes", lo=1)
         switch.int("onnx_bytes", lo=0, optional=True)
-        for i, row in enumerate(switch.list("tensors", optional=True) or []):
-            _check_tensor_row(f.sub(row, f"switch.tensors[{i}]"))
+        rows = switch.list("tensors", optional=True)
+        if rows is not None:
+            switch.sha("tensors_sha256")
+            for i, row in enumerate(rows):
+                _check_tensor_row(f.sub(row, f"switch.tensors[{i}]"))
+
+
+def recipe_sha256(rows: list) -> str:
+    """SHA-256 of a ``switch.tensors`` recipe (canonical JSON): bundle.json records it beside the rows,
+    so an edited row is refused rather than computed with."""
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 #: What the runtime reads of a ``switch.tensors`` row, by kind (:func:`nwsconvert.export.densify.dense_template`).

@@ -58,7 +58,7 @@ from nwsconvert.errors import FormatError, TaskNotFoundError
 from nwsconvert.formats.packfile import read_pack_arrays
 from nwsconvert.formats.stfile import nws_header, raw_digest, read_header
 
-from .bundlefile import file_sha256, read_bundle
+from .bundlefile import file_sha256, read_bundle, recipe_sha256
 from .densify import materialise
 
 #: onnxruntime graph rewrites every session runs without. ``Pad_Fusion`` folds a zero-valued
@@ -174,12 +174,15 @@ class Runtime:
             )
         return row
 
-    def _options(self):
+    def _options(self, external: dict | None = None):
+        """Session options: quiet, the thread count, and ``external`` (name -> OrtValue; default the
+        mapped pools) handed over by name in place of the graph's external data."""
+        external = self._pools if external is None else external
         opts = self.ort.SessionOptions()
         opts.log_severity_level = 3
         if self.threads:
             opts.intra_op_num_threads = self.threads
-        opts.add_external_initializers(list(self._pools), list(self._pools.values()))
+        opts.add_external_initializers(list(external), list(external.values()))
         return opts
 
     def _open(self, graph: Path, sha256: str | None, what: str):
@@ -262,6 +265,11 @@ class Runtime:
                 )
             if not graph.is_file():
                 raise FileNotFoundError(f"{graph}: the one-session graph switch.onnx is missing from the bundle")
+            if recipe_sha256(info["tensors"]) != info["tensors_sha256"]:
+                raise FormatError(
+                    f"{self.path / 'bundle.json'}: field switch.tensors does not match its SHA-256 "
+                    "(switch.tensors_sha256): the recipe was edited; export the bundle again"
+                )
             data = graph.read_bytes()
             if hashlib.sha256(data).hexdigest() != info["onnx_sha256"]:
                 raise FormatError(
@@ -297,25 +305,24 @@ class Runtime:
             tensors = materialise(recipe, self._pool_arrays, values)
         except KeyError as e:
             raise FormatError(
-                f"{path}: no value for {e.args[0]!r}, which switch.onnx takes (a file of another model?)"
+                f"{path}: holds no {e.args[0]!r}, which bundle.json's switch.tensors (the recipe of switch.onnx) "
+                "names: a pack or a bundle of another model?"
             ) from None
-        except ValueError as e:
-            raise FormatError(f"{path}: {e}: export the bundle again") from None
-        names = list(tensors)
-        held = [self.ort.OrtValue.ortvalue_from_numpy(tensors[n]) for n in names]
-        opts = self.ort.SessionOptions()
-        opts.log_severity_level = 3
-        if self.threads:
-            opts.intra_op_num_threads = self.threads
-        opts.add_external_initializers(names, held)
+        except (ValueError, IndexError) as e:  # sizes or indices the recipe does not take
+            raise FormatError(f"{path}: {e} (bundle.json's switch.tensors): export the bundle again") from None
+        held = {name: self.ort.OrtValue.ortvalue_from_numpy(t) for name, t in tensors.items()}  # the session reads them
         graph = self.path / self.desc["switch"]["onnx"]
         try:
             sess = self.ort.InferenceSession(
-                template, sess_options=opts, providers=self.providers, disabled_optimizers=DISABLED_OPTIMIZERS
+                template,
+                sess_options=self._options(held),
+                providers=self.providers,
+                disabled_optimizers=DISABLED_OPTIMIZERS,
             )
         except Exception as e:  # onnxruntime raises its own exception types
             raise FormatError(
-                f"{graph}: onnxruntime cannot load it with task {task}'s tensors ({type(e).__name__}: {str(e)[:200]})"
+                f"{graph}: onnxruntime cannot load it with task {task}'s tensors, made as bundle.json's switch.tensors "
+                f"says ({type(e).__name__}: {str(e)[:200]})"
             ) from None
         if self.requested_cuda and "CUDAExecutionProvider" not in sess.get_providers():
             warnings.warn(

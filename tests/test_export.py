@@ -243,6 +243,15 @@ def test_switch_inputs_are_checked_by_name(run, tmp_path):
     export_bundle(run, tmp_path / "c", 0)
     with pytest.raises(FileNotFoundError, match="no switch.onnx"):
         Runtime(tmp_path / "c", device="cpu", mode="switch")
+    # The recipe of switch.onnx in bundle.json is pinned by its digest: an edited row is refused, not computed with.
+    export_bundle(run, tmp_path / "e", "all", onnx=True)
+    desc = json.loads((tmp_path / "e" / "bundle.json").read_text())
+    fold = next(r for r in desc["switch"]["tensors"] if r["kind"] == "fold")
+    fold["eps"] *= 10
+    (tmp_path / "e" / "bundle.json").write_text(json.dumps(desc))
+    with pytest.raises(nwsconvert.FormatError, match=r"bundle.json: field switch.tensors does not match its SHA-256"):
+        Runtime(tmp_path / "e", device="cpu", mode="switch").run(0, np.zeros((1, 1, 16, 16), np.float32))
+    assert Runtime(tmp_path / "e", device="cpu").run(0, np.zeros((1, 1, 16, 16), np.float32)).shape[0] == 1
     export_bundle(run, tmp_path / "d", "all", onnx=True)
     desc = json.loads((tmp_path / "d" / "bundle.json").read_text())
     base = desc["tasks"]["0"]["base"]  # packs are stored as changes against the run's base.nwspack

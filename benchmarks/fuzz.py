@@ -1535,7 +1535,9 @@ class Worker:
         self.roots = {name: self.scratch / name for name in runs}
         self.stats: dict = {}
         self.sentinel = self.work / SENTINEL_NAME
-        self.clear_cache = nwsconvert.formats.packs._load_base.cache_clear
+        packs = nwsconvert.formats.packs
+        # Library revisions before clear_base_caches (a --lib-rev run) kept one cache, cleared by name.
+        self.clear_cache = getattr(packs, "clear_base_caches", None) or packs._load_base.cache_clear
         self.subjects = {name: Subject(name, run) for name, run in runs.items()}
         x = np.random.default_rng(0).standard_normal((4, 1, 28, 28)).astype(np.float32)
         self.readers = Readers(self.scratch, x)

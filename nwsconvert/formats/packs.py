@@ -61,6 +61,7 @@ __all__ = [
     "PackMismatchError",
     "extract_task",
     "apply_task",
+    "clear_base_caches",
     "round_state_",
     "STATE_DTYPES",
     "PACK_FORMAT",
@@ -300,6 +301,15 @@ class TaskPack:
         )
         pack._encoded = encoded
         return pack
+
+
+def clear_base_caches() -> None:
+    """Forget the base packs read so far (:meth:`TaskPack.load` and the torch-free reader each keep the
+    last four, keyed by path, modification time and size): for tools that rewrite base files in place."""
+    from .packfile import _cached_base
+
+    _load_base.cache_clear()
+    _cached_base.cache_clear()
 
 
 @functools.lru_cache(maxsize=4)

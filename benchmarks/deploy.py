@@ -20,7 +20,8 @@ from nwsconvert.export.onnx_graph import export_onnx
 
 
 def converted_model(name: str) -> torch.nn.Module:
-    """timm ``name`` (5 classes, seed 0) with non-zero BatchNorm scales, converted to random 512-entry pools, eval mode.
+    """timm ``name`` (5 classes, seed 0) with non-zero BatchNorm scales, converted as ``convert(model)`` does by
+    default (k-means pools of 512 entries), eval mode. (A trained run's bundle: ``deploy_modes.py``.)
 
     timm zero-initialises the last BatchNorm scale of each block; the exporter folds it into
     the conv weight, gets all-zero weights and deduplicates them, understating the dense
@@ -31,7 +32,7 @@ def converted_model(name: str) -> torch.nn.Module:
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             torch.nn.init.uniform_(m.weight, 0.5, 1.5)
-    return nwsconvert.convert(model, pool_size=512, init="random").eval()
+    return nwsconvert.convert(model).eval()
 
 
 def main() -> None:

@@ -115,15 +115,15 @@ def test_convert_model(spec, tmp_path):
     y = sess.run(None, {"input": x.numpy()})[0]
     with torch.no_grad():
         ref = _logits(fresh(x)).numpy()
-    with torch.no_grad():
-        ref64 = _logits(copy.deepcopy(fresh).double()(x.double())).numpy()
     err, scale = float(np.abs(y - ref).max()), float(np.abs(ref).max())
-    r = {
-        "rel": err / scale,
-        "rel_onnx_fp64": float(np.abs(y - ref64).max()) / scale,
-        "rel_torch_fp64": float(np.abs(ref - ref64).max()) / scale,
-        "max_logit": scale,
-    }
+    r = {"rel": err / scale, "rel_onnx_fp64": 1.0, "rel_torch_fp64": 0.0, "max_logit": scale}
+    if r["rel"] > 1e-4:  # the float64 result, only where the 1e-4 rule alone does not pass
+        with torch.no_grad():
+            ref64 = _logits(copy.deepcopy(fresh).double()(x.double())).numpy()
+        r.update(
+            rel_onnx_fp64=float(np.abs(y - ref64).max()) / scale,
+            rel_torch_fp64=float(np.abs(ref - ref64).max()) / scale,
+        )
     assert scale >= MIN_LOGIT and passes(r), r
     # Top-1 agrees wherever the top two logits are further apart than the error allows.
     top2 = np.sort(ref, axis=1)[:, -2:]
@@ -132,7 +132,7 @@ def test_convert_model(spec, tmp_path):
 
 
 #: One representative per family whose default conversion once failed to export (equal index tensors
-#: that the TorchScript exporter merged), plus presets and BiT's zero pad before a MaxPool. Each is
+#: that the TorchScript exporter merged), plus presets. Each is
 #: converted as convert(model) does by default (k-means pools of 512 entries) or through its preset,
 #: exported with the default exporter and run in a plain onnxruntime session: benchmarks/export_coverage.py's
 #: probe, the path its figures take. The benchmark covers the other architectures.
@@ -144,8 +144,7 @@ DEFAULT_PATH = [
     "timm:repvit_m0_9@64",  # re-parameterisable blocks, attention-free mobile ViT-style
     "preset:timm:mobilenetv2_050",  # preset=auto: depthwise kernels as their own pools, indices arange(N)
     "zoo:efficientnet_lite0@224",  # the README's EfficientNet-Lite0 with its preset
-    "timm:resnetv2_50x1_bit@64",  # BiT: zero Pad then MaxPool (onnxruntime's Pad_Fusion)
-]
+]  # BiT's zero Pad before a MaxPool (onnxruntime's Pad_Fusion): test_convert_model's plain session
 
 
 @pytest.mark.slow

@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PLACEHOLDER", "dense_template", "materialise", "RECIPE_KINDS"]
+__all__ = ["PLACEHOLDER", "dense_template", "materialise"]
 
 #: External-data location of the task tensors in the template: never a file, always supplied by name.
 PLACEHOLDER = "task-tensors-supplied-by-the-runtime"
-
-#: ``kind`` of a recipe row: a layer's gathered weight, a conv + BatchNorm fold, a state entry as it is.
-RECIPE_KINDS = ("gather", "fold", "state")
 
 _PASS = ("Cast", "Reshape", "Identity")
 
@@ -58,13 +55,10 @@ def dense_template(proto, layers: dict[str, tuple[int, ...]]) -> list[dict]:
     """
     from onnx import TensorProto, helper
 
-    from .graph_edits import prune
+    from .graph_edits import consumers, prune
 
     graph = proto.graph
-    consumers: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    reads = consumers(graph)  # tensor -> the nodes that read it
     shapes = {
         v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
         for v in graph.input
@@ -76,22 +70,19 @@ def dense_template(proto, layers: dict[str, tuple[int, ...]]) -> list[dict]:
             continue
         layer = node.input[0][len("pool/") :]
         out = node.output[0]
-        while len(consumers.get(out, [])) == 1 and consumers[out][0].op_type in _PASS:
-            out = consumers[out][0].output[0]  # through the Cast (float16 pools) and the Reshape to W's shape
+        while len(reads.get(out, [])) == 1 and reads[out][0].op_type in _PASS:
+            out = reads[out][0].output[0]  # through the Cast (float16 pools) and the Reshape to W's shape
         weights[out] = layer
     missing = sorted(set(layers) - set(weights.values()))
     if missing:
         raise ValueError(f"no pool Gather found for layer {missing[0]!r}: not a linked switch graph")
-    names: dict[str, str] = {}  # old tensor -> new initializer name
-    for tensor, layer in weights.items():
-        names[tensor] = f"weight/{layer}"
     folded: dict[str, dict] = {}
     for tensor, layer in weights.items():
-        readers = consumers.get(tensor, [])
+        readers = reads.get(tensor, [])
         if len(readers) != 1 or readers[0].op_type != "Conv" or list(readers[0].input[1:2]) != [tensor]:
             continue
         conv = readers[0]
-        after = consumers.get(conv.output[0], [])
+        after = reads.get(conv.output[0], [])
         if len(after) != 1 or after[0].op_type != "BatchNormalization" or len(after[0].output) != 1:
             continue
         bn = after[0]
@@ -118,11 +109,11 @@ def dense_template(proto, layers: dict[str, tuple[int, ...]]) -> list[dict]:
         conv.input[:] = [conv.input[0], f"fold/{layer}/weight", f"fold/{layer}/bias"]
         conv.output[0] = bn.output[0]
         graph.node.remove(bn)
-    for tensor in weights:
+    for tensor, layer in weights.items():
         if tensor in folded:
             continue
-        for reader in consumers.get(tensor, []):
-            reader.input[:] = [names[tensor] if i == tensor else i for i in reader.input]
+        for reader in reads.get(tensor, []):
+            reader.input[:] = [f"weight/{layer}" if i == tensor else i for i in reader.input]
     prune(graph)  # the Gathers, index unpacking, BatchNorms' inputs only they read, the pools
     read = {name for n in graph.node for name in n.input}
     state = [i for i in graph.input if i.name.startswith("state/") and i.name in read]
@@ -132,7 +123,7 @@ def dense_template(proto, layers: dict[str, tuple[int, ...]]) -> list[dict]:
     for tensor, layer in weights.items():
         row = folded.get(tensor) or {
             "kind": "gather",
-            "name": names[tensor],
+            "name": f"weight/{layer}",
             "layer": layer,
             "shape": list(layers[layer]),
         }

@@ -1,5 +1,6 @@
 """Edits of a traced ONNX graph before its pools are linked and it is written (:mod:`.onnx_graph`).
 
+* :func:`consumers`: who reads each tensor;
 * :func:`inline_shared_initializers`: undo the TorchScript exporter's merging of equal initializers,
   so every NWS layer's Gather reads its own pool and index tensors;
 * :func:`index_source`: the initializer behind a Gather's index input;
@@ -15,7 +16,16 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-__all__ = ["inline_shared_initializers", "index_source", "prune", "read_names", "guard_zero_pad_pools"]
+__all__ = ["consumers", "inline_shared_initializers", "index_source", "prune", "read_names", "guard_zero_pad_pools"]
+
+
+def consumers(graph) -> dict[str, list]:
+    """Tensor name -> the nodes of ``graph`` that read it, in graph order."""
+    out: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            out.setdefault(name, []).append(node)
+    return out
 
 
 def inline_shared_initializers(graph) -> None:
@@ -130,15 +140,12 @@ def guard_zero_pad_pools(proto: onnx.ModelProto) -> int:
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, int] = {}
-    for n in graph.node:
-        for i in n.input:
-            readers[i] = readers.get(i, 0) + 1
+    readers = consumers(graph)
     shapes = None
     count = 0
     for pool in [n for n in graph.node if n.op_type == "MaxPool" and len(n.output) == 1]:
         pad = producers.get(pool.input[0])
-        if pad is None or pad.op_type != "Pad" or readers.get(pad.output[0], 0) != 1:
+        if pad is None or pad.op_type != "Pad" or len(readers.get(pad.output[0], [])) != 1:
             continue
         mode = next((a.s for a in pad.attribute if a.name == "mode"), b"constant")
         pads = _const_value(pad.input[1], inits, producers) if len(pad.input) > 1 else None

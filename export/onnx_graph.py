@@ -48,7 +48,7 @@ from nwsconvert.formats.stfile import read_header
 from nwsconvert.formats.storage import atomic_write_bytes
 
 from .densify import PLACEHOLDER
-from .graph_edits import guard_zero_pad_pools, index_source, inline_shared_initializers, prune
+from .graph_edits import consumers, guard_zero_pad_pools, index_source, inline_shared_initializers, prune
 from .indexplanes import pack_index_planes
 
 __all__ = [
@@ -132,14 +132,6 @@ def index_nodes(name: str, indices: np.ndarray, pool_size: int) -> tuple[list, l
         helper.make_node("Add", [f"{name}/low64", f"{name}/hi"], [out], name=f"{name}/add"),
     ]
     return inits, nodes, out, f"uint8+{high}bit"
-
-
-def _consumers(graph) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            out.setdefault(name, []).append(node)
-    return out
 
 
 class ExportError(NWSError, RuntimeError):
@@ -310,7 +302,7 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
     inits = {t.name: t for t in graph.initializer}
     pools = {layer.name: layer.nws.pool.detach().cpu().float().numpy() for layer in layers}
     offsets = safetensors_offsets(pool_file)
-    consumers = _consumers(graph)
+    readers = consumers(graph)
     producers = {out: n for n in graph.node for out in n.output}
     gathers = [(n, n.input[0]) for n in graph.node if n.op_type == "Gather" and n.input[0] in inits]
     renamed: dict[str, str] = {}
@@ -343,7 +335,7 @@ def _link_pools(proto: onnx.ModelProto, layers, pool_file: Path) -> tuple[int, s
             t = inits[pool_init]
             t.data_type = _POOL_TYPES[dtype]
             new_name = f"pool/{layer}"
-            for other in consumers.get(t.name, []):
+            for other in readers.get(t.name, []):
                 other.input[:] = [new_name if i == t.name else i for i in other.input]
             renamed[t.name] = new_name
             t.name = new_name

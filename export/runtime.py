@@ -133,16 +133,17 @@ class Runtime:
         self._sessions: OrderedDict[int, object] = OrderedDict()
         self._evicted: set[int] = set()
         self.rebuilds = 0  # sessions built again (switch mode: tasks materialised again) after their eviction
-        self._pools = self._map_pools(self.path / "pools.safetensors")
+        self._pool_arrays = self._map_pools(self.path / "pools.safetensors")
+        self._pools = {f"pool/{n}": ort.OrtValue.ortvalue_from_numpy(a) for n, a in self._pool_arrays.items()}
         self._verified: set[int] = set()
         self.last_switch_seconds = None
-        self._switch: bytes | None = None  # switch mode: the checked template graph
+        self._template_bytes: bytes | None = None  # switch mode: the checked template graph
         self._dense: OrderedDict[int, tuple] = OrderedDict()  # switch mode: (session, classes, bytes, OrtValues)
         self._selected = None
-        self._pool_arrays = {name[len("pool/") :]: value.numpy() for name, value in self._pools.items()}
 
-    def _map_pools(self, pool_file: Path) -> dict:
-        """The pool file, mapped once, checked against the bundle's pool-set hash, shared by every session."""
+    def _map_pools(self, pool_file: Path) -> dict[str, np.ndarray]:
+        """Layer name -> its pool, from the pool file mapped once and checked against the bundle's pool-set
+        hash: handed to every task graph's session as ``pool/<layer>``, gathered from in switch mode."""
         header = read_header(pool_file, "pool")
         nws_header(header, pool_file, "nwsconvert.poolset", 2, hashed_since=2)  # kind, version, header hash
         data = np.memmap(pool_file, dtype=np.uint8, mode="r")
@@ -155,8 +156,7 @@ class Runtime:
         for name, t in header.tensors.items():
             if t.dtype not in _POOL_NUMPY:
                 raise FormatError(f"{pool_file}: tensor {name!r} is {t.dtype}, pools are float32 or float16")
-            arr = data[t.start : t.end].view(_POOL_NUMPY[t.dtype]).reshape(t.shape)
-            pools[f"pool/{name}"] = self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
+            pools[name] = np.ascontiguousarray(data[t.start : t.end].view(_POOL_NUMPY[t.dtype]).reshape(t.shape))
         return pools
 
     @property
@@ -255,7 +255,7 @@ class Runtime:
     # ---------------------------------------------------------------- switch mode
     def _template(self) -> bytes:
         """``switch.onnx``'s bytes, checked against bundle.json once (every task's session is built from them)."""
-        if self._switch is None:
+        if self._template_bytes is None:
             info = self.desc["switch"]
             graph = self.path / info["onnx"]
             if "tensors" not in info:
@@ -275,8 +275,8 @@ class Runtime:
                 raise FormatError(
                     f"{graph}: content does not match the SHA-256 bundle.json records: the graph is corrupted or was replaced"
                 )
-            self._switch = data
-        return self._switch
+            self._template_bytes = data
+        return self._template_bytes
 
     def _materialised(self, task: int) -> tuple:
         """``(session, num_classes, bytes held)`` of ``task`` in switch mode: its dense tensors computed from

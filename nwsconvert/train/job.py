@@ -236,16 +236,16 @@ def check_model_spec(spec: str, kwargs: dict) -> None:
     there is left to the real build, which some models need (their init reads tensor values)."""
     import torch
 
-    from .specs import build_model
+    from .specs import build_model, registry_problem
 
+    why = registry_problem(spec, kwargs)
+    if why is not None:
+        raise UsageError(why)
     try:
         with torch.device("meta"):
             build_model(spec, num_classes=2, **kwargs)
     except TypeError as e:  # an unknown or ill-typed keyword: the factory's own words
         raise UsageError(f"model={spec} with model.{', model.'.join(kwargs) or '()'}: {e}") from None
-    except ValueError as e:
-        if "has no model" in str(e) or "in_chans" in str(e):  # build_model's own checks of the spec
-            raise UsageError(str(e)) from None
     except Exception:  # noqa: BLE001 (the real build below reports what it finds)
         pass
 

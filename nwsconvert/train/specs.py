@@ -26,7 +26,7 @@ from ..errors import UntrustedCodeError
 if TYPE_CHECKING:  # torch loads only when a model is built: the command lines check specs before that
     from torch import nn
 
-__all__ = ["build_model", "parse_spec", "is_registry_spec", "LOADING_KWARGS"]
+__all__ = ["build_model", "registry_problem", "parse_spec", "is_registry_spec", "LOADING_KWARGS"]
 
 #: Factory arguments that load files or weights: never taken from a spec's kwargs.
 LOADING_KWARGS = (
@@ -71,6 +71,25 @@ def is_registry_spec(spec: str) -> bool:
     return False
 
 
+def registry_problem(spec: str, kwargs: dict) -> str | None:
+    """Why a ``timm:`` / ``torchvision:`` spec cannot be built with ``kwargs`` as the registry sees it (an
+    unknown name, ``in_chans`` for torchvision), or ``None``; other specs are not checked here."""
+    source, name = parse_spec(spec)
+    if source == "timm":
+        import timm
+
+        if not timm.is_model(name):
+            return f"model spec {spec!r}: timm has no model {name!r} (see timm.list_models())"
+    elif source == "torchvision":
+        import torchvision
+
+        if name not in torchvision.models.list_models():
+            return f"model spec {spec!r}: torchvision has no model {name!r} (see torchvision.models.list_models())"
+        if "in_chans" in kwargs:
+            return f"model spec {spec!r}: torchvision models take 3-channel input (no in_chans)"
+    return None
+
+
 def build_model(spec: str, *, trust_code: bool = False, **kwargs) -> nn.Module:
     """Build the (randomly initialised) model a spec names.
 
@@ -94,21 +113,16 @@ def build_model(spec: str, *, trust_code: bool = False, **kwargs) -> nn.Module:
             f"model spec {spec!r} would import and call {name!r} from module {source!r}: pass trust_code=True "
             "(command lines: --trust-code) only if you trust who wrote this run, or pass the model itself (model=...)"
         )
+    why = registry_problem(spec, kwargs)
+    if why is not None:
+        raise ValueError(why)
     if source == "timm":
         import timm
 
-        if not timm.is_model(name):
-            raise ValueError(f"model spec {spec!r}: timm has no model {name!r} (see timm.list_models())")
         return timm.create_model(name, pretrained=False, **kwargs)
     if source == "torchvision":
         import torchvision
 
-        if name not in torchvision.models.list_models():
-            raise ValueError(
-                f"model spec {spec!r}: torchvision has no model {name!r} (see torchvision.models.list_models())"
-            )
-        if "in_chans" in kwargs:
-            raise ValueError(f"model spec {spec!r}: torchvision models take 3-channel input (no in_chans)")
         return torchvision.models.get_model(name, weights=None, **kwargs)
     try:
         factory = getattr(importlib.import_module(source), name)

@@ -50,6 +50,7 @@ from nwsconvert.analysis.summary import run_summary
 from nwsconvert.formats.atomic import atomic_write_bytes
 from nwsconvert.train.config import BEFORE_OPTION, TrainConfig
 from nwsconvert.train.job import resolve_job, run_job, train_config
+from nwsconvert.train.rundir import RunDir
 from nwsconvert.train.specs import build_model
 from nwsconvert.zoo import get_suite
 
@@ -90,12 +91,21 @@ def nws_run(job: dict, seed: int, folder: str, peers_start=None) -> dict:
     seconds = time.perf_counter() - tic
     summary = run_summary(folder)
     accs = [r["acc"] for r in summary["tasks"]]
+    run = RunDir(folder)
+    entries = sorted(run.read().tasks, key=lambda e: e.id)
+    shared = summary["pools_file_bytes"] + summary["base_file_bytes"]
+    packs = [(run.path / e.file).stat().st_size for e in entries]
     return {
         "accs": accs,
         "avg": sum(accs) / len(accs),
         "seconds": seconds,
         "disk_bytes": summary["total"]["nws_bytes"],
         "paper_bits": None,
+        "curve": {
+            # after task t: the files on disk (pools, base pack, packs 0..t), and each task's training seconds
+            "disk_bytes": [shared + sum(packs[: t + 1]) for t in range(len(packs))],
+            "task_seconds": [e.metrics.get("seconds") for e in entries],
+        },
     }
 
 
@@ -105,12 +115,18 @@ def method_run(name: str, pretrained: torch.nn.Module, job: dict, seed: int, fol
     suite = get_suite(job["suite"], **job["suite_options"])
     tasks = suite.tasks[: job["tasks"]] if job["tasks"] else suite.tasks
     method = METHODS[name](pretrained, folder, cfg, seed)
-    tic = time.perf_counter()
+    curve: dict = {"learned_accs": [], "disk_bytes": [], "task_seconds": []}
+    seconds = 0.0
     for t, task in enumerate(tasks):
-        method.learn(t, task)
-    seconds = time.perf_counter() - tic
+        tic = time.perf_counter()
+        curve["learned_accs"].append(method.learn(t, task))  # re-loaded from its files right after it
+        curve["task_seconds"].append(time.perf_counter() - tic)
+        seconds += curve["task_seconds"][-1]
+        curve["disk_bytes"].append(method.memory()["disk_bytes"])
+        if hasattr(method, "free_fraction"):
+            curve.setdefault("free_fraction", []).append(method.free_fraction())
     accs = [method.evaluate(t, task.test) for t, task in enumerate(tasks)]
-    return {"accs": accs, "avg": sum(accs) / len(accs), "seconds": seconds, **method.memory()}
+    return {"accs": accs, "avg": sum(accs) / len(accs), "seconds": seconds, **method.memory(), "curve": curve}
 
 
 #: Suites the paper reports: the recipe it used, and its table (method -> (average accuracy %, total MB)),
@@ -205,7 +221,7 @@ def _result(args, commit, job, names, variants, rows, partial=None) -> dict:
     ``partial``, the seed in progress (the methods it has finished), for ``--resume``."""
 
     def ms(method):
-        vals = [100 * r[method]["avg"] for r in rows]
+        vals = [100 * r[method]["avg"] for r in rows if method in r]
         if not vals:
             return None, None
         return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
@@ -220,6 +236,7 @@ def _result(args, commit, job, names, variants, rows, partial=None) -> dict:
         "rows": rows,
         "variants": {name: v for name, v in zip(variants, args.nws_variants)},
         "seeds": args.seeds,
+        "one_seed": args.one_seed,
         "mean": {m: ms(m)[0] for m in names},
         "std": {m: ms(m)[1] for m in names},
         **({"partial": partial} if partial else {}),
@@ -294,6 +311,14 @@ def main(argv=None) -> int:
         metavar="KEY=VALUE[,KEY=VALUE]",
         help="more NWS runs beside the first, each with these nws-train keys changed (e.g. task_init=previous)",
     )
+    p.add_argument(
+        "--one-seed",
+        nargs="*",
+        default=[],
+        choices=sorted(METHODS),
+        metavar="METHOD",
+        help="methods of --methods run on the first seed only (the long suites' slower peers)",
+    )
     p.add_argument("--json", default=None, help="write the results here (after every method of every seed)")
     p.add_argument(
         "--resume",
@@ -306,6 +331,8 @@ def main(argv=None) -> int:
     commit = _commit()  # at the start: the code this run imported
     if "all" in args.methods:
         args.methods = list(METHODS)
+    if set(args.one_seed) - set(args.methods):
+        p.error(f"--one-seed {' '.join(sorted(set(args.one_seed) - set(args.methods)))}: not in --methods")
     recipe = [f"recipe={PAPER[args.suite]['recipe']}"] if args.suite in PAPER else []  # an item recipe=... overrides it
     job = resolve_job([f"suite={args.suite}", "progress=false", *recipe, *args.items])
     variants = {f"nws[{v}]": resolve_job(v.split(","), job) for v in args.nws_variants}
@@ -329,21 +356,32 @@ def main(argv=None) -> int:
             if args.json:  # after every method: a killed run loses at most the one it was running
                 _write(args.json, _result(args, commit, job, names, variants, rows, partial=row))
 
-        # the baselines' pretrained model, built once per seed when first needed
-        peers_start = functools.cache(functools.partial(pretrained_model, job, seed))
+        # the baselines' pretrained model, built once per seed when first needed, and its seconds
+        pretraining: dict = {}
+
+        def pretrain(seed=seed, pretraining=pretraining):
+            tic = time.perf_counter()
+            model = pretrained_model(job, seed)
+            pretraining["seconds"] = time.perf_counter() - tic
+            return model
+
+        peers_start = functools.cache(pretrain)
         with tempfile.TemporaryDirectory() as tmp:
             if "nws" not in row:
                 finished("nws", nws_run(job, seed, f"{tmp}/run", peers_start))
             for i, (name, vjob) in enumerate(variants.items()):
                 if name not in row:
                     finished(name, nws_run(vjob, seed, f"{tmp}/variant{i}", peers_start))
-            for name in [name for name in args.methods if name not in row]:
-                finished(name, method_run(name, peers_start(), job, seed, f"{tmp}/{name}"))
+            first = seed == args.seeds[0]
+            for name in [n for n in args.methods if n not in row and (first or n not in args.one_seed)]:
+                figures = method_run(name, peers_start(), job, seed, f"{tmp}/{name}")
+                finished(name, {**figures, "pretrain_seconds": pretraining["seconds"]})
         rows.append(row)
         if args.json:
             _write(args.json, _result(args, commit, job, names, variants, rows))
         print(
-            f"seed {seed}: " + "  ".join(f"{m} {100 * row[m]['avg']:.2f}% ({row[m]['seconds']:.0f}s)" for m in names),
+            f"seed {seed}: "
+            + "  ".join(f"{m} {100 * row[m]['avg']:.2f}% ({row[m]['seconds']:.0f}s)" for m in names if m in row),
             flush=True,
         )
 
@@ -355,7 +393,7 @@ def main(argv=None) -> int:
             f"  {m:<8} {mean:.2f} ± {std:.2f} %   ({rows[0][m]['disk_bytes'] / 1e6:.2f} MB on disk for {len(rows[0][m]['accs'])} tasks)"
         )
     if "dense" in args.methods:
-        gaps = [100 * (r["dense"]["avg"] - r["nws"]["avg"]) for r in rows]
+        gaps = [100 * (r["dense"]["avg"] - r["nws"]["avg"]) for r in rows if "dense" in r]
         print(
             f"  gap (dense - NWS) per seed: {', '.join(f'{g:+.2f}' for g in gaps)} points; mean {statistics.mean(gaps):+.2f}"
         )

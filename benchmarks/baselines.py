@@ -340,6 +340,11 @@ class PackNet(Method):
             after_step=self._protect(trained=t),
         )
 
+    def free_fraction(self) -> float:
+        """The share of the prunable weights no task owns yet: what later tasks can still train."""
+        free = sum(int((o == FREE).sum()) for o in self.owner.values())
+        return free / sum(o.numel() for o in self.owner.values())
+
     def _store(self, t):
         state = self.model.state_dict()
         shared = {n: state[n] for n in self.prunable}

@@ -20,7 +20,7 @@ from nwsconvert.cli.train import train_main
 from nwsconvert.errors import UsageError
 from nwsconvert.train.job import resolve_job
 
-FAST = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "progress=false"]
+FAST = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "progress=false", "checkpoint_interval=0"]
 
 
 def _cli(*args, timeout=600):

@@ -14,6 +14,7 @@ from fake_cifar import write_fake_cifar100
 from nwsconvert import TrainConfig
 from nwsconvert.train.config import lr_factor
 from nwsconvert.zoo import get_recipe, get_suite, list_recipes, list_suites
+from nwsconvert.zoo.suites import FASHION_NAMES, long_mixed_order
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,15 @@ def mnist():
 
 
 def test_split_mnist_shapes_labels_and_disjoint_splits(mnist):
-    assert list_suites() == ["image-folders", "mixed-domain", "split-cifar100", "split-fashion-mnist", "split-mnist"]
+    assert list_suites() == [
+        "image-folders",
+        "long-mixed-20",
+        "long-mixed-50",
+        "mixed-domain",
+        "split-cifar100",
+        "split-fashion-mnist",
+        "split-mnist",
+    ]
     assert len(mnist.tasks) == 5 and mnist.channels == 1 and mnist.input_size == (28, 28)
     assert [t.class_names for t in mnist.tasks] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"], ["8", "9"]]
     for t in mnist.tasks:
@@ -135,6 +144,41 @@ def test_mixed_domain_defaults_fit_every_dataset(tmp_path):
     _fake_fashion(tmp_path, train=2000, test=1000)
     s = get_suite("mixed-domain", fashion_root=str(tmp_path))
     assert [(len(t.train), len(t.test)) for t in s.tasks] == [(1200, 500)] * 3
+
+
+def test_long_mixed_order_alternates_domains_with_distinct_pairs():
+    order = long_mixed_order(135)
+    assert [d for d, _ in order[:6]] == ["mnist", "fashion", "digits8x8"] * 2
+    assert len(set(order)) == 135 and all(0 <= a < b <= 9 for _, (a, b) in order)  # every pair of every domain once
+    assert long_mixed_order(50)[:20] == long_mixed_order(20)  # the longer suite starts with the shorter one
+    # The documented recipe: domain d's pairs in default_rng(d)'s permutation of the 45 pairs (a < b).
+    pairs = [(a, b) for a in range(10) for b in range(a + 1, 10)]
+    assert order[1] == ("fashion", pairs[np.random.default_rng(1).permutation(45)[0]])
+    with pytest.raises(ValueError, match="1..135"):
+        long_mixed_order(136)
+
+
+def test_long_mixed_suites_two_class_tasks_in_the_documented_order(tmp_path):
+    _fake_fashion(tmp_path, train=2000, test=1000)
+    s = get_suite("long-mixed-20", fashion_root=str(tmp_path))
+    assert len(s.tasks) == 20 and s.pretrain_classes == 10 and len(s.pretrain) == 800
+    for t, (task, (domain, (a, b))) in enumerate(zip(s.tasks, long_mixed_order(20))):
+        assert task.name == f"task{t}:{domain}:{a}-{b}" and task.num_classes == 2
+        # 100 train / 50 test images per class, labels 0 for the smaller class, 1 for the larger.
+        assert torch.bincount(task.train.tensors[1]).tolist() == [100, 100]
+        assert torch.bincount(task.test.tensors[1]).tolist() == [50, 50]
+    assert s.tasks[1].class_names == [FASHION_NAMES[c] for c in long_mixed_order(20)[1][1]]
+    # A class's images are the same in every task it is in (one split per domain), and pool
+    # learning sees none of MNIST's task images.
+    mnist_tasks = [t for t in s.tasks if ":mnist:" in t.name]
+    task_rows = torch.cat(
+        [t.train.tensors[0].flatten(1) for t in mnist_tasks] + [t.test.tensors[0].flatten(1) for t in mnist_tasks]
+    )
+    pre_rows = torch.cat([s.pretrain.tensors[0].flatten(1), s.pretrain_test.tensors[0].flatten(1)])
+    assert not (torch.cdist(pre_rows, torch.unique(task_rows, dim=0)) == 0).any()
+    fifty = get_suite("long-mixed-50", fashion_root=str(tmp_path))
+    assert [t.name for t in fifty.tasks[:20]] == [t.name for t in s.tasks] and len(fifty.tasks) == 50
+    assert torch.equal(fifty.tasks[7].train.tensors[0], s.tasks[7].train.tensors[0])
 
 
 def test_cifar100_superclass_tasks_from_archive(tmp_path):

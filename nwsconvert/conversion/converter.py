@@ -78,8 +78,11 @@ class NWSConverter:
         """Every weight layer's :class:`LayerPlan` under this config (traces ``model``; converts nothing)."""
         return plan(model, self.config, self.pools)
 
-    def apply(self, model: nn.Module, plans: list[LayerPlan] | None = None) -> nn.Module:
+    def apply(self, model: nn.Module, plans: list[LayerPlan] | None = None, *, search: bool = True) -> nn.Module:
         """Convert ``model`` in place as ``plans`` say (default :meth:`plan`) and return it.
+
+        ``search=False`` skips every layer's first nearest-entry search and leaves its indices 0:
+        only for a caller that loads a task pack into the model next (:func:`~nwsconvert.apply_task`).
 
         Its report is ``model.nws_report``; ``report.options`` is the config, with one entry per
         layer whose plan was edited away from it (what a run manifest records).
@@ -118,11 +121,17 @@ class NWSConverter:
                 pool = init_pool(
                     weight.detach().reshape(-1, p.vector_size), p.pool_size, config.init, gen, config.kmeans_iters
                 )
-            nws = NWSWeight(weight, p.vector_size, pool, role=p.role)
+            nws = NWSWeight(weight, p.vector_size, pool, role=p.role, search=search)
             if self.pools is not None:
                 nws.pool_file_dtype = self.pools[p.name].dtype  # a float16 pool file keeps its hash
-            nws.train(module.training)
+            # Registration calls the parametrization once, in the host module's mode; in training mode
+            # that call would search the kernels search=False leaves unsearched, so the host's flag
+            # (only its own, not its children's) reads eval while it registers: the call is a gather.
+            training = module.training
+            module.training = training and search
             parametrize.register_parametrization(module, "weight", nws)
+            module.training = training
+            nws.train(training)
             report.layers.append(
                 LayerRecord(
                     p.name,

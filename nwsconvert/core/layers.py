@@ -122,6 +122,8 @@ class NWSWeight(nn.Module):
             a multiple of D; kernel ``i`` is row ``i`` of ``W.reshape(-1, D)``.
         pool: ``(n, D)`` initial pool M.
         role: ``stem`` / ``body`` / ``shortcut`` / ``head`` (for reports).
+        search: search every kernel now (default). ``False`` leaves every index 0 for a caller
+            that sets them at once (loading a task pack: the search would be thrown away).
 
     Attributes:
         pool: ``(n, D)`` buffer in task mode, ``nn.Parameter`` in pool-learning mode.
@@ -138,7 +140,9 @@ class NWSWeight(nn.Module):
     pool: torch.Tensor
     indices: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, vector_size: int, pool: torch.Tensor, role: str = "body"):
+    def __init__(
+        self, weight: torch.Tensor, vector_size: int, pool: torch.Tensor, role: str = "body", *, search: bool = True
+    ):
         super().__init__()
         if weight.numel() % vector_size:
             raise ValueError(f"weight of shape {tuple(weight.shape)} does not split into vectors of {vector_size}")
@@ -182,7 +186,8 @@ class NWSWeight(nn.Module):
         self.chunk = DEFAULT_CHUNK
         # exact_rows: a 0-dim device tensor after a fused (CUDA) search
         self.stats: dict[str, int | torch.Tensor] = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
-        self.full_search(weight)
+        if search:  # else the indices stay 0 until the caller sets them (a task pack), and the next
+            self.full_search(weight)  # training forward searches every kernel
 
     # ------------------------------------------------------------------ info
     @property

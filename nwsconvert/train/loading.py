@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..conversion.config import NWSConfig
-from ..conversion.converter import ConversionError, convert
+from ..conversion.converter import ConversionError, NWSConverter
 from ..core.nwsmodel import materialize
 from ..core.pools import PoolSet
 from ..errors import FormatError, NWSError, PackMismatchError, UntrustedCodeError
@@ -83,7 +83,8 @@ def build_task_model(
             raise ValueError(
                 f"model spec {model_info['spec']!r} cannot be built with kwargs {kwargs} ({type(e).__name__}: {e})"
             ) from None
-    convert(model, NWSConfig.from_dict(model_info.get("convert") or {}), init=pools)
+    # No search at conversion: apply_task sets every index from the pack (checked layer by layer).
+    NWSConverter(NWSConfig.from_dict(model_info.get("convert") or {}), init=pools).apply(model, search=False)
     if pack.num_classes is not None:
         resize_head(model, pack.num_classes)
     apply_task(model, pack)

@@ -43,6 +43,9 @@ class StageContext:
     dist: DistInfo
     device: torch.device
     progress: bool = True
+    #: ``time.perf_counter()`` when the stage running now started or last wrote its checkpoint
+    #: (``TrainConfig.checkpoint_interval``).
+    last_checkpoint: float = 0.0
 
     def log(self, record: dict) -> None:
         if self.dist.is_main:
@@ -100,6 +103,7 @@ def run_stage(
         pool_usage, seconds`` and ``val_acc, val_loss`` with ``val``.
     """
     start = _restore(ctx, ckpt) if ckpt is not None else 0
+    ctx.last_checkpoint = time.perf_counter()
     optimizer = make_optimizer(ctx.model, cfg)
     if ckpt is not None:
         scales = [g["lr_scale"] for g in optimizer.param_groups]
@@ -209,7 +213,8 @@ def _end_epoch(ctx: StageContext, stage: str, epoch: int, record: dict, val, cfg
     if val is not None:
         ev = evaluate(model, ctx.loader(val, cfg, False, 0), device=ctx.device, amp=cfg.amp)
         record.update(val_acc=ev["acc"], val_loss=ev["loss"])
-    if ctx.dist.is_main and ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs):
+    selected = (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs
+    if ctx.dist.is_main and selected and time.perf_counter() - ctx.last_checkpoint >= cfg.checkpoint_interval:
         save_checkpoint(
             ctx.run.checkpoint_path,
             model,
@@ -219,5 +224,6 @@ def _end_epoch(ctx: StageContext, stage: str, epoch: int, record: dict, val, cfg
             num_classes=head_classes(model),
             record=record,
         )
+        ctx.last_checkpoint = time.perf_counter()
     ctx.log(record)  # after the checkpoint: a logged epoch can always be resumed from
     ctx.dist.barrier()

@@ -89,13 +89,14 @@ def points(result: dict) -> list[dict]:
     """One point per method of an ``accuracy.py`` result: ``method``, ``acc`` and ``std`` (%), ``bytes`` (mean over seeds)."""
     out = []
     for m in result["methods"]:
-        accs = [100 * row[m]["avg"] for row in result["rows"]]
+        rows = [row for row in result["rows"] if m in row]  # accuracy.py --one-seed: not every seed
+        accs = [100 * row[m]["avg"] for row in rows]
         out.append(
             {
                 "method": m,
                 "acc": statistics.mean(accs),
                 "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-                "bytes": statistics.mean(row[m]["disk_bytes"] for row in result["rows"]),
+                "bytes": statistics.mean(row[m]["disk_bytes"] for row in rows),
             }
         )
     return out

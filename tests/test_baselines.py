@@ -242,6 +242,16 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
     for m in result["methods"]:
         row = result["rows"][0][m]
         assert len(row["accs"]) == 2 and all(0 <= a <= 1 for a in row["accs"]) and row["disk_bytes"] > 0
+        # Per-task curves: bytes on disk after each task, growing; a baseline's accuracy right after
+        # each task equals its final re-evaluation (no method changes a stored task).
+        curve = row["curve"]
+        assert len(curve["disk_bytes"]) == len(curve["task_seconds"]) == 2
+        assert 0 < curve["disk_bytes"][0] < curve["disk_bytes"][1]
+        if not m.startswith("nws"):
+            assert curve["disk_bytes"][-1] == row["disk_bytes"] and curve["learned_accs"] == row["accs"]
+            assert row["pretrain_seconds"] > 0
+    free = result["rows"][0]["packnet"]["curve"]["free_fraction"]
+    assert free[0] == pytest.approx(0.6, abs=1e-3) and free[1] == pytest.approx(0.36, abs=1e-3)  # prune 0.6
     # Every method stores its two tasks in less than dense finetune's two models, and NWS in less than any peer.
     disk = {m: result["rows"][0][m]["disk_bytes"] for m in result["methods"]}
     assert max(v for m, v in disk.items() if m != "dense") < disk["dense"]
@@ -251,6 +261,40 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
     assert [ln.split()[:3] for ln in printed.splitlines() if ln.strip().startswith("KSM")] == [["KSM", "71.5", "192.5"]]
     nws_line = next(ln.split() for ln in printed.splitlines() if ln.strip().startswith("nws ") and "73.4" in ln)
     assert nws_line[3] == f"{result['mean']['nws']:.2f}"
+
+
+def test_one_seed_methods_and_the_curves_plot(tmp_path, capsys):
+    """``--one-seed``: a method run on the first seed only, its mean over that seed; the per-task
+    curves plot from the JSON, and a JSON without curves is a one-line error."""
+    import json
+
+    import accuracy
+    import plot_curves
+
+    out = tmp_path / "r.json"
+    keys = ["tasks=2", "epochs=1", "pool_epochs=1", "pool_size=16", "batch_size=32", "model=timm:test_resnet"]
+    argv = [*keys, "--seeds", "3", "4", "--methods", "dense", "packnet", "--one-seed", "packnet", "--json", str(out)]
+    assert accuracy.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [sorted(r) for r in result["rows"]] == [["dense", "nws", "packnet", "seed"], ["dense", "nws", "seed"]]
+    assert result["mean"]["packnet"] == 100 * result["rows"][0]["packnet"]["avg"]
+    curves = plot_curves.method_curves(result)
+    assert curves["packnet"]["seeds"] == 1 and curves["nws"]["seeds"] == 2
+    nws_accs = [[100 * a for a in r["nws"]["accs"]] for r in result["rows"]]
+    assert curves["nws"]["acc"][0][1] == pytest.approx(sum(sum(a) / 2 for a in nws_accs) / 2)  # running mean
+    assert plot_curves.main([str(out), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    for row in result["rows"]:
+        for figures in row.values():
+            if isinstance(figures, dict):
+                figures.pop("curve")
+    (tmp_path / "old.json").write_text(json.dumps(result))
+    with pytest.raises(SystemExit):
+        plot_curves.main([str(tmp_path / "old.json"), "--out", str(tmp_path / "d.png")])
+    assert "no per-task curves" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        accuracy.main([*keys, "--methods", "dense", "--one-seed", "packnet"])
+    assert "--one-seed packnet: not in --methods" in capsys.readouterr().err
 
 
 def test_a_variant_with_weights_pretrained_starts_nws_from_the_baselines_model(tmp_path, monkeypatch):

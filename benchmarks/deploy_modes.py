@@ -71,12 +71,12 @@ def make_bundle(name: str, tasks: int, size: int, out: Path) -> Path:
     return out / "run" / "export"
 
 
-def dense_onnx(run: Path, size: int, path: Path) -> None:
+def dense_onnx(run: Path, size: int, path: Path, channels: int = 3) -> None:
     """Task 0's model with plain layers, exported by torch.onnx with constant folding (what a user deploys without NWS)."""
     model = nwsconvert.load(run, task=0, dense=True).eval()
     torch.onnx.export(
         model,
-        (torch.zeros(1, 3, size, size),),
+        (torch.zeros(1, channels, size, size),),
         str(path),
         dynamo=False,
         opset_version=17,
@@ -106,8 +106,8 @@ def memory(bundle: Path, mode: str, device: str, threads: int | None) -> dict:
     """In a fresh process: RSS growth per task with every task of the bundle cached (``max_sessions`` = tasks),
     ``Runtime.info()``, and each task's first use."""
     ntasks = len(json.loads((bundle / "bundle.json").read_text())["tasks"])
-    size = json.loads((bundle / "bundle.json").read_text())["data"]["input_size"]
-    x1 = np.random.default_rng(0).standard_normal((1, 3, *size)).astype(np.float32)
+    x1 = _input(bundle, 1)
+    start = rss()
     rt = Runtime(bundle, device=device, mode=mode, threads=threads, max_sessions=ntasks)
     rt.run(rt.tasks[0], x1)  # the pools mapped, the first session's one-off costs paid
     before = rss()
@@ -116,6 +116,7 @@ def memory(bundle: Path, mode: str, device: str, threads: int | None) -> dict:
         rt.run(t, x1)
         first.append(rt.last_switch_seconds)
     return {
+        "rss_all_cached": rss() - start,  # the Runtime with every task of the bundle cached
         "rss_per_task": (rss() - before) / max(ntasks - 1, 1),
         "info": rt.info(),
         "first_use_ms": 1e3 * float(np.median(first)),
@@ -130,12 +131,15 @@ def _memory_child(bundle: Path, mode: str, device: str, threads: int | None) -> 
     return out
 
 
+def _input(bundle: Path, batch: int) -> np.ndarray:
+    """A random batch in the bundle's input geometry."""
+    data = json.loads((bundle / "bundle.json").read_text())["data"]
+    shape = (batch, data["channels"], *data["input_size"])
+    return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+
 def measure(bundle: Path, dense: Path, device: str, threads: int | None, rounds: int, cycles: int) -> dict:
-    x1 = (
-        np.random.default_rng(0)
-        .standard_normal((1, 3, *json.loads((bundle / "bundle.json").read_text())["data"]["input_size"]))
-        .astype(np.float32)
-    )
+    x1 = _input(bundle, 1)
     x32 = np.repeat(x1, 32, 0)
     out = {}
     rts = {}
@@ -199,6 +203,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU provider threads (default: onnxruntime's)")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--cycles", type=int, default=3)
+    p.add_argument(
+        "--run",
+        type=Path,
+        default=None,
+        help="measure this trained run directory (every task exported as nws-export --task all --onnx does) "
+        "instead of training short runs of --models",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--memory-child", nargs=2, metavar=("BUNDLE", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -216,12 +227,22 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "models": {},
     }
-    for name in args.models:
+    for name in [args.run.name] if args.run else args.models:
         with tempfile.TemporaryDirectory() as tmp:
             d = Path(tmp)
             tic = time.perf_counter()
-            bundle = make_bundle(name, args.tasks, args.size, d)
-            dense_onnx(d / "run", args.size, d / "dense.onnx")
+            if args.run:  # the user's run, exported into the temporary folder
+                export_bundle(args.run, d / "export", tasks="all", onnx=True)
+                bundle = d / "export"
+                data = json.loads((bundle / "bundle.json").read_text())["data"]
+                args.size, args.tasks = (
+                    data["input_size"][0],
+                    len(json.loads((bundle / "bundle.json").read_text())["tasks"]),
+                )
+                dense_onnx(args.run, args.size, d / "dense.onnx", channels=data["channels"])
+            else:
+                bundle = make_bundle(name, args.tasks, args.size, d)
+                dense_onnx(d / "run", args.size, d / "dense.onnx")
             desc = json.loads((bundle / "bundle.json").read_text())
             packs = [row["pack_bytes"] for row in desc["tasks"].values()]
             sizes = {
@@ -233,6 +254,13 @@ def main() -> None:
                 "switch_onnx": os.path.getsize(bundle / SWITCH_FILE),
                 "pools": os.path.getsize(bundle / "pools.safetensors"),
                 "dense_onnx": os.path.getsize(d / "dense.onnx"),
+                "bundle": sum(f.stat().st_size for f in bundle.iterdir() if f.is_file()),
+                # what switch mode reads: no per-task graph
+                "switch_bundle": sum(
+                    f.stat().st_size
+                    for f in bundle.iterdir()
+                    if f.is_file() and (f.suffix != ".onnx" or f.name == SWITCH_FILE)
+                ),
             }
             built = time.perf_counter() - tic
             r = measure(bundle, d / "dense.onnx", args.device, args.threads, args.rounds, args.cycles)
@@ -272,6 +300,11 @@ def main() -> None:
             f"  files: per task .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB (session mode), .nwspack {sizes['pack_per_task'] / 1e6:.3f} MB "
             f"(switch mode); shared: switch.onnx {sizes['switch_onnx'] / 1e6:.3f} MB, base pack {sizes['base_pack'] / 1e6:.3f} MB, "
             f"pools {sizes['pools'] / 1e6:.2f} MB; dense model {sizes['dense_onnx'] / 1e6:.1f} MB"
+        )
+        print(
+            f"  bundle: {sizes['bundle'] / 1e6:.2f} MB in all, {sizes['switch_bundle'] / 1e6:.2f} MB without the per-task graphs "
+            f"(what switch mode reads); RSS with all {args.tasks} tasks cached: session {s['rss_all_cached'] / 1e6:.0f} MB, "
+            f"switch {w['rss_all_cached'] / 1e6:.0f} MB"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -142,11 +142,12 @@ def test_stale_bundle_and_cli_errors(run, tmp_path, capsys):
         export_main(["--help"])
 
 
-def test_a_session_cache_that_thrashes_warns_once(run, tmp_path):
+@pytest.mark.parametrize("mode", ["session", "switch"])
+def test_a_session_cache_that_thrashes_warns_once(run, tmp_path, mode):
     export_bundle(run, tmp_path / "b", "all", onnx=True)
-    rt = Runtime(tmp_path / "b", device="cpu", max_sessions=1)
-    x = np.zeros((1, *rt.session(0).get_inputs()[0].shape[1:]), np.float32)
-    with pytest.warns(UserWarning, match=r"1 task sessions built again after eviction .*max_sessions=1.*mode='switch'"):
+    rt = Runtime(tmp_path / "b", device="cpu", max_sessions=1, mode=mode)
+    x = np.zeros((1, *Runtime(tmp_path / "b", device="cpu").session(0).get_inputs()[0].shape[1:]), np.float32)
+    with pytest.warns(UserWarning, match=r"1 task sessions built again after eviction .*max_sessions=1"):
         for t in (0, 1, 0):  # the third call builds task 0's session again
             rt.run(t, x)
     import warnings

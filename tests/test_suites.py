@@ -233,6 +233,7 @@ def test_recipes_and_schedules():
     ]
     cos = TrainConfig(schedule="cosine", epochs=4)
     assert [lr_factor(cos, e) for e in range(4)] == pytest.approx([1, 0.8535534, 0.5, 0.1464466])
+    assert [lr_factor(TrainConfig(schedule="constant", epochs=4), e) for e in range(4)] == [1, 1, 1, 1]
     assert c.for_pools().milestones == [50, 80]
     assert TrainConfig(epochs=10, pool_epochs=20, milestones=[5]).for_pools().milestones == [10]
     with pytest.raises(ValueError, match="optimizer='rmsprop'"):
@@ -263,3 +264,22 @@ def test_resize_resamples_every_image_of_a_suite(mnist):
         get_suite("split-mnist", resize=3)
     with pytest.raises(ValueError, match="resize='big'"):
         get_suite("split-mnist", resize="big")
+
+
+def test_optimiser_options_reach_the_optimiser():
+    """``nesterov``, ``weight_decay`` and the ``paper-adam`` recipe build the optimiser they name: a
+    step with zero gradients moves the weights by exactly the decay."""
+    from nwsconvert.train.loop import make_optimizer
+
+    layer = torch.nn.Linear(3, 2)
+    sgd = make_optimizer(layer, TrainConfig(nesterov=True, weight_decay=0.5, lr=0.1, momentum=0.9))
+    assert isinstance(sgd, torch.optim.SGD)
+    assert {(g["nesterov"], g["weight_decay"], g["momentum"]) for g in sgd.param_groups} == {(True, 0.5, 0.9)}
+    before = layer.weight.detach().clone()
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    sgd.step()  # gradient 0 + decay 0.5 * w; Nesterov's first step: lr * (g + momentum * g)
+    assert torch.allclose(layer.weight, before - 0.1 * 1.9 * 0.5 * before, rtol=1e-6, atol=0)
+    adam = make_optimizer(layer, get_recipe("paper-adam"))
+    assert isinstance(adam, torch.optim.Adam) and adam.param_groups[0]["lr"] == 0.01
+    assert get_recipe("paper-adam").milestones == [50]

@@ -75,6 +75,35 @@ def test_rebuilt_model_scores_exactly_the_training_time_accuracy(finished_run):
         assert evaluate(loaded, test)["correct"] == m["val_correct"]
 
 
+def test_a_pack_that_does_not_rebuild_the_task_fails_it(tmp_path, monkeypatch):
+    """The rebuild check: a model rebuilt from the pack that scores otherwise than the trained one
+    stops the task with one message naming the pack, and the task is not committed."""
+    from nwsconvert.train.store import RunStore
+
+    real = RunStore.rebuild
+
+    def wrong(self, *args, **kwargs):
+        model = real(self, *args, **kwargs)
+        _, head = nwsconvert.find_head(model)
+        with torch.no_grad():
+            head.bias.copy_(torch.tensor([1e6] + [0.0] * (head.bias.numel() - 1)))  # always class 0
+        return model
+
+    monkeypatch.setattr(RunStore, "rebuild", wrong)
+    trainer = Trainer(
+        tiny_model(), tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False
+    )
+    x, y = blobs(32, 2, 2).tensors
+    ones = torch.utils.data.TensorDataset(x[y == 1], y[y == 1])  # class 1 only: the broken model scores 0
+    with pytest.raises(
+        RuntimeError,
+        match=r"task 0: the model rebuilt from .*task_0\.nwspack scores 0/16, .* the pack does not reproduce",
+    ):
+        trainer.fit_task(0, blobs(32, 2, 1), ones, 2)
+    trainer.close()
+    assert RunDir(tmp_path / "r").read().finished == []
+
+
 def test_loading_a_task_runs_no_search(finished_run, monkeypatch):
     """A task's model is converted without searching (the pack sets every index), and in training
     mode too: the load is a gather, yet scores what the trained model did."""

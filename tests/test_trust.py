@@ -711,12 +711,11 @@ def test_other_commands_refuse_bad_paths_in_one_line(runs, tmp_path):
         assert lines[0].startswith("nws-") and message in lines[0] and len(lines) == 2, (args, proc.stderr)
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "nwsconvert.cli.train", "pool_size=abc", f"out={tmp_path}", "--debug"],
-        capture_output=True,
-        text=True,
-    )
+@pytest.mark.parametrize("how", ["--debug", "NWS_DEBUG=1"])
+def test_debug_shows_the_traceback(tmp_path, how):
+    args = [sys.executable, "-m", "nwsconvert.cli.train", "pool_size=abc", f"out={tmp_path}"]
+    env = {**os.environ, "NWS_DEBUG": "1"} if how == "NWS_DEBUG=1" else None
+    proc = subprocess.run([*args, how] if how == "--debug" else args, capture_output=True, text=True, env=env)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "UsageError" in proc.stderr
 
 

@@ -246,10 +246,9 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
         # each task equals its final re-evaluation (no method changes a stored task).
         curve = row["curve"]
         assert len(curve["disk_bytes"]) == len(curve["task_seconds"]) == 2
-        assert 0 < curve["disk_bytes"][0] < curve["disk_bytes"][1]
+        assert 0 < curve["disk_bytes"][0] < curve["disk_bytes"][1] == row["disk_bytes"]  # files, every method
         if not m.startswith("nws"):
-            assert curve["disk_bytes"][-1] == row["disk_bytes"] and curve["learned_accs"] == row["accs"]
-            assert row["pretrain_seconds"] > 0
+            assert curve["learned_accs"] == row["accs"] and row["pretrain_seconds"] > 0
     free = result["rows"][0]["packnet"]["curve"]["free_fraction"]
     assert free[0] == pytest.approx(0.6, abs=1e-3) and free[1] == pytest.approx(0.36, abs=1e-3)  # prune 0.6
     # Every method stores its two tasks in less than dense finetune's two models, and NWS in less than any peer.

@@ -660,3 +660,35 @@ def test_accuracy_plot_title_names_the_training_options_every_method_shared():
     # A file from before recalibrate_bn ran every method without it: the title says so.
     older = {"suite": "s", "job": job, "rows": [{}], "nws_config": {"task_init": "original"}}
     assert plot_accuracy.title_of(older, Path("r.json")) == "s: r\npairs=hard\n1 seed(s), recalibrate_bn=False"
+
+
+def test_task_time_phases_count_nested_time_once():
+    """``task_time.Phases``: a phase called inside another counts in the inner one only, and the
+    shared names take the stage they run in."""
+    import time
+
+    import task_time
+
+    phases = task_time.Phases()
+
+    class Owner:
+        @staticmethod
+        def outer():
+            time.sleep(0.01)
+            Owner.inner()
+
+        @staticmethod
+        def inner():
+            time.sleep(0.2)
+
+    patches: list = []
+    phases.wrap(Owner, "outer", "pool learning", patches)
+    phases.wrap(Owner, "inner", "*training steps", patches)
+    Owner.outer()
+    Owner.inner()
+    for owner, attr, real in patches:
+        setattr(owner, attr, real)
+    got = dict(phases.seconds)
+    assert set(got) == {"pool learning", "pool learning: training steps", "task: training steps"}
+    assert 0.01 <= got["pool learning"] < 0.15  # its own sleep, not the inner one's 0.2 s
+    assert got["pool learning: training steps"] >= 0.2 and got["task: training steps"] >= 0.2

@@ -73,3 +73,35 @@ def test_two_gloo_ranks_train_what_one_process_trains_on_the_same_global_batch(t
         else:
             scale = one[key].abs().max()
             assert (two[key] - one[key]).abs().max() <= 1e-6 * scale, key  # measured: 4.7e-8
+
+
+def test_ranks_that_end_with_different_packs_stop_the_task(tmp_path, monkeypatch):
+    """Before a task's pack is written its digest is compared across ranks; here the gathered digests
+    differ (as two diverged ranks' would), and the task stops unwritten and uncommitted."""
+    from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
+
+    from nwsconvert import Trainer
+    from nwsconvert.train import store
+
+    monkeypatch.setattr(store, "gather_strings", lambda digest, dist: [digest, "0" * 64])
+    trainer = Trainer(
+        tiny_model(), tmp_path / "r", tiny_config(epochs=1), model_spec=SPEC, model_kwargs=KWARGS, progress=False
+    )
+    with pytest.raises(RuntimeError, match=r"task 0: ranks ended with different indices or state"):
+        trainer.fit_task(0, blobs(32, 2, 1), blobs(16, 2, 2), 2)
+    trainer.close()
+    run = RunDir(tmp_path / "r")
+    assert run.read().finished == [] and not run.pack_path(0).exists()
+
+
+def test_nws_train_under_torchrun(tmp_path):
+    """The README's ``torchrun --nproc_per_node N -m nwsconvert.cli.train``: two gloo ranks run the job,
+    the run holds its tasks, and the job's lines and summary are printed once, not once per rank."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["-m", "nwsconvert.cli.train", "model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1"]
+    cmd += ["tasks=2", "progress=false", "device=cpu", f"out={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert RunDir(out).read().finished == [0, 1]
+    assert proc.stdout.count("NWS conversion (") == 1 and proc.stdout.count("smaller; average accuracy") == 1

@@ -63,6 +63,13 @@ DEFAULT_JOB: dict = {
 }
 
 
+def _say(line: str) -> None:
+    """Print ``line`` once per job: on the main process under torchrun (its ``RANK`` 0), as the
+    summary is (every rank converts the model, before the process group exists)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
+
+
 def _parse_value(text: str):
     import yaml
 
@@ -128,7 +135,7 @@ def convert_job(job: dict, model, init, seed: int) -> None:
         preset = get_preset(name)
     except KeyError as e:
         raise UsageError(f"{e.args[0]} (or preset=auto)") from None
-    print(f"conversion preset {name!r}", flush=True)
+    _say(f"conversion preset {name!r}")
     preset.apply(model, **options)
 
 
@@ -152,7 +159,7 @@ def load_job_weights(model, path: Path, recorded: str | None) -> str:
     except (FileNotFoundError, FormatError, ValueError) as e:
         raise UsageError(f"weights: {e}") from None
     note = f" (classifier {', '.join(kept)} left fresh: the file's has another shape)" if kept else ""
-    print(f"weights: {path}{note}", flush=True)
+    _say(f"weights: {path}{note}")
     return digest
 
 
@@ -318,7 +325,7 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
     elif init not in ("kmeans", "random"):
         init = str(Path(init).expanduser())
     convert_job(job, model, init, config.seed)
-    print(model.nws_report.table().splitlines()[0] + f"; {model.nws_report.kernels:,} kernels", flush=True)
+    _say(model.nws_report.table().splitlines()[0] + f"; {model.nws_report.kernels:,} kernels")
     trainer = Trainer(
         model,
         out,

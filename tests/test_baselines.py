@@ -262,27 +262,59 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
     assert nws_line[3] == f"{result['mean']['nws']:.2f}"
 
 
-def test_one_seed_methods_and_the_curves_plot(tmp_path, capsys):
+def test_one_seed_methods_and_the_curves_plot(tmp_path, capsys, monkeypatch):
     """``--one-seed``: a method run on the first seed only, its mean over that seed; the per-task
-    curves plot from the JSON, and a JSON without curves is a one-line error."""
+    curves plot from the JSON (running means over the seeds that ran), and a JSON without curves is
+    a one-line error. The runs are stand-ins: every method's real curves are checked above."""
     import json
 
     import accuracy
     import plot_curves
 
+    def fake(seed, free=False):
+        accs = [1.0, 0.9 if seed == 3 else 0.8]
+        curve = {"learned_accs": accs, "disk_bytes": [10, 20], "task_seconds": [1.0, 1.0]}
+        if free:
+            curve["free_fraction"] = [0.6, 0.36]
+        return {
+            "accs": accs,
+            "avg": sum(accs) / 2,
+            "seconds": 2.0,
+            "disk_bytes": 20,
+            "paper_bits": None,
+            "curve": curve,
+        }
+
+    monkeypatch.setattr(accuracy, "nws_run", lambda job, seed, folder, peers_start: fake(seed))
+    monkeypatch.setattr(accuracy, "method_run", lambda name, pre, job, seed, folder: fake(seed, name == "packnet"))
+    monkeypatch.setattr(accuracy, "pretrained_model", lambda job, seed: None)
     out = tmp_path / "r.json"
-    keys = ["tasks=2", "epochs=1", "pool_epochs=1", "pool_size=16", "batch_size=32", "model=timm:test_resnet"]
-    argv = [*keys, "--seeds", "3", "4", "--methods", "dense", "packnet", "--one-seed", "packnet", "--json", str(out)]
+    argv = [
+        "tasks=2",
+        "--seeds",
+        "3",
+        "4",
+        "--methods",
+        "dense",
+        "packnet",
+        "--one-seed",
+        "packnet",
+        "--json",
+        str(out),
+    ]
     assert accuracy.main(argv) == 0
     result = json.loads(out.read_text())
     assert [sorted(r) for r in result["rows"]] == [["dense", "nws", "packnet", "seed"], ["dense", "nws", "seed"]]
-    assert result["mean"]["packnet"] == 100 * result["rows"][0]["packnet"]["avg"]
+    assert result["mean"]["packnet"] == 95.0 and result["mean"]["dense"] == 92.5 and result["one_seed"] == ["packnet"]
     curves = plot_curves.method_curves(result)
     assert curves["packnet"]["seeds"] == 1 and curves["nws"]["seeds"] == 2
-    nws_accs = [[100 * a for a in r["nws"]["accs"]] for r in result["rows"]]
-    assert curves["nws"]["acc"][0][1] == pytest.approx(sum(sum(a) / 2 for a in nws_accs) / 2)  # running mean
+    assert curves["nws"]["acc"][0] == pytest.approx([100.0, 92.5])  # running means of (100, 90) and (100, 80)
+    assert curves["packnet"]["free"] == pytest.approx([60.0, 36.0])
     assert plot_curves.main([str(out), "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    result["rows"][0]["dense"]["accs"] = [1.0, 0.5]  # a stored task that changed after it was learned
+    with pytest.raises(ValueError, match=r"tasks \[1\] score otherwise at the end"):
+        plot_curves.method_curves(result)
     for row in result["rows"]:
         for figures in row.values():
             if isinstance(figures, dict):
@@ -292,7 +324,7 @@ def test_one_seed_methods_and_the_curves_plot(tmp_path, capsys):
         plot_curves.main([str(tmp_path / "old.json"), "--out", str(tmp_path / "d.png")])
     assert "no per-task curves" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        accuracy.main([*keys, "--methods", "dense", "--one-seed", "packnet"])
+        accuracy.main(["--methods", "dense", "--one-seed", "packnet"])
     assert "--one-seed packnet: not in --methods" in capsys.readouterr().err
 
 

@@ -16,22 +16,20 @@ from nwsconvert import RunDir, TaskPack
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize(("search", "head_epochs"), [("auto", 0), ("engine", 0), ("auto", 1)])
-def test_two_gloo_ranks_agree(tmp_path, search, head_epochs):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(HERE / "ddp_worker.py"),
-        str(tmp_path),
-        search,
-        str(head_epochs),
-    ]
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """``cmd``, which must succeed (its output's end in the failure message)."""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+#: ``torchrun --standalone --nproc_per_node 2``, then the script or ``-m module`` and its arguments.
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+@pytest.mark.parametrize(("search", "head_epochs"), [("auto", 0), ("engine", 0), ("auto", 1)])
+def test_two_gloo_ranks_agree(tmp_path, search, head_epochs):
+    _run([*TORCHRUN_2, str(HERE / "ddp_worker.py"), str(tmp_path), search, str(head_epochs)])
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1  # same indices, same pools, same pack content
     assert (tmp_path / "rank0.nwspack").read_bytes() == (tmp_path / "rank1.nwspack").read_bytes()
@@ -52,19 +50,8 @@ def test_two_gloo_ranks_train_what_one_process_trains_on_the_same_global_batch(t
     from safetensors.torch import load_file
 
     worker = str(HERE / "ddp_compare.py")
-    ddp = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        worker,
-        str(tmp_path),
-    ]
-    for cmd in (ddp, [sys.executable, worker, str(tmp_path), "--single"]):
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    _run([*TORCHRUN_2, worker, str(tmp_path)])
+    _run([sys.executable, worker, str(tmp_path), "--single"])
     two, one = load_file(tmp_path / "ddp.safetensors"), load_file(tmp_path / "single.safetensors")
     assert two.keys() == one.keys()
     for key in two:
@@ -98,10 +85,7 @@ def test_nws_train_under_torchrun(tmp_path):
     """The README's ``torchrun --nproc_per_node N -m nwsconvert.cli.train``: two gloo ranks run the job,
     the run holds its tasks, and the job's lines and summary are printed once, not once per rank."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += ["-m", "nwsconvert.cli.train", "model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1"]
-    cmd += ["tasks=2", "progress=false", "device=cpu", f"out={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    keys = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1", "tasks=2", "progress=false"]
+    proc = _run([*TORCHRUN_2, "-m", "nwsconvert.cli.train", *keys, "device=cpu", f"out={out}"])
     assert RunDir(out).read().finished == [0, 1]
     assert proc.stdout.count("NWS conversion (") == 1 and proc.stdout.count("smaller; average accuracy") == 1

@@ -248,6 +248,28 @@ def test_resume_skips_finished_tasks_and_continues_from_checkpoint(tmp_path):
     assert epochs == [1, 2]  # epoch 1 from the first process, epoch 2 after the resume
 
 
+def _killed_when_epoch_2_is_logged(monkeypatch, out, cfg, train, val) -> None:
+    """Task 0 of a new run in ``out``, its process killed as epoch 2's record is about to be logged
+    (after that epoch's checkpoint, if one is written)."""
+
+    class Killed(BaseException):
+        pass
+
+    real_log = StageContext.log
+
+    def log(self, record):
+        if record.get("stage") == "task:0" and record.get("epoch") == 2 and "train_loss" in record:
+            raise Killed
+        real_log(self, record)
+
+    monkeypatch.setattr(StageContext, "log", log)
+    t1 = Trainer(tiny_model(), out, cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+    with pytest.raises(Killed):
+        t1.fit_task(0, train, val, 2)
+    t1.close()
+    monkeypatch.setattr(StageContext, "log", real_log)
+
+
 def test_a_stage_killed_after_its_last_checkpoint_keeps_its_metrics(tmp_path, monkeypatch):
     """A kill between a stage's last checkpoint and its pack: the resumed stage runs no epoch and must
     still report the trained epoch's metrics, equal to an uninterrupted run's."""
@@ -257,22 +279,7 @@ def test_a_stage_killed_after_its_last_checkpoint_keeps_its_metrics(tmp_path, mo
         0, train, val, 2
     )
 
-    class Killed(BaseException):
-        pass
-
-    real_log = StageContext.log
-
-    def log(self, record):
-        if record.get("stage") == "task:0" and record.get("epoch") == 2 and "train_loss" in record:
-            raise Killed  # the checkpoint of epoch 2 is on disk, nothing after it
-        real_log(self, record)
-
-    monkeypatch.setattr(StageContext, "log", log)
-    t1 = Trainer(tiny_model(), tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
-    with pytest.raises(Killed):
-        t1.fit_task(0, train, val, 2)
-    t1.close()
-    monkeypatch.setattr(StageContext, "log", real_log)
+    _killed_when_epoch_2_is_logged(monkeypatch, tmp_path / "r", cfg, train, val)  # its checkpoint is on disk
     assert load_checkpoint(RunDir(tmp_path / "r").checkpoint_path)[0]["epoch"] == 2
     t2 = Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False)
     m = t2.fit_task(0, train, val, 2)
@@ -295,22 +302,7 @@ def test_checkpoint_interval_skips_short_epochs_and_a_kill_then_restarts_the_sta
         stage_module, "save_checkpoint", lambda *a, **k: (written.append(k["epoch"]), real_save(*a, **k))
     )
 
-    class Killed(BaseException):
-        pass
-
-    real_log = StageContext.log
-
-    def log(self, record):
-        if record.get("stage") == "task:0" and record.get("epoch") == 2 and "train_loss" in record:
-            raise Killed  # both epochs trained, no checkpoint written
-        real_log(self, record)
-
-    monkeypatch.setattr(StageContext, "log", log)
-    t1 = Trainer(tiny_model(), tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
-    with pytest.raises(Killed):
-        t1.fit_task(0, train, val, 2)
-    t1.close()
-    monkeypatch.setattr(StageContext, "log", real_log)
+    _killed_when_epoch_2_is_logged(monkeypatch, tmp_path / "r", cfg, train, val)  # no checkpoint written
     assert written == [] and not RunDir(tmp_path / "r").checkpoint_path.exists()
     t2 = Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False)
     t2.fit_task(0, train, val, 2)

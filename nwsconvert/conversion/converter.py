@@ -129,8 +129,10 @@ class NWSConverter:
             # (only its own, not its children's) reads eval while it registers: the call is a gather.
             training = module.training
             module.training = training and search
-            parametrize.register_parametrization(module, "weight", nws)
-            module.training = training
+            try:
+                parametrize.register_parametrization(module, "weight", nws)
+            finally:
+                module.training = training
             nws.train(training)
             report.layers.append(
                 LayerRecord(

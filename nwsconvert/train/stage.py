@@ -1,11 +1,12 @@
-"""One training stage (pool learning, or one task) over its epochs, checkpointed after every epoch.
+"""One training stage (pool learning, or one task) over its epochs, checkpointed after an epoch once
+``TrainConfig.checkpoint_interval`` seconds have passed since the stage started or last checkpointed.
 
     ctx = StageContext(model, run, dist, device, progress=True)
     record = run_stage(ctx, "task:2", train, val, cfg, pool=False, seed=cfg.seed + 3, ckpt=stage_checkpoint(run, "task:2"))
 
 A stage resumed from its checkpoint continues at the next epoch with the model, optimiser and RNG
-state it had, and a stage killed after its last checkpoint returns that epoch's record, as the
-uninterrupted stage would. Knows the run directory only as a place for the checkpoint and the log.
+state it had, a stage killed before its first checkpoint starts again, and a stage killed after its
+last checkpoint returns that epoch's record, as the uninterrupted stage would. Knows the run directory only as a place for the checkpoint and the log.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@
     for t, task in enumerate(tasks):                         # paper Algorithm 1
         trainer.fit_task(t, task.train, task.test, task.num_classes, name=task.name)
 
-Every stage checkpoints after each epoch; a new ``Trainer(..., resume=True)``
-on the same directory skips finished stages and continues the interrupted
-one from its last checkpoint. Under ``torchrun`` the model is wrapped in
+Every stage checkpoints after an epoch once ``checkpoint_interval`` seconds
+(60) have passed since its start or last checkpoint; a new
+``Trainer(..., resume=True)`` on the same directory skips finished stages and
+continues the interrupted one from its last checkpoint, or from its start. Under ``torchrun`` the model is wrapped in
 DDP; every rank ends a task with the same indices (checked).
 
 The parts: :mod:`.stage` runs a stage's epochs (:mod:`.loop` one epoch and one step),

@@ -75,7 +75,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PY = REPO / ".venv" / "bin" / "python"  # the project's virtualenv runs nws-train
 SRC = REPO  # where nwsconvert is imported from (main() may point it at a snapshot of a commit)
-DEFAULT_JOB = "model=timm:test_resnet pool_size=32 pool_epochs=3 epochs=3 tasks=4 seed=5 progress=false"
+# checkpoint_interval=0: a checkpoint after every epoch (these take well under a second), so that
+# kills land between checkpoints and on them, as on a long run.
+DEFAULT_JOB = (
+    "model=timm:test_resnet pool_size=32 pool_epochs=3 epochs=3 tasks=4 seed=5 progress=false checkpoint_interval=0"
+)
 STRATEGIES = ("startup", "pools", "tasks", "write")
 WRITE_TRIGGERS = ("tmp", "checkpoint", "pack", "manifest", "poolfiles", "metrics")
 CONVERSION_MARK = b" kernels\n"  # the line nws-train prints after converting the model, before the Trainer

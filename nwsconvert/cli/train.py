@@ -10,13 +10,12 @@ traceback; :mod:`nwsconvert.cli.common`).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from ..errors import UntrustedCodeError, UsageError
 from ..train.config import TrainConfig
-from ..train.job import JOB_FILE, launch, recorded_job, resolve_job, validate_job
+from ..train.job import JOB_FILE, is_main_process, launch, recorded_job, resolve_job, validate_job
 from ..train.rundir import RunDir
 from ..train.specs import is_registry_spec
 from .common import run_cli
@@ -111,7 +110,7 @@ def _train(argv: list[str] | None) -> int:
             if out.exists() and not out.is_dir():
                 raise UsageError(f"cannot resume: out={str(out)!r} is a file, not a run directory")
             started = out.is_dir() and (RunDir(out).exists() or (out / JOB_FILE).is_file())
-            if started and os.environ.get("RANK", "0") == "0":
+            if started and is_main_process():
                 from ..train.runlock import RunLock
 
                 held = RunLock.acquire(out)  # refuse a second writer before saying anything; launch() re-enters it
@@ -148,7 +147,7 @@ def _train(argv: list[str] | None) -> int:
 
 def print_summary(out: str) -> None:
     """The finished run's memory and accuracy table (``nws-info``'s), from the main process only."""
-    if os.environ.get("RANK", "0") == "0":
+    if is_main_process():
         from ..analysis.summary import format_summary, run_summary
 
         print(format_summary(run_summary(out)))

@@ -39,6 +39,7 @@ __all__ = [
     "load_job_weights",
     "check_model_spec",
     "check_pool_file",
+    "is_main_process",
 ]
 
 JOB_FILE = "job.json"  # the job, written before anything else: --resume finds it even before the manifest exists
@@ -63,10 +64,15 @@ DEFAULT_JOB: dict = {
 }
 
 
+def is_main_process() -> bool:
+    """Whether this process is the job's main one: always, unless torchrun started it as a rank other
+    than 0 (read from ``RANK``, so it holds before the process group exists, and imports no torch)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _say(line: str) -> None:
-    """Print ``line`` once per job: on the main process under torchrun (its ``RANK`` 0), as the
-    summary is (every rank converts the model, before the process group exists)."""
-    if os.environ.get("RANK", "0") == "0":
+    """Print ``line`` once per job, from the main process (every rank converts the model)."""
+    if is_main_process():
         print(line, flush=True)
 
 
@@ -394,7 +400,7 @@ def launch(job: dict, resume: bool = False, trust_code: bool = True) -> str:
     """
     job["out"] = default_out(job)
     train_config(job)  # the recipe with the job's options (head_epochs within its epochs): before anything is written
-    main_rank = os.environ.get("RANK", "0") == "0"
+    main_rank = is_main_process()
     lock = None
     if main_rank:
         from .runlock import RunLock

@@ -262,6 +262,13 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
     assert nws_line[3] == f"{result['mean']['nws']:.2f}"
 
 
+def _stand_in_runs(monkeypatch, accuracy, figures) -> None:
+    """``accuracy.py``'s runs replaced by ``figures(method, seed)`` (NWS as ``"nws"``), and no pretraining."""
+    monkeypatch.setattr(accuracy, "nws_run", lambda job, seed, folder, peers_start: figures("nws", seed))
+    monkeypatch.setattr(accuracy, "method_run", lambda name, pre, job, seed, folder: figures(name, seed))
+    monkeypatch.setattr(accuracy, "pretrained_model", lambda job, seed: None)
+
+
 def test_one_seed_methods_and_the_curves_plot(tmp_path, capsys, monkeypatch):
     """``--one-seed``: a method run on the first seed only, its mean over that seed; the per-task
     curves plot from the JSON (running means over the seeds that ran), and a JSON without curves is
@@ -271,10 +278,10 @@ def test_one_seed_methods_and_the_curves_plot(tmp_path, capsys, monkeypatch):
     import accuracy
     import plot_curves
 
-    def fake(seed, free=False):
+    def fake(name, seed):
         accs = [1.0, 0.9 if seed == 3 else 0.8]
         curve = {"learned_accs": accs, "disk_bytes": [10, 20], "task_seconds": [1.0, 1.0]}
-        if free:
+        if name == "packnet":
             curve["free_fraction"] = [0.6, 0.36]
         return {
             "accs": accs,
@@ -285,9 +292,7 @@ def test_one_seed_methods_and_the_curves_plot(tmp_path, capsys, monkeypatch):
             "curve": curve,
         }
 
-    monkeypatch.setattr(accuracy, "nws_run", lambda job, seed, folder, peers_start: fake(seed))
-    monkeypatch.setattr(accuracy, "method_run", lambda name, pre, job, seed, folder: fake(seed, name == "packnet"))
-    monkeypatch.setattr(accuracy, "pretrained_model", lambda job, seed: None)
+    _stand_in_runs(monkeypatch, accuracy, fake)
     out = tmp_path / "r.json"
     argv = [
         "tasks=2",
@@ -489,26 +494,20 @@ def test_accuracy_resume_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     class Killed(Exception):
         """Stands for the run being killed (SIGKILL cannot be caught in-process)."""
 
-    def fake(name):
-        def run(*args):
-            seed = args[-2]
-            calls.append((name, seed))
-            if (name, seed) in kill:
-                kill.clear()
-                raise Killed  # the run killed inside its second seed's last method
-            return {
-                "accs": [0.5, 0.7],
-                "avg": 0.6 + seed % 10 / 100,
-                "seconds": 1.0,
-                "disk_bytes": 10,
-                "paper_bits": None,
-            }
+    def fake(name, seed):
+        calls.append((name, seed))
+        if (name, seed) in kill:
+            kill.clear()
+            raise Killed  # the run killed inside its second seed's last method
+        return {
+            "accs": [0.5, 0.7],
+            "avg": 0.6 + seed % 10 / 100,
+            "seconds": 1.0,
+            "disk_bytes": 10,
+            "paper_bits": None,
+        }
 
-        return run
-
-    monkeypatch.setattr(accuracy, "nws_run", lambda job, seed, folder, peers_start: fake("nws")(job, seed, folder))
-    monkeypatch.setattr(accuracy, "method_run", lambda name, pre, job, seed, folder: fake(name)(pre, job, seed, folder))
-    monkeypatch.setattr(accuracy, "pretrained_model", lambda job, seed: None)
+    _stand_in_runs(monkeypatch, accuracy, fake)
     out = tmp_path / "acc.json"
     argv = [
         "epochs=1",

@@ -234,12 +234,9 @@ def main() -> None:
             if args.run:  # the user's run, exported into the temporary folder
                 export_bundle(args.run, d / "export", tasks="all", onnx=True)
                 bundle = d / "export"
-                data = json.loads((bundle / "bundle.json").read_text())["data"]
-                args.size, args.tasks = (
-                    data["input_size"][0],
-                    len(json.loads((bundle / "bundle.json").read_text())["tasks"]),
-                )
-                dense_onnx(args.run, args.size, d / "dense.onnx", channels=data["channels"])
+                written = json.loads((bundle / "bundle.json").read_text())
+                args.size, args.tasks = written["data"]["input_size"][0], len(written["tasks"])
+                dense_onnx(args.run, args.size, d / "dense.onnx", channels=written["data"]["channels"])
             else:
                 bundle = make_bundle(name, args.tasks, args.size, d)
                 dense_onnx(d / "run", args.size, d / "dense.onnx")

@@ -128,14 +128,17 @@ def test_under_autocast_the_rebuilt_model_scores_the_training_time_accuracy(tmp_
     model = tiny_model()
     conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
     conv.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
-    trainer = train_run(tmp_path / "r", model, amp=amp)
+    # 32 x 32 images: at 16 x 16 the test ResNet's layer4.0.conv1 (3 x 3, stride 2) sees 1 x 1 maps, where
+    # torch 2.14's CPU bfloat16 convolution returns garbage weight gradients from its second call on
+    # (up to inf, run to run; float32 and 2 x 2 maps are right: RESULTS, "bfloat16 on CPU").
+    trainer = train_run(tmp_path / "r", model, amp=amp, size=32)
     assert (torch.bfloat16 if amp == "bf16" else torch.float16) in seen  # (BatchNorm recalibration runs in float32)
     manifest = RunDir(tmp_path / "r").read()
     assert trainer.config.amp == amp and len(manifest.tasks) == 2
     for entry in manifest.tasks:
         assert entry.metrics["rebuilt_acc"] == entry.metrics["val_acc"]
         # Loaded afresh and evaluated under the same autocast: the same images right (train_run's validation sets).
-        val = blobs(16, entry.num_classes, 20 + entry.id)
+        val = blobs(16, entry.num_classes, 20 + entry.id, 32)
         assert (
             evaluate(nwsconvert.load(tmp_path / "r", task=entry.id), val, amp=amp)["correct"]
             == entry.metrics["val_correct"]

@@ -48,13 +48,14 @@ def train_run(
     tasks=(3, 2),
     data_seed: int = 0,
     class_names: bool = False,
+    size: int = 16,
     **config,
 ) -> Trainer:
     """A finished tiny run in ``out``; returns its (closed) trainer.
 
     Pool learning on 4 classes of :func:`blobs` (unless ``learn_pools`` is false), then
     task ``t`` with ``tasks[t]`` classes, one epoch each; ``config`` changes
-    :func:`tiny_config`, ``data_seed`` shifts every training set's seed.
+    :func:`tiny_config`, ``data_seed`` shifts every training set's seed, ``size`` is the images' side.
     """
     model = tiny_model() if model is None else model
     with Trainer(
@@ -63,13 +64,13 @@ def train_run(
         tiny_config(epochs=1, **config),
         model_spec=SPEC,
         model_kwargs=KWARGS,
-        data_info=DATA_INFO,
+        data_info={**DATA_INFO, "input_size": [size, size]},
         progress=False,
     ) as trainer:
         if learn_pools:
-            trainer.fit_pools(blobs(32, 4, 1 + data_seed), num_classes=4)
+            trainer.fit_pools(blobs(32, 4, 1 + data_seed, size), num_classes=4)
         for t, classes in enumerate(tasks):
             names = [f"c{i}" for i in range(classes)] if class_names else None
-            train, val = blobs(32, classes, 10 + t + data_seed), blobs(16, classes, 20 + t)
+            train, val = blobs(32, classes, 10 + t + data_seed, size), blobs(16, classes, 20 + t, size)
             trainer.fit_task(t, train, val, classes, name=f"t{t}", class_names=names)
     return trainer

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from . import fused_search
-from .fused_search import row_blocks, segmented_nearest_two
+from .fused_search import row_blocks
 from .nwsmodel import _require
 from .rounding import budget_sq, full_precision, round_down_f32
 from .search import PreparedPool, flat_nonzero, nearest_two
@@ -70,7 +70,7 @@ class _TorchSearch:
         return prep
 
     def __call__(self, x, pools, blocks, need):
-        blk_row, blk_end, blk_off, blk_n = (t.tolist() for t in blocks)
+        blk_row, blk_end, blk_off, blk_n = (t.tolist() for t in blocks[:4])
         index = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
         radius = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
         exact = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
@@ -88,27 +88,31 @@ class _TorchSearch:
         return index, radius, exact
 
 
-class _FlatGatherSTE(torch.autograd.Function):
-    """All layers' ``K = M[index]`` at once, straight-through gradient to their flat W.
+class _GroupSTE(torch.autograd.Function):
+    """Every layer's ``K = M[index]`` of one group at once, straight-through gradient to each layer's W.
 
-    The forward value is exactly the gathered pool vectors. With per-row ``scale`` the backward
-    adds ``scale * (W - K)``, the gradient of every layer's commitment term (see
-    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group.
+    The forward value is exactly the gathered pool vectors ``k`` ``(R, D)``. The backward hands each
+    weight its slice of the incoming gradient; with per-row ``scale`` ``(R, 1)`` it first adds
+    ``scale * (W - K)``, the gradient of every layer's commitment term (see
+    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group. W is concatenated
+    again for it there: the forward keeps no copy of W alive through the step.
     """
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, k: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, k: torch.Tensor, scale: torch.Tensor | None, dim: int, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.dim, ctx.shapes, ctx.commit = dim, [w.shape for w in weights], scale is not None
         if scale is not None:
-            ctx.save_for_backward(w, k, scale)
-        ctx.commit = scale is not None
+            ctx.save_for_backward(k, scale, *weights)
         return k.view_as(k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if not ctx.commit:
-            return grad, None, None
-        w, k, scale = ctx.saved_tensors
-        return torch.addcmul(grad, scale.to(grad.dtype), w.detach() - k.to(w.dtype)), None, None
+        if ctx.commit:
+            k, scale, *weights = ctx.saved_tensors
+            w = torch.cat([w.reshape(-1, ctx.dim) for w in weights])
+            grad = torch.addcmul(grad, scale.to(grad.dtype), w - k.to(w.dtype))
+        pieces = grad.reshape(-1).split([s.numel() for s in ctx.shapes])
+        return (None, None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
 
 
 class _Group:
@@ -120,22 +124,26 @@ class _Group:
     Attributes (device tensors unless said):
         layers: the :class:`~nwsconvert.core.nwsmodel.NWSLayer` s, in model order.
         rows, pools: per layer ``(offset, count)`` (Python ints).
-        blocks: the search kernel's block table (:func:`~nwsconvert.core.fused_search.row_blocks`).
-        row_pool: ``(R,)`` int64, the flat-pool offset of each row's layer.
-        row_layer: ``(R,)`` int64 layer number.
+        fused: whether the update runs the engine's Triton kernels (else torch ops and ``search``).
+        blocks, wide: the kernels' block tables (:func:`~nwsconvert.core.fused_search.row_blocks`) of
+            :data:`~nwsconvert.core.fused_search.BLOCK_R` and :data:`~nwsconvert.core.fused_search.WIDE_R` rows.
         pool_grid: ``(L * Pmax,)`` int64: layer ``i``'s pool rows at ``i * Pmax ..``, then the index ``P``
             (a padding slot): a per-pool-row vector with one value appended, gathered through it and
             viewed ``(L, Pmax)``, reduces per layer along dim 1 (no scatter of P rows into L slots).
         ref: ``(R, D)`` float32 W at each row's last search. budget: ``(R,)`` float32 squared budget
             (<= 0 or NaN: search again).
-        index: ``(R,)`` int64 pool-local index. seen: ``(P, D)`` float32 pools the budgets account for.
+        index: ``(R,)`` int32 pool-local index. seen: ``(P, D)`` float32, the pools the budgets account
+            for, which the search runs against. native: the same pools in their own dtype (``seen``
+            itself when float32). move: ``(L,)`` float64 largest pool-entry movement at the last change.
+            stale: ``(L,)`` int8, scalar pools no longer the ones the exact intervals were cut from.
         pieces: per layer, its gathered weight in W's shape (views of one buffer) from the last update.
-        need, exact: ``(R,)`` bool, the rows the last update searched and those it searched in float64;
-            per-layer counts are taken from them when read (:meth:`counts`), not every step.
+        need: ``(R,)`` int8: 0 where the last update did not search the row, 1 where it did, 2 where it
+            searched it in float64; per-layer counts are taken from it when read (:meth:`counts`).
     """
 
     def __init__(self, dim: int, layers: list, device: torch.device, search):
         self.dim, self.layers, self.search = dim, layers, search
+        self.fused = search is None
         self.rows, self.pools = [], []
         r = p = 0
         for layer in layers:
@@ -144,23 +152,27 @@ class _Group:
             r += layer.nws.num_vectors
             p += layer.nws.pool_size
         self.sizes = [count * dim for _, count in self.rows]
-        self.blocks = row_blocks([(count, size) for (_, count), (_, size) in zip(self.rows, self.pools)], device)
-        counts = torch.tensor([count for _, count in self.rows], device=device)
-        self.row_layer = torch.repeat_interleave(torch.arange(len(layers), device=device), counts)
-        self.row_pool = torch.tensor([off for off, _ in self.pools], device=device).index_select(0, self.row_layer)
+        segments = [(count, size) for (_, count), (_, size) in zip(self.rows, self.pools)]
+        self.blocks = row_blocks(segments, device)
+        self.wide = row_blocks(segments, device, fused_search.WIDE_R)
+        if not self.fused:  # per-row tables of the torch ops
+            counts = torch.tensor([count for _, count in self.rows], device=device)
+            self.row_layer = torch.repeat_interleave(torch.arange(len(layers), device=device), counts)
+            self.row_pool = torch.tensor([off for off, _ in self.pools], device=device).index_select(0, self.row_layer)
         widest = max(n for _, n in self.pools)
         grid = torch.full((len(layers), widest), p, dtype=torch.int64)
         for i, (off, n) in enumerate(self.pools):
             grid[i, :n] = torch.arange(off, off + n)
         self.pool_grid = grid.view(-1).to(device)
+        self.consts = fused_search.engine_consts(dim, device)
         self.ones = torch.ones(dim, device=device)
         self.ref = torch.zeros(r, dim, device=device)
         self.budget = torch.full((r,), -1.0, device=device)  # no state: searched at the first update
-        self.index = torch.zeros(r, dtype=torch.int64, device=device)
+        self.index = torch.cat([layer.nws.indices.to(device=device, dtype=torch.int32) for layer in layers])
+        self.index_pieces = list(self.index.split([count for _, count in self.rows]))
         seen = []  # the pools each layer's budgets were measured against
         for layer, (off, count) in zip(layers, self.rows):
             nws = layer.nws
-            self.index[off : off + count] = nws.indices.to(device)
             prep = nws._prep
             state = nws._ref is not None and nws._budget_sq is not None and nws._ref.shape[0] == count
             if state and prep is not None and prep.pool.shape == nws.pool.shape and prep.pool.device == device:
@@ -170,6 +182,10 @@ class _Group:
             else:
                 seen.append(nws.pool.detach().float())
         self.seen = torch.cat(seen)
+        self.native = self.seen
+        self.move = torch.zeros(len(layers), dtype=torch.float64, device=device)
+        self.stale = torch.zeros(len(layers), dtype=torch.int8, device=device)
+        self._pool_stamp: list | None = None
         self.cells = None
         if dim == 1:
             # Scalar pools: each entry's exact interval (PreparedPool.lo32 / hi32). A kernel strictly
@@ -184,8 +200,7 @@ class _Group:
             )
         self.pieces: list[torch.Tensor] | None = None
         self._scales: tuple[tuple[float, ...], torch.Tensor] | None = None  # (per-layer scales, per-row tensor)
-        self.need = torch.zeros(r, dtype=torch.bool, device=device)
-        self.exact = torch.zeros(r, dtype=torch.bool, device=device)
+        self.need = torch.zeros(r, dtype=torch.int8, device=device)
 
     def _scale(self) -> torch.Tensor | None:
         """Per-row commitment-gradient scale ``(R, 1)``, None when every layer's is 0."""
@@ -193,54 +208,83 @@ class _Group:
         if not any(scales):
             return None
         if self._scales is None or self._scales[0] != scales:  # built once per commitment setting
-            self._scales = (
-                scales,
-                torch.tensor(scales, device=self.ref.device).index_select(0, self.row_layer)[:, None],
-            )
+            counts = torch.tensor([count for _, count in self.rows], device=self.ref.device)
+            per_row = torch.repeat_interleave(torch.tensor(scales, device=self.ref.device), counts)
+            self._scales = (scales, per_row[:, None])
         return self._scales[1]
 
     @full_precision
     def update(self) -> None:
         """Search what drifted, then gather every layer's weight (differentiable in W while grad is on)."""
-        w = torch.cat([layer.weight.reshape(-1, self.dim) for layer in self.layers])  # (R, D), W's dtype
+        weights = [layer.weight for layer in self.layers]
         with torch.no_grad():
-            x = w.detach().float()
-            pools = torch.cat([layer.nws.pool.detach().float() for layer in self.layers])
-            # Budgets shrink by their layer's largest pool-entry movement (float64, 1e-5 slack, rounded down).
-            entry_move = (pools - self.seen).norm(dim=1).double()
-            move = self._per_layer(entry_move).amax(1).index_select(0, self.row_layer)  # NaN stays NaN
-            left = (self.budget.double().clamp_min(0).sqrt() - move * (1 + 1e-5)).clamp_min(0)
-            shrunk = torch.where(self.budget > 0, round_down_f32(left.square()), self.budget.clamp_max(0))
-            budget = torch.where(move != 0, shrunk, self.budget)  # NaN movement gives NaN: searched
-            # State is updated in place (copy_): a CUDA graph replaying the step then carries it over.
-            self.seen.copy_(pools)
-            drift = torch.mv((x - self.ref).square_(), self.ones)
-            need = ~(drift < budget)  # NaN counts as drifted
-            if self.cells is not None:
-                lo, hi, cut_from = self.cells
-                entry = self.index + self.row_pool
-                value = x[:, 0]
-                inside = (lo.index_select(0, entry) < value) & (value < hi.index_select(0, entry))
-                changed = (~(pools == cut_from)).any(dim=1)  # NaN counts as changed
-                stale = self._per_layer(changed).any(1).index_select(0, self.row_layer)
-                need = torch.where(stale, need, ~inside)
-            index, radius, exact = self.search(x, pools, self.blocks, need)
-            self.index.copy_(torch.where(need, index, self.index))
-            self.ref.copy_(torch.where(need[:, None], x, self.ref))
-            self.budget.copy_(torch.where(need, budget_sq(radius, x, x), budget))
-            self.need.copy_(need)
-            self.exact.copy_(exact)
-            native = [layer.nws.pool.detach() for layer in self.layers]
-            flat = pools if all(p.dtype == torch.float32 for p in native) else torch.cat(native)
-            k = flat.index_select(0, self.index + self.row_pool)
-            torch._foreach_copy_(
-                [layer.nws.indices for layer in self.layers], list(self.index.split([count for _, count in self.rows]))
-            )
-        if w.requires_grad:
-            k = _FlatGatherSTE.apply(w, k, self._scale())
+            x = torch.cat([w.detach().reshape(-1, self.dim) for w in weights])  # (R, D)
+            x = x if x.dtype == torch.float32 else x.float()
+            moved = self._track_pools()
+            k = self._update_fused(x, moved) if self.fused else self._update_torch(x, moved)
+            torch._foreach_copy_([layer.nws.indices for layer in self.layers], self.index_pieces)
+        if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+            k = _GroupSTE.apply(k, self._scale(), self.dim, *weights)
         self.pieces = [
             piece.view(layer.nws.weight_shape) for piece, layer in zip(k.view(-1).split(self.sizes), self.layers)
         ]
+
+    def _track_pools(self) -> bool:
+        """Take in pool changes: each layer's largest entry movement since the pools the budgets account for
+        (``move``), the scalar pools' staleness, and the new pools (``seen``, ``native``). Only when a
+        pool's identity, storage or version changed since the last update (an in-place edit, an optimiser
+        step, a new tensor): a frozen pool costs nothing per step. Returns whether it ran."""
+        pools = [layer.nws.pool for layer in self.layers]
+        stamp = [(id(p), p.data_ptr(), p._version) for p in pools]
+        if stamp == self._pool_stamp:
+            return False
+        self._pool_stamp = stamp
+        now = torch.cat([p.detach().float() for p in pools])
+        # Budgets shrink by their layer's largest pool-entry movement (float64, 1e-5 slack, rounded down).
+        entry_move = (now - self.seen).norm(dim=1).double()
+        self.move.copy_(self._per_layer(entry_move).amax(1))  # NaN stays NaN
+        self.seen.copy_(now)  # in place: a CUDA graph replaying the step carries it over
+        native = [p.detach() for p in pools]
+        self.native = self.seen if all(p.dtype == torch.float32 for p in native) else torch.cat(native)
+        if self.cells is not None:
+            changed = (~(now == self.cells[2])).any(dim=1)  # NaN counts as changed
+            self.stale.copy_(self._per_layer(changed).any(1))
+        return True
+
+    def _update_fused(self, x: torch.Tensor, moved: bool) -> torch.Tensor:
+        """The update in five Triton launches and one cumulative sum (fixed shapes, no host sync)."""
+        state = (self.ref, self.budget, self.index, self.need, self.consts)
+        cells = self.cells[:2] if self.cells is not None else None
+        fused_search.engine_flags(state, self.wide, x, moved, self.move, self.stale, cells)
+        csum = torch.zeros(x.shape[0] + 1, dtype=torch.int32, device=x.device)
+        perm = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
+        fused_search.engine_search(state, self.wide, self.blocks, x, self.seen, csum, perm)
+        k = torch.empty(x.shape, dtype=self.native.dtype, device=x.device)
+        fused_search.engine_gather(self.index, self.native, self.wide, k)
+        return k
+
+    def _update_torch(self, x: torch.Tensor, moved: bool) -> torch.Tensor:
+        """The update in torch ops, searching the flagged rows with ``search``."""
+        budget = self.budget
+        if moved:
+            move = self.move.index_select(0, self.row_layer)
+            left = (budget.double().clamp_min(0).sqrt() - move * (1 + 1e-5)).clamp_min(0)
+            shrunk = torch.where(budget > 0, round_down_f32(left.square()), budget.clamp_max(0))
+            budget = torch.where(move != 0, shrunk, budget)  # NaN movement gives NaN: searched
+        drift = torch.mv((x - self.ref).square_(), self.ones)
+        need = ~(drift < budget)  # NaN counts as drifted
+        if self.cells is not None:
+            lo, hi, _ = self.cells
+            entry = self.index + self.row_pool
+            value = x[:, 0]
+            inside = (lo.index_select(0, entry) < value) & (value < hi.index_select(0, entry))
+            need = torch.where(self.stale.bool().index_select(0, self.row_layer), need, ~inside)
+        index, radius, exact = self.search(x, self.seen, self.blocks, need)
+        self.index.copy_(torch.where(need, index, self.index))
+        self.ref.copy_(torch.where(need[:, None], x, self.ref))
+        self.budget.copy_(torch.where(need, budget_sq(radius, x, x), budget))
+        self.need.copy_(need.to(torch.int8) + exact.to(torch.int8))
+        return self.native.index_select(0, self.index + self.row_pool)
 
     def _per_layer(self, values: torch.Tensor) -> torch.Tensor:
         """``(P,)`` per pool row -> ``(L, Pmax)``, each layer's row padded with zeros (``False``)."""
@@ -250,7 +294,7 @@ class _Group:
     def counts(self) -> torch.Tensor:
         """``(L, 2)`` int64: rows the last update searched, and searched in float64, per layer (each
         layer's rows are contiguous: differences of one cumulative sum at the layer offsets)."""
-        flags = torch.stack([self.need, self.exact], 1).to(torch.int64)
+        flags = torch.stack([self.need != 0, self.need == 2], 1).to(torch.int64)
         total = torch.cat([flags.new_zeros(1, 2), flags.cumsum(0)])
         starts = torch.tensor([off for off, _ in self.rows], device=flags.device)
         ends = torch.tensor([off + count for off, count in self.rows], device=flags.device)
@@ -304,7 +348,7 @@ class SearchEngine:
         for layer in layers:
             dims.setdefault(layer.nws.vector_size, []).append(layer)
         self.groups = [
-            _Group(d, members, device, segmented_nearest_two if kernel == "triton" else _TorchSearch())
+            _Group(d, members, device, None if kernel == "triton" else _TorchSearch())
             for d, members in sorted(dims.items())
         ]
         self.total = sum(count for g in self.groups for _, count in g.rows)  # kernels of every layer
@@ -363,7 +407,7 @@ class SearchEngine:
 
     def searched_fraction(self) -> torch.Tensor:
         """Fraction of kernels the last update re-searched, a 0-dim device tensor (no host sync)."""
-        return sum(g.need.sum() for g in self.groups) / max(self.total, 1)
+        return sum((g.need != 0).sum() for g in self.groups) / max(self.total, 1)
 
     def stats(self) -> dict:
         """Kernels re-searched by the last update, as :func:`~nwsconvert.core.nwsmodel.search_stats` reports them
@@ -371,7 +415,7 @@ class SearchEngine:
         total = self.total
         if self._stamp is None:
             return {"searched": 0, "total": total, "fraction": 0.0, "exact_rows": 0}
-        counts = torch.stack([torch.stack([g.need.sum(), g.exact.sum()]) for g in self.groups]).sum(0)
+        counts = torch.stack([torch.stack([(g.need != 0).sum(), (g.need == 2).sum()]) for g in self.groups]).sum(0)
         searched, exact = (int(v) for v in counts.tolist())
         return {"searched": searched, "total": total, "fraction": searched / max(total, 1), "exact_rows": exact}
 

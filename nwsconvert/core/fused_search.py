@@ -35,7 +35,18 @@ import torch
 
 from .rounding import RADIUS_SHRINK, U32
 
-__all__ = ["BLOCK_R", "available", "fused_nearest_two", "row_blocks", "segmented_nearest_two"]
+__all__ = [
+    "BLOCK_R",
+    "ENGINE_CONSTS",
+    "WIDE_R",
+    "available",
+    "engine_flags",
+    "engine_gather",
+    "engine_search",
+    "fused_nearest_two",
+    "row_blocks",
+    "segmented_nearest_two",
+]
 
 #: Triton is imported on first search (it is slow to import), from :mod:`nwsconvert.core.triton_kernels`. CPU-only torch
 #: wheels come without it.
@@ -43,8 +54,10 @@ _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 #: The smallest subnormal float32 (unit roundoff and radius shrink: the BLAS path's, from search.py).
 _TINY32 = 2.0**-149
-#: Rows per kernel program (a block never holds two layers' rows).
+#: Rows per search-kernel program (a block never holds two layers' rows).
 BLOCK_R = 32
+#: Rows per program of the engine's elementwise kernels (flags, compaction, gather).
+WIDE_R = 256
 
 
 def _interpreting() -> bool:
@@ -65,12 +78,9 @@ def _launch(x, pool, blocks, active, idx, d1, d2, acc: str) -> None:
 
     from .triton_kernels import nearest_two_kernel
 
-    interp = _interpreting()
-    block_p = 1024 if interp else 64  # the interpreter pays per tile, the GPU per register
     exact = acc == "float64"
-    extra = {} if interp else {"enable_fp_fusion": not exact}
     gated = active is not None
-    blk_row, blk_end, blk_off, blk_n = blocks
+    blk_row, blk_end, blk_off, blk_n = blocks[:4]
     nearest_two_kernel[(blk_n.numel(),)](
         x,
         pool,
@@ -86,8 +96,7 @@ def _launch(x, pool, blocks, active, idx, d1, d2, acc: str) -> None:
         ACC=tl.float64 if exact else tl.float32,
         GATED=gated,
         BLOCK_R=BLOCK_R,
-        BLOCK_P=block_p,
-        **extra,
+        **search_launch(exact, _interpreting()),
     )
 
 
@@ -97,7 +106,7 @@ def segmented_nearest_two(x: torch.Tensor, pool: torch.Tensor, blocks: tuple, ac
     Args:
         x: ``(R, D)`` float32 contiguous: the layers' rows one after another.
         pool: ``(P, D)`` float32 contiguous: the layers' pools one after another.
-        blocks: ``(blk_row, blk_end, blk_off, blk_n)``, each ``(B,)`` int32 (see :func:`row_blocks`):
+        blocks: ``(blk_row, blk_end, blk_off, blk_n, ...)``, each ``(B,)`` int32 (see :func:`row_blocks`):
             block ``b`` is rows ``blk_row[b] .. min(blk_row[b] + BLOCK_R, blk_end[b])``, searched
             against pool rows ``blk_off[b] .. blk_off[b] + blk_n[b]``.
         active: ``(R,)`` bool, the rows to search (None: all). Other rows' outputs are unspecified.
@@ -170,22 +179,116 @@ def fused_nearest_two(vectors: torch.Tensor, pool: torch.Tensor) -> tuple[torch.
     return segmented_nearest_two(x, m, blocks)
 
 
-def row_blocks(segments: list[tuple[int, int]], device) -> tuple[torch.Tensor, ...]:
-    """The kernel's block table for layers laid out one after another.
+def row_blocks(segments: list[tuple[int, int]], device, block: int = BLOCK_R) -> tuple[torch.Tensor, ...]:
+    """The kernels' block table for layers laid out one after another.
 
     Args:
         segments: per layer ``(rows, pool size)``, in the order of the flat row and pool buffers.
+        block: rows per program.
 
     Returns:
-        ``(blk_row, blk_end, blk_off, blk_n)``, ``(B,)`` int32 each on ``device``: every layer's rows in
-        blocks of :data:`BLOCK_R` that never cross into the next layer.
+        ``(blk_row, blk_end, blk_off, blk_n, blk_start, blk_layer)``, ``(B,)`` int32 each on ``device``:
+        every layer's rows in blocks of ``block`` that never cross into the next layer (first row, the
+        layer's end, its pool offset and size, its first row, its number).
     """
-    cols: list[list[int]] = [[], [], [], []]
+    cols: list[list[int]] = [[], [], [], [], [], []]
     row = off = 0
-    for count, size in segments:
-        for start in range(row, row + count, BLOCK_R):
-            for c, v in zip(cols, (start, row + count, off, size)):
+    for layer, (count, size) in enumerate(segments):
+        for start in range(row, row + count, block):
+            for c, v in zip(cols, (start, row + count, off, size, row, layer)):
                 c.append(v)
         row += count
         off += size
     return tuple(torch.tensor(c, dtype=torch.int32, device=device) for c in cols)
+
+
+#: The engine kernels' float64 constants, by position: the float32 certification's relative error per
+#: unit of ``D + 2`` and subnormal term per unit of ``2 D + 2`` (scaled by :func:`engine_consts`), half
+#: the radius shrink, the radius shrink, :func:`~nwsconvert.core.rounding.round_down_f32`'s factor and
+#: offset, the pool-movement slack, and the tie test's relative and absolute thresholds.
+ENGINE_CONSTS = (
+    2.0 * U32,
+    _TINY32,
+    0.5 * RADIUS_SHRINK,
+    RADIUS_SHRINK,
+    1.0 - 2.0**-22,
+    2.0**-149,
+    1 + 1e-5,
+    1e-12,
+    1e-30,
+)
+
+
+def engine_consts(dim: int, device) -> torch.Tensor:
+    """:data:`ENGINE_CONSTS` for vectors of ``dim`` elements, ``(9,)`` float64 on ``device``."""
+    c = list(ENGINE_CONSTS)
+    c[0] *= dim + 2
+    c[1] *= 2 * dim + 2
+    return torch.tensor(c, dtype=torch.float64, device=device)
+
+
+def search_launch(exact: bool, interpreting: bool) -> dict:
+    """The search kernels' pool tile and compiler options: the interpreter pays per tile, the GPU per
+    register (a wide tile would spill); the float64 pass is compiled without contraction."""
+    if interpreting:
+        return {"BLOCK_P": 1024}
+    return {"BLOCK_P": 64, "enable_fp_fusion": not exact}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def engine_flags(state, wide, x, moved: bool, move, stale, cells) -> None:
+    """Flag the rows to search (:func:`~nwsconvert.core.triton_kernels.engine_flag_kernel`).
+
+    Args:
+        state: the group's ``(ref, budget, index, need, consts)``: ``(R, D)`` float32, ``(R,)`` float32,
+            ``(R,)`` int32 pool-local, ``(R,)`` int8 (0: kept, 1: searched, 2: searched in float64),
+            :func:`engine_consts`.
+        wide: block table of :data:`WIDE_R` rows. x: ``(R, D)`` float32 contiguous.
+        moved: whether ``move`` (``(L,)`` float64, each layer's largest pool movement) is to be taken off
+            the budgets. stale: ``(L,)`` int8. cells: ``(lo, hi)`` ``(P,)`` float32 for scalar pools, or None.
+    """
+    from .triton_kernels import engine_flag_kernel
+
+    ref, budget, index, need, consts = state
+    dim = x.shape[1]
+    lo, hi = cells if cells is not None else (budget, budget)
+    engine_flag_kernel[(wide[0].numel(),)](
+        x, ref, budget, index, need, wide[0], wide[1], wide[2], wide[5], move, stale, lo, hi, consts,
+        D=dim, DP=_pow2(dim), MOVED=moved, CELLS=cells is not None, BLOCK_R=WIDE_R,
+    )  # fmt: skip
+
+
+def engine_search(state, wide, narrow, x, pool, csum, perm) -> None:
+    """Search the flagged rows and write their index, reference and budget in place: the flagged rows
+    compacted per layer (:func:`~nwsconvert.core.triton_kernels.engine_compact_kernel`), a float32 pass
+    over them, a float64 pass over those it could not certify. Fixed launch shapes, no host sync.
+
+    Args:
+        state: as :func:`engine_flags` (``need`` set by it). wide, narrow: block tables of
+            :data:`WIDE_R` and :data:`BLOCK_R` rows. x: ``(R, D)`` float32. pool: ``(P, D)`` float32.
+        csum: ``(R + 1,)`` int32, ``csum[0] == 0`` (filled here). perm: ``(R,)`` int32 (filled here).
+    """
+    from .triton_kernels import engine_compact_kernel, engine_search_kernel
+
+    ref, budget, index, need, consts = state
+    torch.cumsum(need, 0, dtype=torch.int32, out=csum[1:])
+    engine_compact_kernel[(wide[0].numel(),)](need, csum, perm, wide[0], wide[1], wide[4], BLOCK_R=WIDE_R)
+    for exact_pass in (False, True):
+        engine_search_kernel[(narrow[0].numel(),)](
+            x, pool, ref, budget, index, need, csum, perm, consts,
+            narrow[0], narrow[1], narrow[2], narrow[3], narrow[4],
+            D=x.shape[1], EXACT=exact_pass, BLOCK_R=BLOCK_R, **search_launch(exact_pass, _interpreting()),
+        )  # fmt: skip
+
+
+def engine_gather(index, pool, wide, out) -> None:
+    """``out[row] = pool[its layer's offset + index[row]]`` for all rows, in ``pool``'s dtype (one launch)."""
+    from .triton_kernels import engine_gather_kernel
+
+    dim = pool.shape[1]
+    engine_gather_kernel[(wide[0].numel(),)](
+        index, pool, out, wide[0], wide[1], wide[2], D=dim, DP=_pow2(dim), BLOCK_R=WIDE_R
+    )

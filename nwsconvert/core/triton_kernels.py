@@ -2,12 +2,58 @@
 
 Decorated when this module is first imported: under ``TRITON_INTERPRET=1`` set before that, they run
 in Triton's interpreter on CPU tensors.
+
+Block tables (:func:`~nwsconvert.core.fused_search.row_blocks`): program ``b`` works on rows
+``blk_row[b] ..`` of one layer, never past that layer's end ``blk_end[b]``; the layer starts at
+``blk_start[b]``, is layer number ``blk_layer[b]`` and its pool is the ``blk_n[b]`` rows from
+``blk_off[b]`` of the flat pool.
+
+The engine's kernels (``engine_*``) take their float64 constants from a small tensor (``consts``, see
+:data:`~nwsconvert.core.fused_search.ENGINE_CONSTS`) rather than from literals, whose type Triton picks
+by value (a literal is float32 where it fits).
 """
 
 import triton
 import triton.language as tl
 
-__all__ = ["nearest_two_kernel"]
+__all__ = [
+    "engine_compact_kernel",
+    "engine_flag_kernel",
+    "engine_gather_kernel",
+    "engine_search_kernel",
+    "nearest_two_kernel",
+]
+
+
+@triton.jit
+def _nearest_two_loop(x_row, live, pool_blk, n_pool, D: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_P: tl.constexpr):  # fmt: skip
+    """Nearest pool entry (lowest index on ties), its squared distance and the runner-up's, per live row;
+    no pool loop at all when no row is live."""
+    pool_end = n_pool * tl.max(live.to(tl.int32), axis=0)  # 0: nothing to search in this block
+    best = tl.full([BLOCK_R], float("inf"), ACC)
+    second = tl.full([BLOCK_R], float("inf"), ACC)
+    best_i = tl.zeros([BLOCK_R], dtype=tl.int32)
+    lanes = tl.arange(0, BLOCK_P)
+    for start in range(0, pool_end, BLOCK_P):
+        cols = start + lanes
+        in_pool = cols < n_pool
+        acc = tl.zeros([BLOCK_R, BLOCK_P], dtype=ACC)
+        for k in tl.static_range(D):
+            xk = tl.load(x_row + k, mask=live, other=0.0).to(ACC)
+            mk = tl.load(pool_blk + cols.to(tl.int64) * D + k, mask=in_pool, other=0.0).to(ACC)
+            diff = xk[:, None] - mk[None, :]
+            acc = acc + diff * diff
+        acc = tl.where(acc != acc, float("-inf"), acc)  # NaN wins, as in NumPy's argmin
+        acc = tl.where(in_pool[None, :], acc, float("inf"))
+        tile_best = tl.min(acc, axis=1)
+        tile_arg = tl.argmin(acc, axis=1, tie_break_left=True)
+        tile_second = tl.min(tl.where(lanes[None, :] == tile_arg[:, None], float("inf"), acc), axis=1)
+        better = tile_best < best  # a tie keeps the earlier tile's lower index
+        second = tl.where(better, tl.minimum(best, tile_second), tl.minimum(second, tile_best))
+        best_i = tl.where(better, tile_arg + start, best_i)
+        best = tl.where(better, tile_best, best)
+    return best, second, best_i
 
 
 @triton.jit
@@ -41,32 +87,182 @@ def nearest_two_kernel(
     live = rows < tl.load(blk_end_ptr + blk)
     if GATED:
         live = live & (tl.load(active_ptr + rows, mask=live, other=0) != 0)
-    n_pool = tl.load(blk_n_ptr + blk)
     pool_blk = pool_ptr + tl.load(blk_off_ptr + blk).to(tl.int64) * D
-    pool_end = n_pool * tl.max(live.to(tl.int32), axis=0)  # 0: nothing to search in this block
     x_row = x_ptr + rows.to(tl.int64) * D
-    best = tl.full([BLOCK_R], float("inf"), ACC)
-    second = tl.full([BLOCK_R], float("inf"), ACC)
-    best_i = tl.zeros([BLOCK_R], dtype=tl.int32)
-    lanes = tl.arange(0, BLOCK_P)
-    for start in range(0, pool_end, BLOCK_P):
-        cols = start + lanes
-        in_pool = cols < n_pool
-        acc = tl.zeros([BLOCK_R, BLOCK_P], dtype=ACC)
-        for k in tl.static_range(D):
-            xk = tl.load(x_row + k, mask=live, other=0.0).to(ACC)
-            mk = tl.load(pool_blk + cols.to(tl.int64) * D + k, mask=in_pool, other=0.0).to(ACC)
-            diff = xk[:, None] - mk[None, :]
-            acc = acc + diff * diff
-        acc = tl.where(acc != acc, float("-inf"), acc)  # NaN wins, as in NumPy's argmin
-        acc = tl.where(in_pool[None, :], acc, float("inf"))
-        tile_best = tl.min(acc, axis=1)
-        tile_arg = tl.argmin(acc, axis=1, tie_break_left=True)
-        tile_second = tl.min(tl.where(lanes[None, :] == tile_arg[:, None], float("inf"), acc), axis=1)
-        better = tile_best < best  # a tie keeps the earlier tile's lower index
-        second = tl.where(better, tl.minimum(best, tile_second), tl.minimum(second, tile_best))
-        best_i = tl.where(better, tile_arg + start, best_i)
-        best = tl.where(better, tile_best, best)
+    best, second, best_i = _nearest_two_loop(x_row, live, pool_blk, tl.load(blk_n_ptr + blk), D, ACC, BLOCK_R, BLOCK_P)
     tl.store(idx_ptr + rows, best_i.to(tl.int64), mask=live)
     tl.store(d1_ptr + rows, best, mask=live)
     tl.store(d2_ptr + rows, second, mask=live)
+
+
+@triton.jit
+def _round_down_f32(v, consts_ptr):
+    """float64 ``v >= 0`` -> float32 never above it (:func:`~nwsconvert.core.rounding.round_down_f32`)."""
+    return (v * tl.load(consts_ptr + 4) - tl.load(consts_ptr + 5)).to(tl.float32)
+
+
+@triton.jit
+def engine_flag_kernel(
+    x_ptr,
+    ref_ptr,
+    budget_ptr,
+    index_ptr,
+    need_ptr,
+    blk_row_ptr,
+    blk_end_ptr,
+    blk_off_ptr,
+    blk_layer_ptr,
+    move_ptr,
+    stale_ptr,
+    lo_ptr,
+    hi_ptr,
+    consts_ptr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    MOVED: tl.constexpr,
+    CELLS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Which rows the update searches, in one pass over the rows (the drift ``(x - ref)²`` is never stored).
+
+    ``MOVED``: shrink every budget by its layer's largest pool movement ``move[layer]`` (float64; NaN:
+    no budget left), written back. A row is searched when its drift has reached its budget (NaN
+    counts as reached). ``CELLS`` (scalar pools): a row whose layer's pool is the one the exact
+    intervals ``lo``/``hi`` were cut from (``stale[layer] == 0``) is searched when it left its entry's
+    interval instead. Writes ``need``: 1 where searched, else 0 (int8)."""
+    blk = tl.program_id(0)
+    rows = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
+    live = rows < tl.load(blk_end_ptr + blk)
+    cols = tl.arange(0, DP)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    inside2 = live[:, None] & (cols[None, :] < D)
+    diff = tl.load(x_ptr + offs, mask=inside2, other=0.0) - tl.load(ref_ptr + offs, mask=inside2, other=0.0)
+    drift = tl.sum(diff * diff, axis=1)
+    budget = tl.load(budget_ptr + rows, mask=live, other=0.0)
+    if MOVED:
+        move = tl.load(move_ptr + tl.load(blk_layer_ptr + blk))
+        b64 = budget.to(tl.float64)
+        left = tl.sqrt(tl.where(b64 > 0, b64, 0.0)) - move * tl.load(consts_ptr + 6)
+        left = tl.where(left > 0, left, 0.0)  # NaN movement: 0, no budget left
+        shrunk = tl.where(budget > 0, _round_down_f32(left * left, consts_ptr), tl.where(budget < 0, budget, 0.0))
+        budget = tl.where(move != 0, shrunk, budget)
+        tl.store(budget_ptr + rows, budget, mask=live)
+    need = ~(drift < budget)  # NaN counts as drifted
+    if CELLS:
+        stale = tl.load(stale_ptr + tl.load(blk_layer_ptr + blk))
+        entry = tl.load(index_ptr + rows, mask=live, other=0).to(tl.int64) + tl.load(blk_off_ptr + blk)
+        value = tl.load(x_ptr + rows.to(tl.int64), mask=live, other=0.0)
+        inside = (tl.load(lo_ptr + entry, mask=live, other=0.0) < value) & (
+            value < tl.load(hi_ptr + entry, mask=live, other=0.0)
+        )
+        need = tl.where(stale != 0, need, ~inside)
+    tl.store(need_ptr + rows, need.to(tl.int8), mask=live)
+
+
+@triton.jit
+def engine_compact_kernel(need_ptr, csum_ptr, perm_ptr, blk_row_ptr, blk_end_ptr, blk_start_ptr, BLOCK_R: tl.constexpr):
+    """Each layer's rows reordered with its flagged rows first (stable): ``perm[start .. start + F)`` are
+    the flagged rows of the layer starting at ``start`` (``F`` of them), the others follow.
+
+    ``csum`` is ``(R + 1,)``: 0, then the running count of flagged rows (``need``), so a layer's count
+    and a row's rank are differences of two entries. Every position is written once (a permutation):
+    no atomics."""
+    blk = tl.program_id(0)
+    rows = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
+    end = tl.load(blk_end_ptr + blk)
+    live = rows < end
+    start = tl.load(blk_start_ptr + blk)
+    before = tl.load(csum_ptr + start)
+    count = tl.load(csum_ptr + end) - before
+    rank = tl.load(csum_ptr + rows + 1, mask=live, other=0) - before  # flagged rows up to and with this one
+    flagged = tl.load(need_ptr + rows, mask=live, other=0) != 0
+    dest = tl.where(flagged, start + rank - 1, rows + count - rank)
+    tl.store(perm_ptr + dest, rows, mask=live)
+
+
+@triton.jit
+def engine_search_kernel(
+    x_ptr,
+    pool_ptr,
+    ref_ptr,
+    budget_ptr,
+    index_ptr,
+    need_ptr,
+    csum_ptr,
+    perm_ptr,
+    consts_ptr,
+    blk_row_ptr,
+    blk_end_ptr,
+    blk_off_ptr,
+    blk_n_ptr,
+    blk_start_ptr,
+    D: tl.constexpr,
+    EXACT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Search the flagged rows, compacted (:func:`engine_compact_kernel`): program ``b`` takes positions
+    ``blk_row[b] ..`` of its layer's reordered rows and leaves at once when they are past the layer's
+    flagged ones, so a launch costs what the flagged rows cost. The new state is written in place.
+
+    ``EXACT`` false (float32 pass, with FMA): index; ``ref = x``; the row's budget when the result is
+    certified (computed distances within ``gamma`` relative + ``tiny`` of the true ones, runner-up
+    beyond both bounds: the squared half certified gap, shrunk, rounded down), else ``need = 2``.
+    ``EXACT`` true (float64, compiled without contraction: brute force's numbers): only rows with
+    ``need == 2``; index and budget (half the gap, or 0 on a tie)."""
+    blk = tl.program_id(0)
+    start = tl.load(blk_start_ptr + blk)
+    before = tl.load(csum_ptr + start)
+    count = tl.load(csum_ptr + tl.load(blk_end_ptr + blk)) - before
+    pos = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
+    live = pos < start + count
+    rows = tl.load(perm_ptr + pos, mask=live, other=0)
+    if EXACT:
+        live = live & (tl.load(need_ptr + rows, mask=live, other=0) == 2)
+        acc_type = tl.float64
+    else:
+        acc_type = tl.float32
+    pool_blk = pool_ptr + tl.load(blk_off_ptr + blk).to(tl.int64) * D
+    x_row = x_ptr + rows.to(tl.int64) * D
+    best, second, best_i = _nearest_two_loop(
+        x_row, live, pool_blk, tl.load(blk_n_ptr + blk), D, acc_type, BLOCK_R, BLOCK_P
+    )
+    tl.store(index_ptr + rows, best_i, mask=live)
+    a = tl.where(live, best.to(tl.float64), 0.0)  # rows not searched: inf, whose differences are NaN
+    b = tl.where(live, second.to(tl.float64), 0.0)
+    if EXACT:
+        r1 = tl.sqrt(a)
+        r2 = tl.sqrt(b)
+        half_gap = (r2 - r1) * 0.5
+        tie = ~(half_gap > tl.load(consts_ptr + 7) * (r2 + tl.load(consts_ptr + 8)))  # NaN: a tie
+        radius = tl.where(tie, 0.0, half_gap * tl.load(consts_ptr + 3))
+        tl.store(budget_ptr + rows, _round_down_f32(radius * radius, consts_ptr), mask=live)
+    else:
+        gamma = tl.load(consts_ptr + 0)
+        tiny = tl.load(consts_ptr + 1)
+        upper1 = a * (1.0 + gamma) + tiny
+        lower2 = b * (1.0 - gamma) - tiny
+        finite = (a == a) & (a < float("inf")) & (a > float("-inf"))
+        certified = finite & (lower2 > upper1)
+        radius = tl.sqrt(tl.where(lower2 > 0, lower2, 0.0)) - tl.sqrt(tl.where(certified, upper1, 0.0))
+        radius = radius * tl.load(consts_ptr + 2)
+        radius = tl.where(radius > 0, radius, 0.0)
+        tl.store(budget_ptr + rows, _round_down_f32(radius * radius, consts_ptr), mask=live & certified)
+        tl.store(need_ptr + rows, tl.where(certified, 1, 2).to(tl.int8), mask=live)
+        for k in tl.static_range(D):
+            tl.store(ref_ptr + rows.to(tl.int64) * D + k, tl.load(x_row + k, mask=live, other=0.0), mask=live)
+
+
+@triton.jit
+def engine_gather_kernel(index_ptr, pool_ptr, out_ptr, blk_row_ptr, blk_end_ptr, blk_off_ptr, D: tl.constexpr,
+                         DP: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """``out[row] = pool[blk_off + index[row]]`` for every row: each layer's gathered weight, in the
+    pools' own dtype."""
+    blk = tl.program_id(0)
+    rows = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
+    live = rows < tl.load(blk_end_ptr + blk)
+    entry = tl.load(index_ptr + rows, mask=live, other=0).to(tl.int64) + tl.load(blk_off_ptr + blk)
+    cols = tl.arange(0, DP)
+    inside2 = live[:, None] & (cols[None, :] < D)
+    values = tl.load(pool_ptr + entry[:, None] * D + cols[None, :], mask=inside2)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], values, mask=inside2)

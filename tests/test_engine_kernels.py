@@ -1,0 +1,319 @@
+"""The engine's Triton kernels: each step's launches, the per-layer compaction of the flagged rows, float64
+ties inside a step, and that every kernel the engine launches compiles for the GPUs users train on.
+
+Without CUDA the kernels run in Triton's interpreter (``conftest.py``). The interpreter accepts programs
+the compiler refuses, so the launches of real engine steps are recorded and each is compiled for
+sm_90 (H100 / H200) with the ptxas that Triton ships: a kernel that only the interpreter can run fails
+here, in CI, not first on a user's GPU.
+"""
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nwsconvert
+from nwsconvert.core import fused_search
+from nwsconvert.core.engine import SearchEngine
+from nwsconvert.core.nwsmodel import distillation_loss, nws_layers, set_commitment, set_mode
+from nwsconvert.core.search import brute_force
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(
+    not fused_search.available(DEVICE), reason="needs Triton (CPU-only torch wheels ship without it)"
+)
+
+ENGINE_KERNELS = ("engine_flag_kernel", "engine_compact_kernel", "engine_search_kernel", "engine_gather_kernel")
+
+
+class _Recorder:
+    """Stands in for one Triton kernel: records each launch's arguments, then launches the real kernel."""
+
+    inside = False  # set while a kernel runs (the interpreter's own tensor ops are not the step's)
+
+    def __init__(self, kernel, name: str, log: list):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append((self.name, self.kernel, args, kwargs))
+            _Recorder.inside = True
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                _Recorder.inside = False
+
+        return launch
+
+
+#: aten ops that launch no kernel: views, allocations without a fill, metadata
+_NO_LAUNCH = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "set_", "detach", "lift_fresh"}
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the aten ops of a step that launch a kernel (on a GPU: about one launch each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not _Recorder.inside and not func.is_view and name not in _NO_LAUNCH:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The engine kernels' launches, recorded while the test runs."""
+    from nwsconvert.core import triton_kernels
+
+    log: list = []
+    for name in ENGINE_KERNELS:
+        monkeypatch.setattr(triton_kernels, name, _Recorder(getattr(triton_kernels, name), name, log))
+    return log
+
+
+def _net(dtype=torch.float32) -> nn.Module:
+    """Every vector size the engine groups: 7x7 (D = 49), 3x3 and depthwise 3x3 (D = 9), 1x1 and linear (D = 1)."""
+    net = nn.Sequential(
+        nn.Conv2d(1, 8, 7, padding=3),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    )
+    return nwsconvert.convert(net, pool_size=16, seed=0).to(device=DEVICE, dtype=dtype)
+
+
+def _steps(model, n: int, pool_beta: float = 0.0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    for _ in range(n):
+        x = torch.randn(4, 1, 8, 8, generator=g).to(device=DEVICE, dtype=next(model.parameters()).dtype)
+        y = torch.randint(0, 3, (4,), generator=g).to(DEVICE)
+        loss = F.cross_entropy(model(x).float(), y)
+        if pool_beta:
+            loss = loss + pool_beta * distillation_loss(model)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _assert_exact(model):
+    """After a training-mode forward (which brings the indices up to date), every index is brute force's."""
+    with torch.no_grad():
+        model.train()(torch.zeros(1, 1, 8, 8, device=DEVICE, dtype=next(model.parameters()).dtype))
+    for layer in nws_layers(model):
+        vec = layer.nws._vectors(layer.weight).float().cpu()
+        assert torch.equal(layer.nws.indices.long().cpu(), brute_force(vec, layer.nws.pool.detach().float().cpu())), (
+            layer.name
+        )
+
+
+# ----------------------------------------------------------------------------- compaction
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
+def test_compaction_puts_each_layers_flagged_rows_first_in_order(density):
+    """``perm`` is a permutation of each layer's rows with its flagged rows first, in row order; the
+    search kernel reads a layer's flagged count from ``csum`` at the layer's bounds."""
+    sizes = [1, 33, 300, 257, 5, 512]
+    wide = fused_search.row_blocks([(n, 4) for n in sizes], DEVICE, fused_search.WIDE_R)
+    g = torch.Generator().manual_seed(int(density * 100))
+    need = (torch.rand(sum(sizes), generator=g) < density).to(torch.int8)
+    need[40] = 2 * int(density > 0)  # searched in float64 counts as searched
+    need = need.to(DEVICE)
+    csum = torch.zeros(need.numel() + 1, dtype=torch.int32, device=DEVICE)
+    perm = torch.full((need.numel(),), -1, dtype=torch.int32, device=DEVICE)
+    torch.cumsum(need != 0, 0, dtype=torch.int32, out=csum[1:])
+    from nwsconvert.core.triton_kernels import engine_compact_kernel
+
+    engine_compact_kernel[(wide[0].numel(),)](need, csum, perm, wide[0], wide[1], wide[4], BLOCK_R=fused_search.WIDE_R)
+    flags, perm, csum = need.cpu() != 0, perm.cpu(), csum.cpu()
+    start = 0
+    for n in sizes:
+        rows = torch.arange(start, start + n)
+        flagged, kept = rows[flags[start : start + n]], rows[~flags[start : start + n]]
+        assert torch.equal(perm[start : start + n].long(), torch.cat([flagged, kept]))
+        assert int(csum[start + n] - csum[start]) == flagged.numel()
+        start += n
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_rows_on_tied_pool_entries_are_searched_in_float64_and_take_the_lowest_index(kernel):
+    """Kernels equal to a pool entry that appears twice, or half way between two entries: the float32
+    pass cannot certify them, the float64 pass takes brute force's lowest index, and the step counts them."""
+    model = _net()
+    layer = next(l for l in nws_layers(model) if l.nws.vector_size == 9)
+    with torch.no_grad():
+        pool = layer.nws.pool
+        pool[5] = pool[2]  # a duplicate entry: the lower index wins
+        w = layer.weight.view(-1, 9)
+        w[:4] = pool[2]  # on both duplicates
+        w[4:8] = (pool[0] + pool[1]) * 0.5  # on the bisector of two entries, up to rounding
+    with SearchEngine(model, kernel=kernel) as engine:
+        _assert_exact(model)
+        stats = engine.stats()
+        assert stats["exact_rows"] >= 4, stats
+        assert layer.nws.indices[:4].tolist() == [2, 2, 2, 2]
+        _steps(model, 3)
+        _assert_exact(model)
+
+
+def _safe(group) -> None:
+    """Every positive budget is below the squared half gap between the row's nearest and second-nearest
+    entries (float64 distances from its reference to the pools searched): moving less keeps the entry."""
+    for (off, count), (poff, size) in zip(group.rows, group.pools):
+        budget = group.budget[off : off + count].double().cpu()
+        if size < 2:
+            continue
+        d = torch.cdist(group.ref[off : off + count].double().cpu(), group.seen[poff : poff + size].double().cpu())
+        two = d.topk(2, dim=1, largest=False).values
+        half_gap = (two[:, 1] - two[:, 0]) * 0.5
+        ok = budget <= 0
+        assert bool((ok | (budget.sqrt() <= half_gap)).all())
+
+
+def test_fused_and_torch_updates_keep_the_same_state_through_moving_pools():
+    """Pool learning (every pool moves each step, scalar pools leave their exact intervals): the Triton
+    update and the torch one keep equal indices, references and searched rows, and every budget the
+    Triton kernels write is safe (the two searches certify differently, so budgets are not compared)."""
+    a = _net()
+    set_mode(a, "pool")
+    b = copy.deepcopy(a)
+    with SearchEngine(a, kernel="torch") as ea, SearchEngine(b, kernel="triton") as eb:
+        for seed in range(4):
+            _steps(a, 1, pool_beta=0.5, seed=seed)
+            _steps(b, 1, pool_beta=0.5, seed=seed)
+            for ga, gb in zip(ea.groups, eb.groups):
+                assert torch.equal(ga.index, gb.index) and torch.equal(ga.need != 0, gb.need != 0), ga.dim
+                assert torch.equal(ga.ref, gb.ref) and torch.equal(ga.seen, gb.seen)
+                _safe(gb)
+        assert all(int((g.budget > 0).sum()) > 0 for g in eb.groups)  # certified rows, in every group
+        assert sum(g.stale.sum() for g in eb.groups if g.dim == 1) > 0  # the scalar pools did move
+        _assert_exact(b)
+
+
+# ----------------------------------------------------------------------------- launches
+def _step_launches(model, launches: list, engine: bool) -> tuple[int, list[str]]:
+    """Kernel launches of one SGD step after a warm-up step: (Triton launches, launching aten ops)."""
+    ctx = SearchEngine(model, kernel="triton") if engine else None
+    try:
+        _steps(model, 1)
+        launches.clear()
+        with _Launches() as count:
+            _steps(model, 1, seed=1)
+    finally:
+        if ctx is not None:
+            ctx.close()
+    return len(launches), count.ops
+
+
+@pytest.mark.parametrize("depth", [1, 12])
+def test_an_nws_step_launches_a_fixed_few_kernels_more_than_dense(launches, depth):
+    """Task training (frozen pools, commitment on): the engine adds per vector size five Triton kernels
+    (flags, compaction, float32 and float64 search, gather) and a handful of torch ops, whatever the depth:
+    at most 60 launches a step (issue 38's target) for any model with three vector sizes."""
+    model = _net()
+    if depth > 1:  # the same vector sizes, 12 times the layers
+        body = [m for _ in range(depth) for m in (nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1), nn.ReLU())]
+        model = nwsconvert.convert(
+            nn.Sequential(nn.Conv2d(1, 8, 7, padding=3), *body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)),
+            pool_size=16,
+            seed=0,
+        ).to(DEVICE)
+    set_commitment(model, 1.0)
+    dense = nwsconvert.materialize(model)
+    triton_launches, nws_ops = _step_launches(model, launches, engine=True)
+    _, dense_ops = _step_launches(dense, launches, engine=False)
+    extra = Counter(nws_ops)
+    extra.subtract(Counter(dense_ops))
+    groups = 3
+    assert triton_launches == 5 * groups
+    total = triton_launches + len(nws_ops) - len(dense_ops)
+    # Per group: W concatenated, csum zeroed, its cumulative sum, the indices copied to the layers; in the
+    # backward the layers' gradients joined (the split's backward) and the commitment gradient's W
+    # concatenated, difference and addcmul.
+    assert +extra == Counter({"cat": 3 * groups, "zeros": groups, "cumsum": groups, "_foreach_copy_": groups,
+                              "sub": groups, "addcmul": groups}), +extra  # fmt: skip
+    assert total == 13 * groups <= 60, total
+
+
+# ----------------------------------------------------------------------------- compilation for the GPU
+_DTYPES = {
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+}
+
+#: Compiles the variants it reads (JSON on stdin) for sm_90 and prints one line per cubin. A process of
+#: its own: under TRITON_INTERPRET=1 the kernels are interpreter functions, which the compiler cannot take.
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nwsconvert.core import triton_kernels
+for name, signature, constexprs, options in json.load(sys.stdin):
+    src = ASTSource(fn=getattr(triton_kernels, name), signature=signature, constexprs=constexprs)
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+    print(name, len(cubin), flush=True)
+"""
+
+
+def _recorded_variants(log) -> list:
+    """One ``[name, signature, constexprs, options]`` per distinct launch among the recorded ones."""
+    variants = {}
+    for name, kernel, args, kwargs in log:
+        arg_names = list(kernel.arg_names)
+        constexprs = {k: v for k, v in kwargs.items() if k in arg_names}
+        options = {k: v for k, v in kwargs.items() if k not in arg_names}
+        assert all(isinstance(v, (bool, int)) for v in constexprs.values()), constexprs
+        if "BLOCK_P" in constexprs:  # the interpreter's tile and options are not the GPU's
+            gpu = fused_search.search_launch(constexprs["EXACT"], interpreting=False)
+            constexprs["BLOCK_P"] = gpu.pop("BLOCK_P")
+            options = gpu
+        signature = {arg: "*" + _DTYPES[value.dtype] for arg, value in zip(arg_names, args)}
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        variants[repr((name, signature, constexprs, options))] = [name, signature, constexprs, options]
+    return list(variants.values())
+
+
+@pytest.mark.slow  # about 20 compilations of a second each
+def test_every_kernel_a_training_run_launches_compiles_for_sm90(launches):
+    """Task and pool training, float32 and bfloat16 weights: every distinct launch compiles to a cubin for
+    sm_90 (Triton's own ptxas; no GPU needed)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend (with ptxas) is not installed")
+    for dtype in (torch.float32, torch.bfloat16):
+        for mode in ("task", "pool"):
+            model = _net(dtype)
+            set_mode(model, mode)
+            with SearchEngine(model, kernel="triton"):
+                _steps(model, 2, pool_beta=0.5 if mode == "pool" else 0.0)
+    variants = _recorded_variants(launches)
+    assert {v[0] for v in variants} == set(ENGINE_KERNELS)
+    assert len(variants) >= 12, len(variants)  # three vector sizes, both passes, moved and frozen pools, two dtypes
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE], input=json.dumps(variants), env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")[:-1]
+    assert len(lines) == len(variants) and all(int(line.split()[1]) > 0 for line in lines), done.stdout

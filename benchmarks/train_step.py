@@ -17,6 +17,10 @@ The NWS step fuses the commitment gradient into the backward
 ``engine`` (one update for the whole model, :class:`nwsconvert.core.engine.SearchEngine`),
 ``layer`` (each layer's own lazy search), ``auto`` (engine on CUDA, layer on CPU).
 
+``--cuda-graph`` (CUDA): both models' steps are captured in CUDA graphs and replayed
+(:class:`nwsconvert.train.graphs.GraphedStep`, what ``nws-train cuda_graph=true`` runs: 3 eager
+warm-up steps, then a capture), each round copying its batch into the graph's input buffers.
+
 On CUDA it also counts, over one NWS step and one dense step, the host-device
 synchronisations (``torch.cuda.set_sync_debug_mode('warn')``) and the kernel
 launches (``torch.profiler``).
@@ -98,6 +102,25 @@ def step(model, opt, x, y, nws: bool, unfused: bool = False):
         loss = loss + nwsconvert.commitment_loss(model)
     loss.backward()
     opt.step()
+
+
+class _Step:
+    """:func:`step` as :class:`nwsconvert.train.graphs.GraphedStep` takes a step: ``(x, y) -> (logits, loss)``."""
+
+    def __init__(self, model, opt, nws: bool, unfused: bool, device):
+        self.model, self.optimizer, self.nws, self.unfused, self.device = model, opt, nws, unfused, device
+
+    def __call__(self, x, y):
+        import nwsconvert
+
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.model(x)
+        loss = F.cross_entropy(out, y)
+        if self.nws and self.unfused:
+            loss = loss + nwsconvert.commitment_loss(self.model)
+        loss.backward()
+        self.optimizer.step()
+        return out.detach(), loss.detach()
 
 
 def host_work(model, opt, x, y, nws: bool, unfused: bool) -> dict:
@@ -185,6 +208,7 @@ def main():
     ap.add_argument(
         "--data", choices=["split-mnist", "random"], default="split-mnist", help="real digits, or one random batch"
     )
+    ap.add_argument("--cuda-graph", action="store_true", help="capture both steps in CUDA graphs and replay them")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--memory-child", choices=["dense", "nws"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -195,21 +219,31 @@ def main():
 
     import nwsconvert
 
+    if args.cuda_graph and not args.device.startswith("cuda"):
+        ap.error("--cuda-graph needs --device cuda")
     dense, dopt = build(args, False)
     nws, nopt = build(args, True)
+    runners = {
+        "dense": _Step(dense, dopt, False, args.unfused, args.device),
+        "nws": _Step(nws, nopt, True, args.unfused, args.device),
+    }
+    if args.cuda_graph:
+        from nwsconvert.train.graphs import GraphedStep
+
+        runners = {name: GraphedStep(run) for name, run in runners.items()}
     data = batches(args)
-    for _ in range(5):
+    for _ in range(5):  # warm-up (with --cuda-graph: 3 eager steps, a capture, a replay)
         x, y = next(data)
-        step(dense, dopt, x, y, False)
-        step(nws, nopt, x, y, True, args.unfused)
+        for run in runners.values():
+            run(x, y)
     times = {"dense": [], "nws": []}
     searched = []
     for _ in range(args.rounds):
         x, y = next(data)  # the same batch for both: a new one every round
-        for name, (m, o) in (("dense", (dense, dopt)), ("nws", (nws, nopt))):
+        for name, run in runners.items():
             _sync(args.device)
             t0 = time.perf_counter()
-            step(m, o, x, y, name == "nws", args.unfused)
+            run(x, y)
             _sync(args.device)
             times[name].append(time.perf_counter() - t0)
         searched.append(nwsconvert.search_stats(nws)["fraction"])
@@ -243,7 +277,7 @@ def main():
         mem[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
     host = {}
-    if args.device.startswith("cuda"):
+    if args.device.startswith("cuda") and not args.cuda_graph:
         host = {
             name: host_work(m, o, x, y, name == "nws", args.unfused)
             for name, (m, o) in (("dense", (dense, dopt)), ("nws", (nws, nopt)))
@@ -253,7 +287,7 @@ def main():
     print(
         f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, {args.device} "
         f"({device_name}), torch {torch.__version__}, search {'engine (' + engine.kernel + ')' if engine else 'layer'}, "
-        f"data {args.data}"
+        f"data {args.data}" + (", CUDA graphs (both)" if args.cuda_graph else "")
     )
     paired = statistics.median(n / d for n, d in zip(times["nws"], times["dense"]))
     print(

@@ -220,22 +220,31 @@ class _ManyToFew(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_a_training_step_has_no_many_to_few_atomic_reduction():
+@pytest.mark.parametrize(
+    ("kernel", "mode"),
+    # The Triton update's only torch reductions are the pool tracking's, which pool learning runs every
+    # step (its task-mode step has none); under the interpreter a step of this size takes 20 s.
+    [("torch", "task"), ("torch", "pool"), pytest.param(KERNELS[1].values[0], "pool", marks=KERNELS[1].marks)],
+)
+def test_a_training_step_has_no_many_to_few_atomic_reduction(kernel, mode):
     """The engine's update reduces per layer without scattering many rows into few slots: per-pool-row
-    values through a padded (L, Pmax) view, per-row flags counted when read. 10,592 kernel rows of D = 9
-    and 10,752 pool rows in 21 layers: both past the rule's 10,000 sources."""
+    values through a padded (L, Pmax) view (pool learning: the pools move every step), per-row flags
+    counted when read. 10,592 kernel rows of D = 9 and 10,752 pool rows in 21 layers: both past the
+    rule's 10,000 sources."""
     torch.manual_seed(0)
     model = nwsconvert.convert(_wide_net(depth=10, width=32), pool_size=512, seed=0).to(DEVICE)
     with SearchEngine(model, kernel="torch") as probe:
         group = {g.dim: g for g in probe.groups}[9]
         assert sum(n for _, n in group.rows) >= 10_000 and sum(n for _, n in group.pools) >= 10_000
     set_commitment(model, 1.0)
+    set_mode(model, mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = list(batches(2))
-    with SearchEngine(model, kernel="torch") as engine:
-        sgd_step(model, opt, *data[0])
+    beta = 0.5 if mode == "pool" else 0.0
+    with SearchEngine(model, kernel=kernel) as engine:
+        sgd_step(model, opt, *data[0], pool_beta=beta)
         with _ManyToFew() as watch:
-            sgd_step(model, opt, *data[1])
+            sgd_step(model, opt, *data[1], pool_beta=beta)
             engine.searched_fraction()
         assert watch.found == [], watch.found
         stats = engine.stats()

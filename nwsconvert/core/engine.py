@@ -152,6 +152,10 @@ class _Group:
             r += layer.nws.num_vectors
             p += layer.nws.pool_size
         self.sizes = [count * dim for _, count in self.rows]
+        self.shapes = [layer.nws.weight_shape for layer in layers]
+        # Each layer's parametrization (holding W as ``original``): one attribute read per step and layer
+        # instead of the three module look-ups of NWSLayer.weight.
+        self.holders = [layer.module.parametrizations.weight for layer in layers]
         segments = [(count, size) for (_, count), (_, size) in zip(self.rows, self.pools)]
         self.blocks = row_blocks(segments, device)
         self.wide = row_blocks(segments, device, fused_search.WIDE_R)
@@ -209,14 +213,17 @@ class _Group:
             return None
         if self._scales is None or self._scales[0] != scales:  # built once per commitment setting
             counts = torch.tensor([count for _, count in self.rows], device=self.ref.device)
-            per_row = torch.repeat_interleave(torch.tensor(scales, device=self.ref.device), counts)
+            per_row = torch.repeat_interleave(  # output_size given: no read-back of the counts' sum
+                torch.tensor(scales, device=self.ref.device), counts, output_size=self.ref.shape[0]
+            )
             self._scales = (scales, per_row[:, None])
         return self._scales[1]
 
     @full_precision
-    def update(self) -> None:
-        """Search what drifted, then gather every layer's weight (differentiable in W while grad is on)."""
-        weights = [layer.weight for layer in self.layers]
+    def update(self) -> list[torch.Tensor]:
+        """Search what drifted, then gather every layer's weight (differentiable in W while grad is on).
+        Returns the layers' temporary weights it read."""
+        weights = [holder.original for holder in self.holders]
         with torch.no_grad():
             x = torch.cat([w.detach().reshape(-1, self.dim) for w in weights])  # (R, D)
             x = x if x.dtype == torch.float32 else x.float()
@@ -225,9 +232,8 @@ class _Group:
             torch._foreach_copy_([layer.nws.indices for layer in self.layers], self.index_pieces)
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             k = _GroupSTE.apply(k, self._scale(), self.dim, *weights)
-        self.pieces = [
-            piece.view(layer.nws.weight_shape) for piece, layer in zip(k.view(-1).split(self.sizes), self.layers)
-        ]
+        self.pieces = [piece.view(shape) for piece, shape in zip(k.view(-1).split(self.sizes), self.shapes)]
+        return weights
 
     def _track_pools(self) -> bool:
         """Take in pool changes: each layer's largest entry movement since the pools the budgets account for
@@ -373,29 +379,34 @@ class SearchEngine:
             self.update()
 
     @staticmethod
-    def _state(layer) -> tuple:
+    def _state(weight: torch.Tensor, pool: torch.Tensor) -> tuple:
         """What an update read of a layer, checkable without touching device memory: W's and the pool's identity and version."""
-        return (id(layer.weight), layer.weight._version, id(layer.nws.pool), layer.nws.pool._version)
+        return (id(weight), weight._version, id(pool), pool._version)
 
     def update(self) -> None:
         """Bring every layer's indices up to date with its temporary weights and pool, and gather the
         weights the next forward uses (differentiable in W when grad is enabled, as in a forward)."""
+        stamp = {}
         for g in self.groups:
-            g.update()
-        self._stamp = {id(layer.nws): self._state(layer) for g in self.groups for layer in g.layers}
-        self._used = dict.fromkeys(self._stamp, False)
+            weights = g.update()
+            for layer, w in zip(g.layers, weights):
+                stamp[id(layer.nws)] = self._state(w, layer.nws.pool)
+        self._stamp = stamp
+        self._used = dict.fromkeys(stamp, False)
 
-    def weight(self, nws) -> torch.Tensor | None:
+    def weight(self, nws, weight: torch.Tensor | None = None) -> torch.Tensor | None:
         """The gathered weight of layer ``nws`` (an :class:`~nwsconvert.core.layers.NWSWeight`) for a training forward.
 
-        Updates first when a weight or pool changed since the last update (a forward that did
-        not go through the model's own, e.g. a submodule called on its own). None for a layer
-        the engine does not manage."""
+        ``weight``: the layer's temporary weights W as its forward received them (read from the layer when
+        not given). Updates first when a weight or pool changed since the last update (a forward that did
+        not go through the model's own, e.g. a submodule called on its own). None for a layer the engine
+        does not manage."""
         place = self._place.get(id(nws))
         if place is None or place[0].layers[place[1]].nws is not nws:
             return None  # not one of this engine's layers (e.g. a deep copy of the model)
         g, i = place
-        if self._stamp is None or self._stamp[id(nws)] != self._state(g.layers[i]) or self._used[id(nws)]:
+        w = weight if weight is not None else g.layers[i].weight
+        if self._stamp is None or self._stamp[id(nws)] != self._state(w, nws.pool) or self._used[id(nws)]:
             self.update()  # W or a pool changed, or this layer's weight already went into a forward
         self._used[id(nws)] = True
         assert g.pieces is not None  # update() gathered every group's pieces before _stamp was set

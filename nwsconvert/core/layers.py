@@ -456,7 +456,7 @@ class NWSWeight(nn.Module):
             return gathered
         if self.training:
             engine = self._engine() if self._engine is not None else None
-            k = engine.weight(self) if engine is not None else None  # already straight-through to W
+            k = engine.weight(self, weight) if engine is not None else None  # already straight-through to W
             if k is None:  # the layer's own lazy search
                 self.update_indices(weight)
                 k = _GatherSTE.apply(weight, self._gathered(), self._fused_scale())

@@ -16,7 +16,7 @@ __all__ = ["TrainConfig", "lr_factor", "BEFORE_OPTION"]
 #: Options added since run directories and results were first recorded, with the behaviour a
 #: recorded configuration that predates them ran (``TrainConfig.from_recorded`` fills them in): a
 #: default chosen later must not change a run half-way.
-BEFORE_OPTION = {"head_epochs": 0, "recalibrate_bn": False, "pool_dtype": "float32"}
+BEFORE_OPTION = {"head_epochs": 0, "recalibrate_bn": False, "pool_dtype": "float32", "cuda_graph": False}
 
 # field -> (kind, lower bound, upper bound); None bounds are open. "float" accepts integers too.
 _RANGES = {
@@ -28,6 +28,7 @@ _RANGES = {
     "head_epochs": ("int", 0, None),
     "head_lr_scale": ("float", 0.0, None),
     "recalibrate_bn": ("bool", None, None),
+    "cuda_graph": ("bool", None, None),
     "milestones": ("ints", 0, None),
     "gamma": ("float", 0.0, None),
     "batch_size": ("int", 1, None),
@@ -140,6 +141,11 @@ class TrainConfig:
             (:class:`~nwsconvert.core.engine.SearchEngine`: flat buffers, fused Triton search, no host
             sync); ``layer``: each layer's own lazy search (BLAS + NumPy, fastest on CPU);
             ``auto``: ``engine`` on CUDA with Triton, else ``layer``. Both give the same indices.
+        cuda_graph: capture each task's training step in a CUDA graph once its shapes and learning
+            rate are fixed, and replay it (:mod:`nwsconvert.train.graphs`): one launch a step, the
+            same weights and indices as eager steps. Needs CUDA, the search engine with Triton, one
+            process and ``amp`` ``off`` or ``bf16``; refused otherwise in one line. Pool learning runs
+            eagerly. Off by default.
         seed: seeds model init, data order and head rows.
         deterministic: ``torch.use_deterministic_algorithms(True)`` (slower on GPU).
         num_workers: DataLoader workers.
@@ -180,6 +186,7 @@ class TrainConfig:
     pool_dtype: str = "float32"
     amp: str = "auto"
     search: str = "auto"
+    cuda_graph: bool = False
     seed: int = 1993
     deterministic: bool = False
     num_workers: int = 0

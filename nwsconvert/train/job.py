@@ -240,7 +240,14 @@ def validate_job(job: dict) -> None:
     if out.exists() and not out.is_dir():
         raise UsageError(f"out={str(out)!r} is a file, not a directory: choose another out=DIR")
     fields = {k: v for k, v in job.items() if k in TrainConfig.__dataclass_fields__}
-    TrainConfig(**fields)  # types and ranges of the training options (the recipe's own values are known good)
+    cfg = TrainConfig(**fields)  # types and ranges of the training options (the recipe's own values are known good)
+    if cfg.cuda_graph:
+        import torch
+
+        from .graphs import check_graphable
+
+        device = torch.device(job["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
+        check_graphable(cfg, device, int(os.environ.get("WORLD_SIZE", "1")) > 1)
 
 
 def check_model_spec(spec: str, kwargs: dict) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,12 @@ from .config import TrainConfig
 from .distributed import DistInfo
 from .heads import feature_weights
 
+if TYPE_CHECKING:
+    from .graphs import GraphedStep
+
 __all__ = [
     "Data",
+    "amp_dtype",
     "autocast_for",
     "make_loader",
     "make_optimizer",
@@ -62,17 +67,24 @@ def use_deterministic() -> Callable[[], None]:
     return restore
 
 
+def amp_dtype(device: torch.device, amp: str) -> torch.dtype | None:
+    """The autocast dtype ``amp`` gives on ``device`` (see :func:`autocast_for`), None for none."""
+    if amp == "off" or (amp == "auto" and device.type != "cuda"):
+        return None
+    if amp == "auto" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.float16 if amp == "fp16" else torch.bfloat16
+
+
 def autocast_for(device: torch.device, amp: str):
     """``(autocast context, GradScaler or None)`` for ``amp`` = ``off`` / ``auto`` / ``bf16`` / ``fp16``.
 
     ``auto``: bfloat16 (float16 where the GPU lacks bfloat16) on CUDA, off elsewhere. ``bf16`` and
     ``fp16`` given explicitly run on a CPU too (``torch.autocast("cpu")``), which is how the tests
     check the AMP path without a GPU; float16 comes with a GradScaler."""
-    if amp == "off" or (amp == "auto" and device.type != "cuda"):
+    dtype = amp_dtype(device, amp)
+    if dtype is None:
         return contextlib.nullcontext(), None
-    dtype = torch.float16 if amp == "fp16" else torch.bfloat16
-    if amp == "auto" and not torch.cuda.is_bf16_supported():
-        dtype = torch.float16
     kind = "cuda" if device.type == "cuda" else "cpu"
     scaler = torch.amp.GradScaler(kind) if dtype == torch.float16 else None
     return torch.autocast(kind, dtype=dtype), scaler
@@ -207,7 +219,7 @@ class EpochSums:
 
 
 def train_one_epoch(
-    step: TrainStep,
+    step: TrainStep | GraphedStep,
     loader: DataLoader,
     *,
     engine,

@@ -27,6 +27,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, lr_factor
 from .distributed import DistInfo, average_buffers
 from .evaluation import evaluate, pool_usage
+from .graphs import GraphedStep, check_graphable
 from .heads import feature_weights, head_classes, resize_head
 from .loop import Data, TrainStep, make_loader, make_optimizer, train_one_epoch
 from .rundir import RunDir
@@ -112,6 +113,8 @@ def run_stage(
         for group, scale in zip(optimizer.param_groups, scales):  # the run's config, not the file's
             group["lr_scale"] = scale
     set_commitment(ctx.model, cfg.commitment)
+    if not pool:
+        check_graphable(cfg, ctx.device, ctx.dist.enabled)
     engine = search_engine(ctx.model, cfg.search)
     try:
         record = _epochs(ctx, stage, train, val, cfg, pool, seed, optimizer, start, engine)
@@ -153,7 +156,8 @@ def _epochs(ctx: StageContext, stage, train, val, cfg: TrainConfig, pool: bool, 
                 for p in frozen:
                     p.requires_grad_(not head_only)
                 net = _wrap(ctx)
-                step = TrainStep(model, net, optimizer, cfg, ctx.device, pool)
+                eager = TrainStep(model, net, optimizer, cfg, ctx.device, pool)
+                step: TrainStep | GraphedStep = GraphedStep(eager) if cfg.cuda_graph and not pool else eager
                 phase = head_only
             lr = cfg.lr * lr_factor(cfg, epoch)
             for group in optimizer.param_groups:

@@ -32,6 +32,7 @@ from ..formats.packs import model_spec_of, round_state_
 from .config import TrainConfig
 from .distributed import setup
 from .evaluation import evaluate, pool_usage
+from .graphs import check_graphable
 from .heads import resize_head
 from .loop import Data, use_deterministic
 from .manifest import Manifest
@@ -91,6 +92,8 @@ class Trainer:
             device = torch.device("cuda", self.dist.local_rank)
             torch.cuda.set_device(device)
         self.device, self.progress = device, progress
+        if config is not None:
+            check_graphable(config, device, self.dist.enabled)  # before the run directory is made
         self.lock = None
         self._restore: Callable[[], None] | None = None  # undoes deterministic=true's process settings
         if self.dist.is_main:

@@ -1,0 +1,118 @@
+"""``cuda_graph=true``: a task's training step captured once and replayed (nwsconvert/train/graphs.py).
+
+On a GPU: replayed training ends with the eager run's weights, indices and packs, bit for bit, and
+replays carry the steps. Everywhere: every condition it needs is refused in one line naming the option,
+before a run directory is made.
+"""
+
+import pytest
+import torch
+
+from nwsconvert import TrainConfig, Trainer
+from nwsconvert.core import fused_search
+from nwsconvert.errors import UsageError
+from nwsconvert.train.graphs import check_graphable
+
+CUDA = torch.device("cuda")
+
+
+def test_the_option_is_a_recorded_boolean_off_by_default():
+    assert TrainConfig().cuda_graph is False
+    assert TrainConfig.from_recorded({}).cuda_graph is False  # runs recorded before the option: eager
+    with pytest.raises(UsageError, match="cuda_graph='yes': expected true or false"):
+        TrainConfig(cuda_graph="yes")
+
+
+def test_a_cpu_run_asking_for_cuda_graphs_is_refused_before_its_directory_is_made(tmp_path):
+    from trainer_utils import KWARGS, SPEC, tiny_config, tiny_model
+
+    with pytest.raises(UsageError, match="cuda_graph=true needs a CUDA device; this run trains on cpu"):
+        Trainer(tiny_model(), tmp_path / "run", tiny_config(cuda_graph=True), model_spec=SPEC, model_kwargs=KWARGS,
+                device="cpu", progress=False)  # fmt: skip
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("changes", "distributed", "message"),
+    [
+        ({"search": "layer"}, False, "needs the search engine's Triton kernels \\(search=layer"),
+        ({"amp": "fp16"}, False, "cannot capture float16 autocast \\(amp=fp16"),
+        ({}, True, "runs in one process; under torchrun set cuda_graph=false"),
+    ],
+)
+def test_what_a_graph_cannot_capture_is_refused_in_one_line(changes, distributed, message):
+    if not fused_search.available(CUDA):
+        pytest.skip("needs Triton (the engine's kernels), which this torch wheel lacks")
+    cfg = TrainConfig(cuda_graph=True, **changes)
+    with pytest.raises(UsageError, match=message) as info:
+        check_graphable(cfg, CUDA, distributed)
+    assert "\n" not in str(info.value)
+    check_graphable(TrainConfig(cuda_graph=False, **changes), CUDA, distributed)  # off: nothing to check
+
+
+def test_nws_train_refuses_cuda_graphs_on_a_cpu_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine can capture")
+    done = subprocess.run(
+        [sys.executable, "-m", "nwsconvert.cli.train", f"out={tmp_path / 'run'}", "cuda_graph=true", "tasks=1"],
+        capture_output=True, text=True, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cuda_graph=true needs a CUDA device" in lines[0], done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.gpu  # CUDA graphs
+def test_replayed_task_training_equals_eager_training_bit_for_bit(tmp_path):
+    """Two epochs of a task (a new learning rate in the second: a second capture), with the engine and
+    commitment: the run with cuda_graph=true ends with the eager run's weights, indices and packs."""
+    from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
+
+    from nwsconvert.core.nwsmodel import nws_layers
+    from nwsconvert.formats.packs import TaskPack
+
+    models, packs = {}, {}
+    for graphed in (False, True):
+        cfg = tiny_config(epochs=2, milestones=[1], cuda_graph=graphed, amp="off", search="engine", batch_size=8)
+        with Trainer(tiny_model(), tmp_path / str(graphed), cfg, model_spec=SPEC, model_kwargs=KWARGS,
+                     device="cuda", progress=False) as trainer:  # fmt: skip
+            trainer.fit_task(
+                0, blobs(64, 2, 1), blobs(16, 2, 2), 2
+            )  # 8 steps an epoch: 3 warm-up, 1 capture, 4 replays
+            models[graphed] = trainer.model
+        packs[graphed] = TaskPack.load(tmp_path / str(graphed) / "tasks" / "task_0.nwspack")
+    for eager, replayed in zip(nws_layers(models[False]), nws_layers(models[True])):
+        assert torch.equal(eager.nws.indices, replayed.nws.indices), eager.name
+        assert torch.equal(eager.weight, replayed.weight), eager.name
+    for name, idx in packs[False].indices.items():
+        assert torch.equal(idx, packs[True].indices[name]), name
+
+
+@pytest.mark.gpu  # CUDA graphs
+def test_a_graphed_step_replays_captured_shapes_and_captures_again_for_a_new_learning_rate():
+    from trainer_utils import tiny_config, tiny_model
+
+    from nwsconvert.core.engine import SearchEngine
+    from nwsconvert.train.graphs import GraphedStep
+    from nwsconvert.train.loop import TrainStep, make_optimizer
+
+    model = tiny_model().cuda().train()
+    cfg = tiny_config(amp="off", cuda_graph=True)
+    opt = make_optimizer(model, cfg)
+    with SearchEngine(model):
+        step = GraphedStep(TrainStep(model, model, opt, cfg, CUDA, pool=False), warmup=2)
+        x, y = torch.randn(8, 1, 16, 16, device=CUDA), torch.randint(0, 4, (8,), device=CUDA)
+        for _ in range(5):
+            step(x, y)
+        assert (step.captures, step.replays) == (1, 3)  # 2 warm-up steps, a capture (replayed once), 2 replays
+        step(x[:4], y[:4])  # another shape: eager, the graph kept
+        assert (step.captures, step.replays) == (1, 3)
+        for group in opt.param_groups:
+            group["lr"] *= 0.1
+        for _ in range(3):
+            step(x, y)
+        assert (step.captures, step.replays) == (2, 4)

@@ -1,23 +1,38 @@
 #!/usr/bin/env bash
-# Everything issue 14 measures on a GPU, in one call (the device tool runs it in the repository root):
-#   bash benchmarks/gpu_checks.sh            # results under ${OUT:-/tmp/gpu_checks}
-# 1. the GPU-only tests (fused search without host syncs, engine exactness) and the suite's device tests;
-# 2. benchmarks/train_step.py on the five rows of issue 14, engine and per-layer search side by side.
-# The device image has torch, Triton and timm; nwsconvert's other dependencies (safetensors, onnx,
-# constriction, mlxtend, ...) travel as wheels (the device tool's README), installed before this runs.
+# Everything issue 38 measures on a GPU, in one call (the device tool runs it in the repository root):
+#   . .dev/base/device.sh && bash benchmarks/gpu_checks.sh          # results under ${OUT:-/tmp/gpu_checks}
+# 1. the GPU-marked tests and the engine's, the graphs', the compile and the trainer tests on CUDA;
+# 2. benchmarks/train_step.py on issue 38's five rows: the engine eager, the engine with --cuda-graph
+#    (both sides captured), and the per-layer search on one row;
+# 3. (STAGE=all) the whole suite and make demo's job with dense finetuning beside it.
+# The device image has torch, Triton and timm; nwsconvert's other dependencies travel as wheels
+# (../shared/gpu/README.md), installed by device.sh before this runs.
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
+STAGE=${STAGE:-steps}
 mkdir -p "$OUT"
 PY=${PY:-python}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
 $PY -c "import torch, triton, timm; print(torch.__version__, torch.version.cuda, triton.__version__, timm.__version__)" > "$OUT/versions.txt" 2>&1
-$PY -m pytest -q tests/test_fused_search.py tests/test_engine.py tests/test_compile.py \
-    tests/test_trainer.py tests/test_cli.py -x > "$OUT/pytest_gpu.log" 2>&1
+git rev-parse HEAD >> "$OUT/versions.txt" 2>/dev/null
+$PY -m pytest -q -x tests/test_fused_search.py tests/test_engine.py tests/test_engine_kernels.py tests/test_graphs.py \
+    tests/test_compile.py > "$OUT/pytest_gpu.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/pytest_gpu.log"
 for row in "resnet18 32 64" "resnet18 224 32" "resnet50 224 32" "mobilenetv2_100 224 32" "efficientnet_b0 224 32"; do
     set -- $row
-    for search in engine layer; do
-        $PY benchmarks/train_step.py --model "$1" --size "$2" --batch "$3" --rounds 30 --search "$search" \
-            --json "$OUT/train_step_$1_$2_$search.json" > "$OUT/train_step_$1_$2_$search.log" 2>&1
+    for mode in eager graph; do
+        extra=""
+        [ "$mode" = graph ] && extra="--cuda-graph"
+        $PY benchmarks/train_step.py --model "$1" --size "$2" --batch "$3" --rounds 30 --search engine $extra \
+            --json "$OUT/train_step_$1_$2_$mode.json" > "$OUT/train_step_$1_$2_$mode.log" 2>&1
     done
 done
+$PY benchmarks/train_step.py --model resnet18 --size 224 --batch 32 --rounds 30 --search layer \
+    --json "$OUT/train_step_resnet18_224_layer.json" > "$OUT/train_step_resnet18_224_layer.log" 2>&1
+if [ "$STAGE" = all ]; then
+    $PY -m pytest -q -n 14 tests > "$OUT/pytest_all.log" 2>&1
+    echo "pytest rc=$?" >> "$OUT/pytest_all.log"
+    /usr/bin/time -v $PY -m nwsconvert.cli.demo > "$OUT/demo.log" 2>&1
+    $PY benchmarks/accuracy.py --suite split-mnist --methods dense --json "$OUT/accuracy_dense.json" \
+        > "$OUT/accuracy_dense.log" 2>&1
+fi

@@ -52,6 +52,34 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Alloc(TorchDispatchMode):
+    """Bytes of every tensor the ops allocate (outputs of non-view ops): what an update asks the allocator
+    for, an upper bound of its transient peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def _state_bytes(engine) -> int:
+    """Bytes of the engine's own tensors (each counted once)."""
+    seen: dict[int, int] = {}
+    for g in engine.groups:
+        for value in vars(g).values():
+            for t in value if isinstance(value, tuple) else (value,):
+                if isinstance(t, torch.Tensor) and not t._is_view():
+                    seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
 class _Stub:
     """A Triton kernel that counts its launches and runs nothing."""
 
@@ -99,6 +127,7 @@ def measure(name: str, args) -> dict:
     nws = nwsconvert.convert(timm.create_model(name, num_classes=10), pool_size=args.pool_size, init="random")
     nwsconvert.set_commitment(nws, 1.0)
     engine = SearchEngine(nws, kernel="triton")
+    weight_bytes = sum(layer.weight.numel() * 4 for layer in nwsconvert.nws_layers(nws))
     _to_meta(engine)
     models = {"dense": dense.to("meta").train(), "nws": nws.to("meta").train()}
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in models.items()}
@@ -114,6 +143,9 @@ def measure(name: str, args) -> dict:
             _step(models[k], opts[k], x, y)
         ops[k] = count.count
     triton = launches[0]
+    with torch.no_grad(), _Alloc() as alloc:
+        engine.update()
+    state = _state_bytes(engine)
     runs = []
     for _ in range(args.rounds):
         prof = cProfile.Profile()
@@ -137,6 +169,9 @@ def measure(name: str, args) -> dict:
         "nws_ops": ops["nws"],
         "triton_launches": triton,
         "extra_launches": ops["nws"] + triton - ops["dense"],
+        "weight_mb": weight_bytes / 2**20,
+        "engine_state_mb": state / 2**20,
+        "update_alloc_mb": alloc.bytes / 2**20,
         "python_ms": min(per_run) * 1e3,
         "python_ms_median": statistics.median(per_run) * 1e3,
         "top_python_ms": [(fn, t * 1e3) for t, fn in top[:6]],
@@ -162,6 +197,11 @@ def main() -> None:
             f"{r['python_ms']:19.2f} / {r['python_ms_median']:.2f}"
         )
         print("    most Python time: " + ", ".join(f"{fn} {t:.2f} ms" for fn, t in r["top_python_ms"]))
+        print(
+            f"    NWS weights {r['weight_mb']:.1f} MB; engine state {r['engine_state_mb']:.1f} MB "
+            f"({r['engine_state_mb'] / r['weight_mb']:.2f}x); one update allocates {r['update_alloc_mb']:.1f} MB "
+            f"({r['update_alloc_mb'] / r['weight_mb']:.2f}x)"
+        )
     if args.json:
         from nwsconvert.formats.atomic import atomic_write_bytes
 

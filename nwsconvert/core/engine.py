@@ -170,8 +170,12 @@ class _Group:
         self.pool_grid = grid.view(-1).to(device)
         self.consts = fused_search.engine_consts(dim, device)
         self.ones = torch.ones(dim, device=device)
-        self.ref = torch.zeros(r, dim, device=device)
-        self.budget = torch.full((r,), -1.0, device=device)  # no state: searched at the first update
+        # Reference and budget: scalar pools keep none until a pool moves (their exact intervals need
+        # neither): 8 bytes a row that 1x1 convolutions (most rows of a ResNet-50) never use in a task.
+        self.ref: torch.Tensor | None = None
+        self.budget: torch.Tensor | None = None
+        if dim != 1:
+            self._start_tracking()
         self.index = torch.cat([layer.nws.indices.to(device=device, dtype=torch.int32) for layer in layers])
         self.index_pieces = list(self.index.split([count for _, count in self.rows]))
         seen = []  # the pools each layer's budgets were measured against
@@ -179,7 +183,8 @@ class _Group:
             nws = layer.nws
             prep = nws._prep
             state = nws._ref is not None and nws._budget_sq is not None and nws._ref.shape[0] == count
-            if state and prep is not None and prep.pool.shape == nws.pool.shape and prep.pool.device == device:
+            ok = state and prep is not None and prep.pool.shape == nws.pool.shape and prep.pool.device == device
+            if ok and self.ref is not None and self.budget is not None:
                 self.ref[off : off + count] = nws._ref.to(device=device, dtype=torch.float32)
                 self.budget[off : off + count] = nws._budget_sq.to(device)
                 seen.append(prep.pool)
@@ -190,6 +195,7 @@ class _Group:
         self.move = torch.zeros(len(layers), dtype=torch.float64, device=device)
         self.stale = torch.zeros(len(layers), dtype=torch.int8, device=device)
         self._pool_stamp: list | None = None
+        self._cut_stamp = self._stamp_pools()  # the pools the scalar intervals are cut from (below)
         self.cells = None
         if dim == 1:
             # Scalar pools: each entry's exact interval (PreparedPool.lo32 / hi32). A kernel strictly
@@ -206,15 +212,24 @@ class _Group:
         self._scales: tuple[tuple[float, ...], torch.Tensor] | None = None  # (per-layer scales, per-row tensor)
         self.need = torch.zeros(r, dtype=torch.int8, device=device)
 
+    def _start_tracking(self) -> None:
+        """Allocate every row's reference and budget (none yet: searched at the next update)."""
+        rows, device = sum(n for _, n in self.rows), self.consts.device
+        self.ref = torch.zeros(rows, self.dim, device=device)
+        self.budget = torch.full((rows,), -1.0, device=device)
+
+    def _stamp_pools(self) -> list:
+        return [(id(p), p.data_ptr(), p._version) for p in (layer.nws.pool for layer in self.layers)]
+
     def _scale(self) -> torch.Tensor | None:
         """Per-row commitment-gradient scale ``(R, 1)``, None when every layer's is 0."""
         scales = tuple(layer.nws._fused_scale() for layer in self.layers)
         if not any(scales):
             return None
         if self._scales is None or self._scales[0] != scales:  # built once per commitment setting
-            counts = torch.tensor([count for _, count in self.rows], device=self.ref.device)
+            counts = torch.tensor([count for _, count in self.rows], device=self.index.device)
             per_row = torch.repeat_interleave(  # output_size given: no read-back of the counts' sum
-                torch.tensor(scales, device=self.ref.device), counts, output_size=self.ref.shape[0]
+                torch.tensor(scales, device=self.index.device), counts, output_size=self.index.shape[0]
             )
             self._scales = (scales, per_row[:, None])
         return self._scales[1]
@@ -241,10 +256,12 @@ class _Group:
         pool's identity, storage or version changed since the last update (an in-place edit, an optimiser
         step, a new tensor): a frozen pool costs nothing per step. Returns whether it ran."""
         pools = [layer.nws.pool for layer in self.layers]
-        stamp = [(id(p), p.data_ptr(), p._version) for p in pools]
+        stamp = self._stamp_pools()
         if stamp == self._pool_stamp:
             return False
         self._pool_stamp = stamp
+        if self.ref is None and stamp != self._cut_stamp:  # a scalar pool moved: its layer needs budgets
+            self._start_tracking()
         now = torch.cat([p.detach().float() for p in pools])
         # Budgets shrink by their layer's largest pool-entry movement (float64, 1e-5 slack, rounded down).
         entry_move = (now - self.seen).norm(dim=1).double()
@@ -271,24 +288,31 @@ class _Group:
 
     def _update_torch(self, x: torch.Tensor, moved: bool) -> torch.Tensor:
         """The update in torch ops, searching the flagged rows with ``search``."""
-        budget = self.budget
-        if moved:
-            move = self.move.index_select(0, self.row_layer)
-            left = (budget.double().clamp_min(0).sqrt() - move * (1 + 1e-5)).clamp_min(0)
-            shrunk = torch.where(budget > 0, round_down_f32(left.square()), budget.clamp_max(0))
-            budget = torch.where(move != 0, shrunk, budget)  # NaN movement gives NaN: searched
-        drift = torch.mv((x - self.ref).square_(), self.ones)
-        need = ~(drift < budget)  # NaN counts as drifted
+        budget, ref = self.budget, self.ref
+        outside = None
         if self.cells is not None:
             lo, hi, _ = self.cells
             entry = self.index + self.row_pool
             value = x[:, 0]
-            inside = (lo.index_select(0, entry) < value) & (value < hi.index_select(0, entry))
-            need = torch.where(self.stale.bool().index_select(0, self.row_layer), need, ~inside)
+            outside = ~((lo.index_select(0, entry) < value) & (value < hi.index_select(0, entry)))
+        if ref is not None and budget is not None:
+            if moved:
+                move = self.move.index_select(0, self.row_layer)
+                left = (budget.double().clamp_min(0).sqrt() - move * (1 + 1e-5)).clamp_min(0)
+                shrunk = torch.where(budget > 0, round_down_f32(left.square()), budget.clamp_max(0))
+                budget = torch.where(move != 0, shrunk, budget)  # NaN movement gives NaN: searched
+            drift = torch.mv((x - ref).square_(), self.ones)
+            need = ~(drift < budget)  # NaN counts as drifted
+            if outside is not None:
+                need = torch.where(self.stale.bool().index_select(0, self.row_layer), need, outside)
+        else:
+            assert outside is not None  # only scalar pools keep no budgets
+            need = outside
         index, radius, exact = self.search(x, self.seen, self.blocks, need)
         self.index.copy_(torch.where(need, index, self.index))
-        self.ref.copy_(torch.where(need[:, None], x, self.ref))
-        self.budget.copy_(torch.where(need, budget_sq(radius, x, x), budget))
+        if ref is not None and budget is not None and self.budget is not None:
+            ref.copy_(torch.where(need[:, None], x, ref))
+            self.budget.copy_(torch.where(need, budget_sq(radius, x, x), budget))
         self.need.copy_(need.to(torch.int8) + exact.to(torch.int8))
         return self.native.index_select(0, self.index + self.row_pool)
 
@@ -314,7 +338,7 @@ class _Group:
             nws = layer.nws
             (off, count), (poff, size) = self.rows[i], self.pools[i]
             nws.stats = {"searched": counts[i][0], "total": count, "exact_rows": counts[i][1]}
-            if self.dim == 1:
+            if self.dim == 1 or self.ref is None or self.budget is None:
                 nws._scalar_ready = True  # scalar pools need no state beyond the indices
                 continue
             nws._ref = self.ref[off : off + count].clone()

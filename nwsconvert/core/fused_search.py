@@ -243,9 +243,9 @@ def engine_flags(state, wide, x, moved: bool, move, stale, cells) -> None:
     """Flag the rows to search (:func:`~nwsconvert.core.triton_kernels.engine_flag_kernel`).
 
     Args:
-        state: the group's ``(ref, budget, index, need, consts)``: ``(R, D)`` float32, ``(R,)`` float32,
-            ``(R,)`` int32 pool-local, ``(R,)`` int8 (0: kept, 1: searched, 2: searched in float64),
-            :func:`engine_consts`.
+        state: the group's ``(ref, budget, index, need, consts)``: ``(R, D)`` float32, ``(R,)`` float32
+            (both None: not kept, scalar pools with intervals), ``(R,)`` int32 pool-local, ``(R,)`` int8 (0:
+            kept, 1: searched, 2: searched in float64), :func:`engine_consts`.
         wide: block table of :data:`WIDE_R` rows. x: ``(R, D)`` float32 contiguous.
         moved: whether ``move`` (``(L,)`` float64, each layer's largest pool movement) is to be taken off
             the budgets. stale: ``(L,)`` int8. cells: ``(lo, hi)`` ``(P,)`` float32 for scalar pools, or None.
@@ -254,10 +254,12 @@ def engine_flags(state, wide, x, moved: bool, move, stale, cells) -> None:
 
     ref, budget, index, need, consts = state
     dim = x.shape[1]
+    track = ref is not None
+    ref, budget = (ref, budget) if track else (x, x[:, 0])  # not read: any float32 tensors
     lo, hi = cells if cells is not None else (budget, budget)
     engine_flag_kernel[(wide[0].numel(),)](
         x, ref, budget, index, need, wide[0], wide[1], wide[2], wide[5], move, stale, lo, hi, consts,
-        D=dim, DP=_pow2(dim), MOVED=moved, CELLS=cells is not None, BLOCK_R=WIDE_R,
+        D=dim, DP=_pow2(dim), MOVED=moved and track, CELLS=cells is not None, TRACK=track, BLOCK_R=WIDE_R,
     )  # fmt: skip
 
 
@@ -274,13 +276,15 @@ def engine_search(state, wide, narrow, x, pool, csum, perm) -> None:
     from .triton_kernels import engine_compact_kernel, engine_search_kernel
 
     ref, budget, index, need, consts = state
+    track = ref is not None
+    ref, budget = (ref, budget) if track else (x, x[:, 0])  # not written: any float32 tensors
     torch.cumsum(need, 0, dtype=torch.int32, out=csum[1:])
     engine_compact_kernel[(wide[0].numel(),)](need, csum, perm, wide[0], wide[1], wide[4], BLOCK_R=WIDE_R)
     for exact_pass in (False, True):
         engine_search_kernel[(narrow[0].numel(),)](
             x, pool, ref, budget, index, need, csum, perm, consts,
             narrow[0], narrow[1], narrow[2], narrow[3], narrow[4],
-            D=x.shape[1], EXACT=exact_pass, BLOCK_R=BLOCK_R, **search_launch(exact_pass, _interpreting()),
+            D=x.shape[1], EXACT=exact_pass, TRACK=track, BLOCK_R=BLOCK_R, **search_launch(exact_pass, _interpreting()),
         )  # fmt: skip
 
 

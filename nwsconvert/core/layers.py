@@ -456,11 +456,12 @@ class NWSWeight(nn.Module):
             return gathered
         if self.training:
             engine = self._engine() if self._engine is not None else None
-            k = engine.weight(self, weight) if engine is not None else None  # already straight-through to W
+            # The engine's weight is already straight-through to W, and not this layer's cache (which
+            # _hand_out protects from being rewritten in place while a graph holds it).
+            k = engine.weight(self, weight) if engine is not None else None
             if k is None:  # the layer's own lazy search
                 self.update_indices(weight)
-                k = _GatherSTE.apply(weight, self._gathered(), self._fused_scale())
-            k = self._hand_out(k)
+                k = self._hand_out(_GatherSTE.apply(weight, self._gathered(), self._fused_scale()))
             self._last = (self._key(), weakref.ref(k))
             return k
         if torch.is_grad_enabled() and weight.requires_grad:

@@ -121,6 +121,7 @@ def engine_flag_kernel(
     DP: tl.constexpr,
     MOVED: tl.constexpr,
     CELLS: tl.constexpr,
+    TRACK: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """Which rows the update searches, in one pass over the rows (the drift ``(x - ref)²`` is never stored).
@@ -129,33 +130,38 @@ def engine_flag_kernel(
     no budget left), written back. A row is searched when its drift has reached its budget (NaN
     counts as reached). ``CELLS`` (scalar pools): a row whose layer's pool is the one the exact
     intervals ``lo``/``hi`` were cut from (``stale[layer] == 0``) is searched when it left its entry's
-    interval instead. Writes ``need``: 1 where searched, else 0 (int8)."""
+    interval instead. ``TRACK`` false (scalar pools none of which moved: no reference or budget kept):
+    the interval test alone. Writes ``need``: 1 where searched, else 0 (int8)."""
     blk = tl.program_id(0)
     rows = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
     live = rows < tl.load(blk_end_ptr + blk)
-    cols = tl.arange(0, DP)
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    inside2 = live[:, None] & (cols[None, :] < D)
-    diff = tl.load(x_ptr + offs, mask=inside2, other=0.0) - tl.load(ref_ptr + offs, mask=inside2, other=0.0)
-    drift = tl.sum(diff * diff, axis=1)
-    budget = tl.load(budget_ptr + rows, mask=live, other=0.0)
-    if MOVED:
-        move = tl.load(move_ptr + tl.load(blk_layer_ptr + blk))
-        b64 = budget.to(tl.float64)
-        left = tl.sqrt(tl.where(b64 > 0, b64, 0.0)) - move * tl.load(consts_ptr + 6)
-        left = tl.where(left > 0, left, 0.0)  # NaN movement: 0, no budget left
-        shrunk = tl.where(budget > 0, _round_down_f32(left * left, consts_ptr), tl.where(budget < 0, budget, 0.0))
-        budget = tl.where(move != 0, shrunk, budget)
-        tl.store(budget_ptr + rows, budget, mask=live)
-    need = ~(drift < budget)  # NaN counts as drifted
     if CELLS:
-        stale = tl.load(stale_ptr + tl.load(blk_layer_ptr + blk))
         entry = tl.load(index_ptr + rows, mask=live, other=0).to(tl.int64) + tl.load(blk_off_ptr + blk)
         value = tl.load(x_ptr + rows.to(tl.int64), mask=live, other=0.0)
-        inside = (tl.load(lo_ptr + entry, mask=live, other=0.0) < value) & (
-            value < tl.load(hi_ptr + entry, mask=live, other=0.0)
+        outside = ~(
+            (tl.load(lo_ptr + entry, mask=live, other=0.0) < value)
+            & (value < tl.load(hi_ptr + entry, mask=live, other=0.0))
         )
-        need = tl.where(stale != 0, need, ~inside)
+    if TRACK:
+        cols = tl.arange(0, DP)
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        inside2 = live[:, None] & (cols[None, :] < D)
+        diff = tl.load(x_ptr + offs, mask=inside2, other=0.0) - tl.load(ref_ptr + offs, mask=inside2, other=0.0)
+        drift = tl.sum(diff * diff, axis=1)
+        budget = tl.load(budget_ptr + rows, mask=live, other=0.0)
+        if MOVED:
+            move = tl.load(move_ptr + tl.load(blk_layer_ptr + blk))
+            b64 = budget.to(tl.float64)
+            left = tl.sqrt(tl.where(b64 > 0, b64, 0.0)) - move * tl.load(consts_ptr + 6)
+            left = tl.where(left > 0, left, 0.0)  # NaN movement: 0, no budget left
+            shrunk = tl.where(budget > 0, _round_down_f32(left * left, consts_ptr), tl.where(budget < 0, budget, 0.0))
+            budget = tl.where(move != 0, shrunk, budget)
+            tl.store(budget_ptr + rows, budget, mask=live)
+        need = ~(drift < budget)  # NaN counts as drifted
+        if CELLS:
+            need = tl.where(tl.load(stale_ptr + tl.load(blk_layer_ptr + blk)) != 0, need, outside)
+    else:
+        need = outside
     tl.store(need_ptr + rows, need.to(tl.int8), mask=live)
 
 
@@ -198,6 +204,7 @@ def engine_search_kernel(
     blk_start_ptr,
     D: tl.constexpr,
     EXACT: tl.constexpr,
+    TRACK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
@@ -209,7 +216,8 @@ def engine_search_kernel(
     certified (computed distances within ``gamma`` relative + ``tiny`` of the true ones, runner-up
     beyond both bounds: the squared half certified gap, shrunk, rounded down), else ``need = 2``.
     ``EXACT`` true (float64, compiled without contraction: brute force's numbers): only rows with
-    ``need == 2``; index and budget (half the gap, or 0 on a tie)."""
+    ``need == 2``; index and budget (half the gap, or 0 on a tie). ``TRACK`` false: no reference or
+    budget written."""
     blk = tl.program_id(0)
     start = tl.load(blk_start_ptr + blk)
     before = tl.load(csum_ptr + start)
@@ -236,7 +244,8 @@ def engine_search_kernel(
         half_gap = (r2 - r1) * 0.5
         tie = ~(half_gap > tl.load(consts_ptr + 7) * (r2 + tl.load(consts_ptr + 8)))  # NaN: a tie
         radius = tl.where(tie, 0.0, half_gap * tl.load(consts_ptr + 3))
-        tl.store(budget_ptr + rows, _round_down_f32(radius * radius, consts_ptr), mask=live)
+        if TRACK:
+            tl.store(budget_ptr + rows, _round_down_f32(radius * radius, consts_ptr), mask=live)
     else:
         gamma = tl.load(consts_ptr + 0)
         tiny = tl.load(consts_ptr + 1)
@@ -247,10 +256,11 @@ def engine_search_kernel(
         radius = tl.sqrt(tl.where(lower2 > 0, lower2, 0.0)) - tl.sqrt(tl.where(certified, upper1, 0.0))
         radius = radius * tl.load(consts_ptr + 2)
         radius = tl.where(radius > 0, radius, 0.0)
-        tl.store(budget_ptr + rows, _round_down_f32(radius * radius, consts_ptr), mask=live & certified)
         tl.store(need_ptr + rows, tl.where(certified, 1, 2).to(tl.int8), mask=live)
-        for k in tl.static_range(D):
-            tl.store(ref_ptr + rows.to(tl.int64) * D + k, tl.load(x_row + k, mask=live, other=0.0), mask=live)
+        if TRACK:
+            tl.store(budget_ptr + rows, _round_down_f32(radius * radius, consts_ptr), mask=live & certified)
+            for k in tl.static_range(D):
+                tl.store(ref_ptr + rows.to(tl.int64) * D + k, tl.load(x_row + k, mask=live, other=0.0), mask=live)
 
 
 @triton.jit

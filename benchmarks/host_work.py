@@ -130,6 +130,8 @@ def measure(name: str, args) -> dict:
     weight_bytes = sum(layer.weight.numel() * 4 for layer in nwsconvert.nws_layers(nws))
     _to_meta(engine)
     models = {"dense": dense.to("meta").train(), "nws": nws.to("meta").train()}
+    for g in engine.groups:  # the pools' storage moved to meta: not a pool edit
+        g._cut_stamp = g._stamp_pools()
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in models.items()}
     x = torch.empty(args.batch, 3, args.size, args.size, device="meta")
     y = torch.zeros(args.batch, dtype=torch.int64, device="meta")

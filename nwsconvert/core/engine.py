@@ -6,19 +6,26 @@ where those reads are free, but on a GPU a step then waits on the host about
 six times per layer. :class:`SearchEngine` keeps the same state (each kernel's
 W at its last search, its squared movement budget, its index) for all layers
 with the same vector size D side by side, and brings every index up to date in
-a fixed number of device operations per D, whatever the depth of the model:
+a fixed number of device operations per D, whatever the depth of the model.
+On CUDA (``kernel='triton'``) these are, per D:
 
-1. gather the temporary weights and the pools into flat ``(R, D)`` / ``(P, D)`` buffers
-   (one ``cat`` each; each layer's rows padded to a multiple of
-   :data:`~nwsconvert.core.fused_search.BLOCK_R`);
-2. shrink the budgets by each layer's largest pool-entry movement since the last update;
-3. flag the rows whose drift reached their budget;
-4. search the flagged rows, each against its own layer's pool
-   (:func:`~nwsconvert.core.fused_search.segmented_nearest_two`: one float32 pass, a
-   certification, one float64 pass for the uncertified rows);
-5. keep the new index, reference and budget where flagged, gather ``K = M[index]``
-   for every layer at once, and copy the indices back into the layers' buffers
-   (one ``_foreach_copy_``).
+1. W of every layer concatenated into one ``(R, D)`` float32 buffer (one ``cat``);
+2. one pass over the rows (:func:`~nwsconvert.core.fused_search.engine_flags`): budgets
+   shrunk by their layer's largest pool-entry movement when a pool changed, each
+   row's drift since its last search, the scalar pools' exact-interval test: which
+   rows to search;
+3. the flagged rows compacted per layer (a cumulative sum and a permutation kernel),
+   a float32 search pass over them, certified on the device, and a float64 pass over
+   those it could not certify; both write the new index, reference and budget in
+   place (:func:`~nwsconvert.core.fused_search.engine_search`); blocks past a layer's
+   flagged rows leave at once, so a pass costs what the flagged rows cost;
+4. every layer's ``K = M[index]`` gathered at once, and the indices copied back into
+   the layers' buffers (one ``_foreach_copy_``).
+
+A pool's change is seen through its identity, storage and version counter: a frozen
+pool costs nothing per step (an edit through ``.data``, which the counter does not
+see, is not seen; optimiser steps, in-place ops and ``copy_`` are). The torch kernel (CPU) runs the same steps in torch ops
+and searches the flagged rows with :func:`~nwsconvert.core.search.nearest_two`.
 
 Nothing is read back to the host: no ``.item()``, ``nonzero``, ``equal`` or
 branch on a tensor value. The result equals the per-layer search, which equals
@@ -92,25 +99,25 @@ class _GroupSTE(torch.autograd.Function):
     """Every layer's ``K = M[index]`` of one group at once, straight-through gradient to each layer's W.
 
     The forward value is exactly the gathered pool vectors ``k`` ``(R, D)``. The backward hands each
-    weight its slice of the incoming gradient; with per-row ``scale`` ``(R, 1)`` it first adds
-    ``scale * (W - K)``, the gradient of every layer's commitment term (see
-    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group. W is concatenated
-    again for it there: the forward keeps no copy of W alive through the step.
+    weight its slice of the incoming gradient; when ``group`` has a commitment scale it first adds
+    ``scale * (W - K)`` per layer, the gradient of every layer's commitment term (see
+    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group
+    (:meth:`_Group.commit`). W is concatenated again for it there: the forward keeps no copy of W
+    alive through the step.
     """
 
     @staticmethod
-    def forward(ctx, k: torch.Tensor, scale: torch.Tensor | None, dim: int, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.dim, ctx.shapes, ctx.commit = dim, [w.shape for w in weights], scale is not None
-        if scale is not None:
-            ctx.save_for_backward(k, scale, *weights)
+    def forward(ctx, k: torch.Tensor, group: _Group, commit: bool, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.shapes, ctx.commit = group, [w.shape for w in weights], commit
+        if commit:
+            ctx.save_for_backward(k, *weights)
         return k.view_as(k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.commit:
-            k, scale, *weights = ctx.saved_tensors
-            w = torch.cat([w.reshape(-1, ctx.dim) for w in weights])
-            grad = torch.addcmul(grad, scale.to(grad.dtype), w - k.to(w.dtype))
+            k, *weights = ctx.saved_tensors
+            grad = ctx.group.commit(grad, k, weights)
         pieces = grad.reshape(-1).split([s.numel() for s in ctx.shapes])
         return (None, None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
 
@@ -209,7 +216,7 @@ class _Group:
                 torch.cat([p.pool for p in preps]).to(device),
             )
         self.pieces: list[torch.Tensor] | None = None
-        self._scales: tuple[tuple[float, ...], torch.Tensor] | None = None  # (per-layer scales, per-row tensor)
+        self._scales: tuple[tuple[float, ...], torch.Tensor] | None = None  # (per-layer scales, their tensor)
         self.need = torch.zeros(r, dtype=torch.int8, device=device)
 
     def _start_tracking(self) -> None:
@@ -222,17 +229,32 @@ class _Group:
         return [(id(p), p.data_ptr(), p._version) for p in (layer.nws.pool for layer in self.layers)]
 
     def _scale(self) -> torch.Tensor | None:
-        """Per-row commitment-gradient scale ``(R, 1)``, None when every layer's is 0."""
+        """The commitment-gradient scale, per layer ``(L,)`` float32 (Triton kernel) or per row
+        ``(R, 1)`` (torch ops); None when every layer's is 0. Built once per commitment setting."""
         scales = tuple(layer.nws._fused_scale() for layer in self.layers)
         if not any(scales):
             return None
-        if self._scales is None or self._scales[0] != scales:  # built once per commitment setting
-            counts = torch.tensor([count for _, count in self.rows], device=self.index.device)
-            per_row = torch.repeat_interleave(  # output_size given: no read-back of the counts' sum
-                torch.tensor(scales, device=self.index.device), counts, output_size=self.index.shape[0]
-            )
-            self._scales = (scales, per_row[:, None])
+        if self._scales is None or self._scales[0] != scales:
+            device = self.index.device
+            per_layer = torch.tensor(scales, dtype=torch.float32, device=device)
+            if not self.fused:
+                counts = torch.tensor([count for _, count in self.rows], device=device)
+                # output_size given: no read-back of the counts' sum
+                per_layer = torch.repeat_interleave(per_layer, counts, output_size=self.index.shape[0])[:, None]
+            self._scales = (scales, per_layer)
         return self._scales[1]
+
+    def commit(self, grad: torch.Tensor, k: torch.Tensor, weights) -> torch.Tensor:
+        """``grad + scale * (W - K)`` ``(R, D)``, each row with its layer's commitment scale (the
+        backward of :class:`_GroupSTE`)."""
+        scale = self._scale()
+        assert scale is not None  # commit is only asked for when a scale was set at the forward
+        w = torch.cat([w.reshape(-1, self.dim) for w in weights])
+        if self.fused:
+            out = torch.empty_like(grad)
+            fused_search.engine_commit(grad.contiguous(), w, k, scale, self.wide, out)
+            return out
+        return torch.addcmul(grad, scale.to(grad.dtype), w - k.to(w.dtype))
 
     @full_precision
     def update(self) -> list[torch.Tensor]:
@@ -246,7 +268,7 @@ class _Group:
             k = self._update_fused(x, moved) if self.fused else self._update_torch(x, moved)
             torch._foreach_copy_([layer.nws.indices for layer in self.layers], self.index_pieces)
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-            k = _GroupSTE.apply(k, self._scale(), self.dim, *weights)
+            k = _GroupSTE.apply(k, self, self._scale() is not None, *weights)
         self.pieces = [piece.view(shape) for piece, shape in zip(k.view(-1).split(self.sizes), self.shapes)]
         return weights
 

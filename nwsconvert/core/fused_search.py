@@ -40,6 +40,7 @@ __all__ = [
     "ENGINE_CONSTS",
     "WIDE_R",
     "available",
+    "engine_commit",
     "engine_flags",
     "engine_gather",
     "engine_search",
@@ -295,4 +296,16 @@ def engine_gather(index, pool, wide, out) -> None:
     dim = pool.shape[1]
     engine_gather_kernel[(wide[0].numel(),)](
         index, pool, out, wide[0], wide[1], wide[2], D=dim, DP=_pow2(dim), BLOCK_R=WIDE_R
+    )
+
+
+def engine_commit(grad, w, k, scale, wide, out) -> None:
+    """``out = grad + scale[layer] * (w - k)`` per row (one launch): the group's straight-through gradient
+    with each layer's commitment term. ``grad``, ``w``, ``k``, ``out``: ``(R, D)`` contiguous;
+    ``scale``: ``(L,)`` float32."""
+    from .triton_kernels import engine_commit_kernel
+
+    dim = grad.shape[1]
+    engine_commit_kernel[(wide[0].numel(),)](
+        grad, w, k, scale, out, wide[0], wide[1], wide[5], D=dim, DP=_pow2(dim), BLOCK_R=WIDE_R
     )

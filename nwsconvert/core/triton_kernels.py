@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "engine_commit_kernel",
     "engine_compact_kernel",
     "engine_flag_kernel",
     "engine_gather_kernel",
@@ -276,3 +277,21 @@ def engine_gather_kernel(index_ptr, pool_ptr, out_ptr, blk_row_ptr, blk_end_ptr,
     inside2 = live[:, None] & (cols[None, :] < D)
     values = tl.load(pool_ptr + entry[:, None] * D + cols[None, :], mask=inside2)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], values, mask=inside2)
+
+
+@triton.jit
+def engine_commit_kernel(grad_ptr, w_ptr, k_ptr, scale_ptr, out_ptr, blk_row_ptr, blk_end_ptr, blk_layer_ptr,
+                         D: tl.constexpr, DP: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """``out = grad + scale[layer] * (w - k)`` for every row, in float32, stored in ``out``'s dtype: the
+    straight-through gradient with every layer's commitment term, in one pass."""
+    blk = tl.program_id(0)
+    rows = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
+    live = rows < tl.load(blk_end_ptr + blk)
+    scale = tl.load(scale_ptr + tl.load(blk_layer_ptr + blk))
+    cols = tl.arange(0, DP)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    inside2 = live[:, None] & (cols[None, :] < D)
+    g = tl.load(grad_ptr + offs, mask=inside2, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=inside2, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + offs, mask=inside2, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (g + scale * (w - k)).to(out_ptr.dtype.element_ty), mask=inside2)

@@ -107,7 +107,8 @@ class GraphedStep:
         sx, sy = x.clone(), y.clone()
         self.step.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the DataLoader's pin-memory thread may use CUDA while this thread captures.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out, loss = self.step(sx, sy)
         self.graph, self._static, self._shapes = graph, (sx, sy, out, loss), shapes
         self.captures += 1

@@ -180,13 +180,15 @@ class TrainStep:
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Train on one batch ``x`` ``(B, C, H, W)``, ``y`` ``(B,)``; returns ``(logits (B, classes), cross-entropy)``, detached."""
         cfg, model = self.cfg, self.model
+        # Before the forward: the last step's gradients are freed before the search update and the
+        # activations are allocated, not held beside them.
+        self.optimizer.zero_grad(set_to_none=True)
         with self.ctx:
             out = self.net(x)
             loss = F.cross_entropy(out.float(), y)
             total = loss + cfg.beta * distillation_loss(model) if self.gradient_pools else loss
             if self.commitment_in_loss:
                 total = total + cfg.commitment * commitment_loss(model)
-        self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.scale(total).backward()
             self.scaler.step(self.optimizer)

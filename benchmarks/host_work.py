@@ -119,7 +119,7 @@ def measure(name: str, args) -> dict:
     from nwsconvert.core.engine import SearchEngine
 
     launches = [0]
-    kernels = ("engine_flag_kernel", "engine_compact_kernel", "engine_search_kernel", "engine_gather_kernel")
+    kernels = [name for name in triton_kernels.__all__ if name.startswith("engine_")]
     for kernel in (*kernels, "nearest_two_kernel"):
         setattr(triton_kernels, kernel, _Stub(launches))
     torch.manual_seed(0)

@@ -99,27 +99,44 @@ class _GroupSTE(torch.autograd.Function):
     """Every layer's ``K = M[index]`` of one group at once, straight-through gradient to each layer's W.
 
     The forward value is exactly the gathered pool vectors ``k`` ``(R, D)``. The backward hands each
-    weight its slice of the incoming gradient; when ``group`` has a commitment scale it first adds
+    weight its slice of the incoming gradient; with ``commit`` (:class:`_Commit`, or None) it first adds
     ``scale * (W - K)`` per layer, the gradient of every layer's commitment term (see
-    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group
-    (:meth:`_Group.commit`). W is concatenated again for it there: the forward keeps no copy of W
-    alive through the step.
+    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group. W is concatenated
+    again for it there: the forward keeps no copy of W alive through the step.
     """
 
     @staticmethod
-    def forward(ctx, k: torch.Tensor, group: _Group, commit: bool, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.group, ctx.shapes, ctx.commit = group, [w.shape for w in weights], commit
-        if commit:
+    def forward(ctx, k: torch.Tensor, commit: _Commit | None, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.shapes, ctx.commit = [w.shape for w in weights], commit
+        if commit is not None:
             ctx.save_for_backward(k, *weights)
         return k.view_as(k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.commit:
+        if ctx.commit is not None:
             k, *weights = ctx.saved_tensors
-            grad = ctx.group.commit(grad, k, weights)
+            grad = ctx.commit(grad, k, weights)
         pieces = grad.reshape(-1).split([s.numel() for s in ctx.shapes])
-        return (None, None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
+        return (None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
+
+
+class _Commit:
+    """``grad + scale * (W - K)`` ``(R, D)``, each row with its layer's commitment scale: per layer
+    ``(L,)`` float32 through one Triton kernel (``wide``: the group's block table), or per row
+    ``(R, 1)`` in torch ops (``wide`` None). Holds no reference to the group (the autograd graph
+    keeps it, and the group keeps the graph's output)."""
+
+    def __init__(self, dim: int, scale: torch.Tensor, wide: tuple | None):
+        self.dim, self.scale, self.wide = dim, scale, wide
+
+    def __call__(self, grad: torch.Tensor, k: torch.Tensor, weights) -> torch.Tensor:
+        w = torch.cat([w.reshape(-1, self.dim) for w in weights])
+        if self.wide is not None:
+            out = torch.empty_like(grad)
+            fused_search.engine_commit(grad.contiguous(), w, k, self.scale, self.wide, out)
+            return out
+        return torch.addcmul(grad, self.scale.to(grad.dtype), w - k.to(w.dtype))
 
 
 class _Group:
@@ -215,8 +232,10 @@ class _Group:
                 torch.cat([p.hi32 for p in preps]).to(device),
                 torch.cat([p.pool for p in preps]).to(device),
             )
+            if any(bool(p.pool.isnan().any()) for p in preps):  # NaN entries: never "unchanged", as before
+                self._start_tracking()
         self.pieces: list[torch.Tensor] | None = None
-        self._scales: tuple[tuple[float, ...], torch.Tensor] | None = None  # (per-layer scales, their tensor)
+        self._scales: tuple[tuple[float, ...], _Commit] | None = None  # (per-layer scales, their commitment)
         self.need = torch.zeros(r, dtype=torch.int8, device=device)
 
     def _start_tracking(self) -> None:
@@ -228,8 +247,8 @@ class _Group:
     def _stamp_pools(self) -> list:
         return [(id(p), p.data_ptr(), p._version) for p in (layer.nws.pool for layer in self.layers)]
 
-    def _scale(self) -> torch.Tensor | None:
-        """The commitment-gradient scale, per layer ``(L,)`` float32 (Triton kernel) or per row
+    def _commit(self) -> _Commit | None:
+        """The commitment gradient's scales, per layer ``(L,)`` float32 (Triton kernel) or per row
         ``(R, 1)`` (torch ops); None when every layer's is 0. Built once per commitment setting."""
         scales = tuple(layer.nws._fused_scale() for layer in self.layers)
         if not any(scales):
@@ -241,20 +260,8 @@ class _Group:
                 counts = torch.tensor([count for _, count in self.rows], device=device)
                 # output_size given: no read-back of the counts' sum
                 per_layer = torch.repeat_interleave(per_layer, counts, output_size=self.index.shape[0])[:, None]
-            self._scales = (scales, per_layer)
+            self._scales = (scales, _Commit(self.dim, per_layer, self.wide if self.fused else None))
         return self._scales[1]
-
-    def commit(self, grad: torch.Tensor, k: torch.Tensor, weights) -> torch.Tensor:
-        """``grad + scale * (W - K)`` ``(R, D)``, each row with its layer's commitment scale (the
-        backward of :class:`_GroupSTE`)."""
-        scale = self._scale()
-        assert scale is not None  # commit is only asked for when a scale was set at the forward
-        w = torch.cat([w.reshape(-1, self.dim) for w in weights])
-        if self.fused:
-            out = torch.empty_like(grad)
-            fused_search.engine_commit(grad.contiguous(), w, k, scale, self.wide, out)
-            return out
-        return torch.addcmul(grad, scale.to(grad.dtype), w - k.to(w.dtype))
 
     @full_precision
     def update(self) -> list[torch.Tensor]:
@@ -268,7 +275,7 @@ class _Group:
             k = self._update_fused(x, moved) if self.fused else self._update_torch(x, moved)
             torch._foreach_copy_([layer.nws.indices for layer in self.layers], self.index_pieces)
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-            k = _GroupSTE.apply(k, self, self._scale() is not None, *weights)
+            k = _GroupSTE.apply(k, self._commit(), *weights)
         self.pieces = [piece.view(shape) for piece, shape in zip(k.view(-1).split(self.sizes), self.shapes)]
         return weights
 

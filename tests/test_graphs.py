@@ -92,6 +92,18 @@ def test_replayed_task_training_equals_eager_training_bit_for_bit(tmp_path):
         assert torch.equal(idx, packs[True].indices[name]), name
 
 
+def test_adam_keeps_its_step_on_the_device_when_steps_are_captured():
+    """A captured Adam step needs ``capturable`` (its step count on the device); eager runs keep the default."""
+    from trainer_utils import tiny_config, tiny_model
+
+    from nwsconvert.train.loop import make_optimizer
+
+    model = tiny_model()
+    for graphed in (False, True):
+        opt = make_optimizer(model, tiny_config(optimizer="adam", cuda_graph=graphed))
+        assert all(group["capturable"] is graphed for group in opt.param_groups)
+
+
 @pytest.mark.gpu  # CUDA graphs
 def test_a_graphed_step_replays_captured_shapes_and_captures_again_for_a_new_learning_rate():
     from trainer_utils import tiny_config, tiny_model

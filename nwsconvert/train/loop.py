@@ -135,7 +135,8 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     :func:`param_groups` (each group's ``lr`` is set per epoch from its ``lr_scale``)."""
     params = param_groups(model, [p for p in model.parameters() if p.requires_grad], cfg)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # capturable: Adam keeps its step count on the device, which a CUDA graph's step needs.
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, capturable=cfg.cuda_graph)
     return torch.optim.SGD(
         params,
         lr=cfg.lr,

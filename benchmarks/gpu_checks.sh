@@ -18,9 +18,13 @@ git rev-parse HEAD >> "$OUT/versions.txt" 2>/dev/null
 $PY -m pytest -q -x tests/test_fused_search.py tests/test_engine.py tests/test_engine_kernels.py tests/test_graphs.py \
     tests/test_compile.py > "$OUT/pytest_gpu.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/pytest_gpu.log"
-for row in "resnet18 32 64" "resnet18 224 32" "resnet50 224 32" "mobilenetv2_100 224 32" "efficientnet_b0 224 32"; do
+# ROWS="model size batch;..." picks rows (a call has at most 10 minutes: split the rows over two calls
+# if one does not finish); MODES="eager graph" picks the step modes.
+ROWS=${ROWS:-"resnet18 32 64;resnet18 224 32;resnet50 224 32;mobilenetv2_100 224 32;efficientnet_b0 224 32"}
+IFS=';' read -ra ROW_LIST <<< "$ROWS"
+for row in "${ROW_LIST[@]}"; do
     set -- $row
-    for mode in eager graph; do
+    for mode in ${MODES:-eager graph}; do
         extra=""
         [ "$mode" = graph ] && extra="--cuda-graph"
         $PY benchmarks/train_step.py --model "$1" --size "$2" --batch "$3" --rounds 30 --search engine $extra \

@@ -24,6 +24,11 @@ syncs. On a CPU the kernel runs under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before this module is imported), which is how CI
 checks it; elsewhere on CPU :func:`~nwsconvert.core.search.nearest_two` keeps its
 BLAS + NumPy path.
+
+The search engine's kernels are launched from here too (``engine_*``: flags,
+compaction and the two search passes, gather, commitment gradient; see
+:mod:`nwsconvert.core.engine`), with the same certification carried out in the
+search kernel's epilogue.
 """
 
 from __future__ import annotations

@@ -104,6 +104,63 @@ def test_adam_keeps_its_step_on_the_device_when_steps_are_captured():
         assert all(group["capturable"] is graphed for group in opt.param_groups)
 
 
+def test_a_graphed_steps_bookkeeping_with_the_cuda_calls_stood_in_for(monkeypatch):
+    """GraphedStep's own decisions on any machine, with torch.cuda's graph, stream and pool calls replaced
+    by stand-ins that capture nothing (a stand-in capture runs the step once; a replay does nothing):
+    warm-up steps, one capture, replays of the captured shapes, eager steps for another shape, a new
+    capture for a new learning rate, and the capture asked in thread-local mode. Whether a replay
+    computes the eager step is the GPU test below."""
+    import contextlib
+
+    from trainer_utils import tiny_config, tiny_model
+
+    from nwsconvert.train.graphs import GraphedStep
+    from nwsconvert.train.loop import TrainStep, make_optimizer
+
+    calls = []
+
+    class Graph:
+        def replay(self):
+            calls.append("replay")
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None, capture_error_mode="global"):
+        calls.append(("capture", capture_error_mode))
+        yield
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    for name, value in {"CUDAGraph": Graph, "graph": capture, "Stream": Stream, "graph_pool_handle": lambda: None,
+                        "stream": lambda s: contextlib.nullcontext(), "current_stream": Stream}.items():  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, value)
+    model = tiny_model().train()
+    cfg = tiny_config(amp="off")
+    opt = make_optimizer(model, cfg)
+    step = GraphedStep(TrainStep(model, model, opt, cfg, torch.device("cpu"), pool=False), warmup=2)
+    x, y = torch.randn(8, 1, 16, 16), torch.randint(0, 4, (8,))
+    outs = [step(x, y) for _ in range(5)]
+    assert (step.captures, step.replays) == (1, 3) and calls == [
+        ("capture", "thread_local"),
+        "replay",
+        "replay",
+        "replay",
+    ]
+    assert outs[2][0] is outs[4][0] and outs[2][1] is outs[4][1]  # replays hand out the graph's output buffers
+    assert outs[0][0] is not outs[1][0]
+    step(x[:4], y[:4])  # another shape: eager, the graph kept
+    assert (step.captures, step.replays) == (1, 3)
+    step(x, y)
+    assert (step.captures, step.replays) == (1, 4)
+    for group in opt.param_groups:
+        group["lr"] *= 0.1
+    for _ in range(3):
+        step(x, y)
+    assert (step.captures, step.replays) == (2, 5)
+    assert step.model is model and step.device == torch.device("cpu")
+
+
 @pytest.mark.gpu  # CUDA graphs
 def test_a_graphed_step_replays_captured_shapes_and_captures_again_for_a_new_learning_rate():
     from trainer_utils import tiny_config, tiny_model

@@ -12,15 +12,14 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_engine import assert_exact, batches, sgd_step
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nwsconvert
 from nwsconvert.core import fused_search
 from nwsconvert.core.engine import SearchEngine
-from nwsconvert.core.nwsmodel import distillation_loss, nws_layers, set_commitment, set_mode
-from nwsconvert.core.search import brute_force
+from nwsconvert.core.nwsmodel import nws_layers, set_commitment, set_mode
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(
@@ -102,28 +101,15 @@ def _net(dtype=torch.float32) -> nn.Module:
 
 
 def _steps(model, n: int, pool_beta: float = 0.0, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
+    """``n`` SGD steps (a fresh optimiser, lr 0.3) on :func:`test_engine.batches`, cast to the model's dtype."""
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
-    for _ in range(n):
-        x = torch.randn(4, 1, 8, 8, generator=g).to(device=DEVICE, dtype=next(model.parameters()).dtype)
-        y = torch.randint(0, 3, (4,), generator=g).to(DEVICE)
-        loss = F.cross_entropy(model(x).float(), y)
-        if pool_beta:
-            loss = loss + pool_beta * distillation_loss(model)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    dtype = next(model.parameters()).dtype
+    for x, y in batches(n, seed):
+        sgd_step(model, opt, x.to(dtype), y, pool_beta)
 
 
-def _assert_exact(model):
-    """After a training-mode forward (which brings the indices up to date), every index is brute force's."""
-    with torch.no_grad():
-        model.train()(torch.zeros(1, 1, 8, 8, device=DEVICE, dtype=next(model.parameters()).dtype))
-    for layer in nws_layers(model):
-        vec = layer.nws._vectors(layer.weight).float().cpu()
-        assert torch.equal(layer.nws.indices.long().cpu(), brute_force(vec, layer.nws.pool.detach().float().cpu())), (
-            layer.name
-        )
+#: The input of the training-mode forward that brings the indices up to date before they are compared.
+PROBE = torch.zeros(1, 1, 8, 8, device=DEVICE)
 
 
 # ----------------------------------------------------------------------------- compaction
@@ -167,12 +153,12 @@ def test_rows_on_tied_pool_entries_are_searched_in_float64_and_take_the_lowest_i
         w[:4] = pool[2]  # on both duplicates
         w[4:8] = (pool[0] + pool[1]) * 0.5  # on the bisector of two entries, up to rounding
     with SearchEngine(model, kernel=kernel) as engine:
-        _assert_exact(model)
+        assert_exact(model, PROBE)
         stats = engine.stats()
         assert stats["exact_rows"] >= 4, stats
         assert layer.nws.indices[:4].tolist() == [2, 2, 2, 2]
         _steps(model, 3)
-        _assert_exact(model)
+        assert_exact(model, PROBE)
 
 
 def _safe(group) -> None:
@@ -209,7 +195,7 @@ def test_fused_and_torch_updates_keep_the_same_state_through_moving_pools():
         # Certified rows in every group; the scalar pools' budgets were started when their pools first moved.
         assert all(g.budget is not None and int((g.budget > 0).sum()) > 0 for g in eb.groups)
         assert sum(g.stale.sum() for g in eb.groups if g.dim == 1) > 0  # the scalar pools did move
-        _assert_exact(b)
+        assert_exact(b, PROBE)
 
 
 # ----------------------------------------------------------------------------- launches
@@ -236,13 +222,13 @@ def test_scalar_pools_keep_no_reference_or_budget_until_one_moves():
         _steps(model, 3)
         assert scalar.ref is None and scalar.budget is None
         assert {g.dim: g for g in engine.groups}[9].ref is not None
-        _assert_exact(model)
+        assert_exact(model, PROBE)
         layer = next(l for l in nws_layers(model) if l.nws.vector_size == 1)
         with torch.no_grad():
             layer.nws.pool[3] += 0.05  # an in-place edit: the version counter sees it
         _steps(model, 2)
         assert scalar.ref is not None and int(scalar.stale.sum()) == 1
-        _assert_exact(model)
+        assert_exact(model, PROBE)
 
 
 @pytest.mark.parametrize("depth", [1, 12])

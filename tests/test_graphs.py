@@ -104,6 +104,25 @@ def test_adam_keeps_its_step_on_the_device_when_steps_are_captured():
         assert all(group["capturable"] is graphed for group in opt.param_groups)
 
 
+def _walk(step, opt, x, y) -> list:
+    """Drive a GraphedStep (warm-up 2) through its cases, checking its counts; the first five outputs.
+
+    Two warm-up steps, a capture (replayed once) and two replays; a batch of another shape (eager, the
+    graph kept); a replay; a new learning rate: two warm-up steps and a new capture."""
+    outs = [step(x, y) for _ in range(5)]
+    assert (step.captures, step.replays) == (1, 3)
+    step(x[:4], y[:4])
+    assert (step.captures, step.replays) == (1, 3)
+    step(x, y)
+    assert (step.captures, step.replays) == (1, 4)
+    for group in opt.param_groups:
+        group["lr"] *= 0.1
+    for _ in range(3):
+        step(x, y)
+    assert (step.captures, step.replays) == (2, 5)
+    return outs
+
+
 def test_a_graphed_steps_bookkeeping_with_the_cuda_calls_stood_in_for(monkeypatch):
     """GraphedStep's own decisions on any machine, with torch.cuda's graph, stream and pool calls replaced
     by stand-ins that capture nothing (a stand-in capture runs the step once; a replay does nothing):
@@ -139,25 +158,11 @@ def test_a_graphed_steps_bookkeeping_with_the_cuda_calls_stood_in_for(monkeypatc
     cfg = tiny_config(amp="off")
     opt = make_optimizer(model, cfg)
     step = GraphedStep(TrainStep(model, model, opt, cfg, torch.device("cpu"), pool=False), warmup=2)
-    x, y = torch.randn(8, 1, 16, 16), torch.randint(0, 4, (8,))
-    outs = [step(x, y) for _ in range(5)]
-    assert (step.captures, step.replays) == (1, 3) and calls == [
-        ("capture", "thread_local"),
-        "replay",
-        "replay",
-        "replay",
-    ]
+    outs = _walk(step, opt, torch.randn(8, 1, 16, 16), torch.randint(0, 4, (8,)))
+    capture = ("capture", "thread_local")
+    assert calls == [capture, "replay", "replay", "replay", "replay", capture, "replay"]
     assert outs[2][0] is outs[4][0] and outs[2][1] is outs[4][1]  # replays hand out the graph's output buffers
     assert outs[0][0] is not outs[1][0]
-    step(x[:4], y[:4])  # another shape: eager, the graph kept
-    assert (step.captures, step.replays) == (1, 3)
-    step(x, y)
-    assert (step.captures, step.replays) == (1, 4)
-    for group in opt.param_groups:
-        group["lr"] *= 0.1
-    for _ in range(3):
-        step(x, y)
-    assert (step.captures, step.replays) == (2, 5)
     assert step.model is model and step.device == torch.device("cpu")
 
 
@@ -174,14 +179,4 @@ def test_a_graphed_step_replays_captured_shapes_and_captures_again_for_a_new_lea
     opt = make_optimizer(model, cfg)
     with SearchEngine(model):
         step = GraphedStep(TrainStep(model, model, opt, cfg, CUDA, pool=False), warmup=2)
-        x, y = torch.randn(8, 1, 16, 16, device=CUDA), torch.randint(0, 4, (8,), device=CUDA)
-        for _ in range(5):
-            step(x, y)
-        assert (step.captures, step.replays) == (1, 3)  # 2 warm-up steps, a capture (replayed once), 2 replays
-        step(x[:4], y[:4])  # another shape: eager, the graph kept
-        assert (step.captures, step.replays) == (1, 3)
-        for group in opt.param_groups:
-            group["lr"] *= 0.1
-        for _ in range(3):
-            step(x, y)
-        assert (step.captures, step.replays) == (2, 4)
+        _walk(step, opt, torch.randn(8, 1, 16, 16, device=CUDA), torch.randint(0, 4, (8,), device=CUDA))

@@ -257,9 +257,7 @@ class _Group:
             device = self.index.device
             per_layer = torch.tensor(scales, dtype=torch.float32, device=device)
             if not self.fused:
-                counts = torch.tensor([count for _, count in self.rows], device=device)
-                # output_size given: no read-back of the counts' sum
-                per_layer = torch.repeat_interleave(per_layer, counts, output_size=self.index.shape[0])[:, None]
+                per_layer = per_layer.index_select(0, self.row_layer)[:, None]
             self._scales = (scales, _Commit(self.dim, per_layer, self.wide if self.fused else None))
         return self._scales[1]
 

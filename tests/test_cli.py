@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import nwsconvert
-from nwsconvert import RunDir, TaskPack
+from nwsconvert import RunDir
 from nwsconvert.cli.info import info_main
 from nwsconvert.cli.train import train_main
 from nwsconvert.errors import UsageError
@@ -95,68 +91,7 @@ def test_resume_where_no_run_was_started_is_refused_and_starts_nothing(tmp_path,
     assert not (tmp_path / "missing").exists() and list(empty.iterdir()) == []  # not even a lock file
     # A folder holding only job.json (a run killed before its manifest) restarts exactly that job:
     # test_trust.py::test_resume_before_the_manifest_starts_the_run_and_cleans_temporaries; one with a
-    # manifest continues: test_killed_run_resumes_without_losing_tasks.
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_without_losing_tasks(tmp_path):
-    out = tmp_path / "run"
-    args = [*FAST, "epochs=4", "tasks=3", f"out={out}"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nwsconvert.cli.train", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    run = RunDir(out)
-    deadline = time.time() + 300
-    try:
-        # Kill with SIGKILL once task 0 is finished and task 1 has checkpointed an epoch (so mid-epoch 2).
-        while time.time() < deadline and proc.poll() is None:
-            log = run.read_log()
-            if any(r.get("stage") == "task:1" and r.get("epoch") == 1 and "event" not in r for r in log):
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run finished before it could be killed:\n" + proc.stdout.read()
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
-    manifest = run.read()
-    assert manifest.finished == [0]
-    sha0 = manifest.tasks[0].sha256
-    assert TaskPack.load(out / manifest.tasks[0].file)  # intact
-
-    done = _cli("--resume", f"out={out}")
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    manifest = run.read()
-    assert [t.id for t in manifest.tasks] == [0, 1, 2]
-    assert manifest.tasks[0].sha256 == sha0
-    assert all(t.metrics["rebuilt_acc"] == t.metrics["val_acc"] for t in manifest.tasks)
-    resumed = [r for r in run.read_log() if r.get("event") == "resumed"]
-    assert resumed and resumed[0]["stage"] == "task:1" and resumed[0]["epoch"] >= 1
-    for t in range(3):
-        nwsconvert.load(out, task=t)
-
-    info = subprocess.run(
-        [sys.executable, "-c", "from nwsconvert.cli.info import info_main; info_main()", str(out), "--json"],
-        capture_output=True,
-        text=True,
-    )
-    summary = json.loads(info.stdout)
-    assert [r["id"] for r in summary["tasks"]] == [0, 1, 2]
-    pack = TaskPack.load(out / manifest.tasks[1].file)
-    row = summary["tasks"][1]
-    assert row["indices"] + row["state"] + row["head"] == pack.index_bytes + pack.state_bytes == row["total"]
-    base = TaskPack.load(out / "base.nwspack")  # every task is stored against it (pack_base=pools)
-    assert summary["base_bytes"] == base.index_bytes + base.state_bytes > 0
-    assert summary["total"]["nws_bytes"] == summary["pools_bytes"] + summary["base_bytes"] + sum(
-        r["total"] for r in summary["tasks"]
-    )
-    assert summary["total"]["avg_acc"] == pytest.approx(sum(r["acc"] for r in summary["tasks"]) / 3)
-    again = _cli("--resume", f"out={out}")  # nothing left to do: every stage is skipped
-    assert again.returncode == 0 and run.read().tasks == manifest.tasks
-    fresh = _cli(*args)
-    assert fresh.returncode != 0 and "already holds a run" in fresh.stderr
+    # manifest continues: tests/test_kill_resume.py.
 
 
 @pytest.mark.slow

@@ -333,8 +333,12 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
         recorded = run.read().data.get("weights_sha256") if run.exists() else None
         data_info["weights_sha256"] = load_job_weights(model, Path(job["weights"]).expanduser(), recorded)
     init = job["init"]
-    if run.exists() and run.pool_path.is_file():
-        init = str(run.pool_path)  # resuming: the run's own pools, no k-means again
+    if run.exists() and run.read().pools is not None:
+        # Resuming after pool learning: the run's own pools (checked against the manifest's hash when the
+        # trainer loads them), no k-means again. A pool file the manifest does not record yet (a kill
+        # between its write and the manifest's) is ignored: pool learning starts again from the pools
+        # the job converts with, as the uninterrupted run did, not from the learned ones.
+        init = str(run.pool_path)
     elif init not in ("kmeans", "random"):
         init = str(Path(init).expanduser())
     convert_job(job, model, init, config.seed)

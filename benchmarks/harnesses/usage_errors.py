@@ -6,7 +6,7 @@ as a user would type it, and prints per case: exit code, wall time, the lines on
 stderr, and whether a traceback appeared. Targets: exit code 2, one line, no
 traceback, under 2 s each.
 
-    python benchmarks/usage_errors.py [--rounds 3] [--run RUN] [--json out.json]
+    python benchmarks/harnesses/usage_errors.py [--rounds 3] [--run RUN] [--json out.json]
 
 ``--run`` is a finished run directory with an exported bundle (``RUN/export``), for the
 nws-export / nws-infer cases that need one (skipped without it).

@@ -1,8 +1,8 @@
 """Reliability fuzzing of nwsconvert's readers: damaged, edited and swapped run files and bundles.
 
-    python benchmarks/fuzz.py --cases 20000 --seed 0 --work /tmp/nws-fuzz --out benchmarks/results/fuzz.json
-    python benchmarks/fuzz.py --cases 20000 --lib-rev e4104e2 --work /tmp/nws-fuzz-e4104e2   # a pinned library version
-    python benchmarks/fuzz.py --work /tmp/nws-fuzz --seed 0 --replay 1234     # one case again, verbosely
+    python benchmarks/harnesses/fuzz.py --cases 20000 --seed 0 --work /tmp/nws-fuzz --out benchmarks/results/fuzz.json
+    python benchmarks/harnesses/fuzz.py --cases 20000 --lib-rev e4104e2 --work /tmp/nws-fuzz-e4104e2   # a pinned library version
+    python benchmarks/harnesses/fuzz.py --work /tmp/nws-fuzz --seed 0 --replay 1234     # one case again, verbosely
 
 What it measures
 ----------------
@@ -115,7 +115,7 @@ import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # (folder, label) of nwsconvert's own code, for naming raise sites; set from the imported package (see lib_roots)
 LIB_ROOTS: list[tuple[str, str]] = [(str(REPO / d) + os.sep, f"{d}/") for d in ("export", "zoo", "nwsconvert")]
 OUTCOMES = (
@@ -2072,7 +2072,7 @@ def report(args, work: Path, wall: float, digests_ok: bool, extra: dict, env: di
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="benchmarks/fuzz.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="benchmarks/harnesses/fuzz.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--cases", type=int, default=20000, help="number of cases (default 20000)")
     p.add_argument("--seed", type=int, default=0, help="seed; case i depends only on (seed, i)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Kill -9 and resume: does a training run killed at any moment continue to the same result?
 
-    python benchmarks/kill_resume.py --kills 40 --seed 0 --work /tmp/nws-kill \\
+    python benchmarks/harnesses/kill_resume.py --kills 40 --seed 0 --work /tmp/nws-kill \\
         --out benchmarks/results/kill_resume.json
 
 What it does
@@ -17,8 +17,12 @@ What it does
 2. Trials, until ``--kills`` SIGKILLs have been sent: the same job starts in a fresh
    directory and is killed (SIGKILL, no warning) at a moment drawn by one of four
    strategies, then continued with ``--resume`` (the full command line plus
-   ``--resume``, or just ``--resume out=DIR``, at random), possibly killed again, until a
-   process exits 0. Strategies (a quota of each is shuffled over the kills):
+   ``--resume``, or just ``--resume out=DIR``, at random; the plain command where the kill
+   came before ``job.json``, as ``--resume``'s refusal tells the user), possibly killed
+   again, until a process exits 0. Odd trials run with ``checkpoint_interval=0`` (a
+   checkpoint every epoch: kills resume from checkpoints), even ones with the default 60 s
+   (no checkpoint in this job: a killed stage starts again, which is what exposes a pool
+   file the manifest does not record yet). Strategies (a quota of each is shuffled over the kills):
 
    * ``startup``  -- before ``manifest.json`` exists (uniform over the reference's time to
      the manifest; a quarter of them within the first ~0.5 s, around ``job.json``);
@@ -72,7 +76,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PY = REPO / ".venv" / "bin" / "python"  # the project's virtualenv runs nws-train
 SRC = REPO  # where nwsconvert is imported from (main() may point it at a snapshot of a commit)
 # checkpoint_interval=0: a checkpoint after every epoch (these take well under a second), so that
@@ -615,10 +619,21 @@ def stderr_findings(text: str) -> dict:
 
 
 def resume_args(d: Path, job_args: list[str], rng: random.Random) -> tuple[list[str], str]:
-    """``--resume`` with the full command line, or bare ``--resume out=DIR`` when the directory records its job."""
-    if ((d / "job.json").is_file() or (d / "manifest.json").is_file()) and rng.random() < 0.5:
+    """What a user runs next: ``--resume`` with the full command line, or bare ``--resume out=DIR`` when
+    the directory records its job; the plain command when it records none (killed before ``job.json``:
+    ``--resume`` refuses such a folder, with exit code 2, and says to run the command without it)."""
+    started = (d / "job.json").is_file() or (d / "manifest.json").is_file()
+    if not started:
+        return [*job_args, f"out={d}"], "plain"
+    if rng.random() < 0.5:
         return ["--resume", f"out={d}"], "bare"
     return [*job_args, f"out={d}", "--resume"], "full"
+
+
+def with_checkpoint_interval(job_args: list[str], seconds: int) -> list[str]:
+    """``job_args`` with ``checkpoint_interval=seconds``: 0 checkpoints every epoch, 60 (the default) none
+    in this small job, so a killed stage starts again from its start (the results must not differ)."""
+    return [a for a in job_args if not a.startswith("checkpoint_interval=")] + [f"checkpoint_interval={seconds}"]
 
 
 def lock_refusal_ok(rc: int | None, err: str) -> tuple[bool, str]:
@@ -815,8 +830,8 @@ def main(argv=None) -> int:
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     rng = random.Random(args.seed)
     poll = args.poll_ms / 1000.0
-    job_args = shlex.split(args.job)
-    cfg = job_numbers(job_args)
+    base_args = shlex.split(args.job)
+    cfg = job_numbers(base_args)
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     for p in list(work.glob("ref_*")) + list(work.glob("trial_*")) + [work / "logs"]:
@@ -866,7 +881,7 @@ def main(argv=None) -> int:
     refs, timelines = [], []
     for i in range(args.ref_runs):
         d = work / f"ref_{i}"
-        life = Life([*job_args, f"out={d}"], d, logs, f"ref_{i}")
+        life = Life([*base_args, f"out={d}"], d, logs, f"ref_{i}")
         rc, tl = watch_timeline(life, poll, args.life_timeout)
         if rc != 0:
             log(f"reference run {i} failed with exit code {rc}: {life.stderr().strip()[-500:]}")
@@ -924,7 +939,16 @@ def main(argv=None) -> int:
         mine = sorted(todo[:k], key=lambda s: (order[s], rng.random()))
         del todo[:k]
         d = work / f"trial_{trial_no:03d}"
-        trial = {"trial": trial_no, "dir": str(d), "planned": list(mine), "lives": [], "failures": []}
+        interval = 0 if trial_no % 2 else 60  # odd trials resume from checkpoints, even ones restart stages
+        job_args = with_checkpoint_interval(base_args, interval)
+        trial = {
+            "trial": trial_no,
+            "dir": str(d),
+            "checkpoint_interval": interval,
+            "planned": list(mine),
+            "lives": [],
+            "failures": [],
+        }
         log(f"trial {trial_no}: {d.name}, planned kills {mine}")
         life_no = 0
         consecutive_fail = 0
@@ -985,8 +1009,8 @@ def main(argv=None) -> int:
                 "stderr_mode": (
                     "restarted from job.json"
                     if "starting it again from job.json" in err
-                    else "no run yet: started"
-                    if "holds no run yet" in err
+                    else "no run yet: started plainly"
+                    if style == "plain"
                     else None
                 ),
             }

@@ -293,9 +293,10 @@ class Runtime:
         template = self._template()
         tic = time.perf_counter()
         path = self.path / row["pack"]
+        base = self.path / row["base"] if row.get("base") else None
         values = _switch_inputs(
             path,
-            self.path / row["base"] if row.get("base") else None,
+            {row["base_sha256"]: base} if base is not None and row.get("base_sha256") else base,
             row.get("pack_sha256"),
             self.desc["pool_sha256"],
             task,
@@ -377,10 +378,11 @@ class Runtime:
 
 
 def _switch_inputs(
-    path: Path, base: Path | None, sha256: str | None, pool_sha256: str, task: int
+    path: Path, base: Path | dict[str, Path] | None, sha256: str | None, pool_sha256: str, task: int
 ) -> dict[str, np.ndarray]:
     """A task's values of switch.onnx's inputs, from its pack: ``indices/<layer>`` int32 ``(N,)`` and
-    ``state/<key>`` float32 (floating state entries only, as the graph takes them)."""
+    ``state/<key>`` float32 (floating state entries only, as the graph takes them). ``base``: the base
+    file, or ``{its SHA-256: file}`` (bundle.json's ``base_sha256``: the only base the pack may name)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (task {task}'s pack, which the one-session mode reads)")
     pack = read_pack_arrays(path, base, sha256=sha256, pool_sha256=pool_sha256, task=task)

@@ -251,6 +251,61 @@ def test_another_runs_pool_file_or_base_is_refused(runs, run_a):
         nwsconvert.load(run_a, task=0)
 
 
+def _another_base(run: Path, dst: Path) -> str:
+    """A base pack on the same pools that the run never wrote (task 1's indices and state, standalone)."""
+    other = nwsconvert.TaskPack.load(run / "tasks" / "task_1.nwspack")
+    other.base, other.task = None, None
+    return other.save(dst)
+
+
+@pytest.mark.parametrize("pinned", ["file hashes", "manifest before file hashes"])
+def test_a_pack_re_pointed_at_another_base_is_refused_through_the_run(run_a, pinned):
+    """The attack: ``base.nwspack`` replaced by another base on the same pools, and task 0's pack
+    header pointed at it with both its hashes recomputed. The pack's tensors are unchanged, so their
+    hash still matches the manifest, and the file alone reads (it would answer as another model).
+    Through the run it is refused: by the whole file's hash, and in a manifest from before those
+    hashes, by the run's own base hash."""
+    original = (run_a / "base.nwspack").read_bytes()
+    if pinned != "file hashes":
+        _edit_manifest(run_a, lambda m: [e.pop("file_sha256") for e in (m["base"], *m["tasks"])])
+    nwsconvert.load(run_a, task=0)  # the run as written loads
+    sha = _another_base(run_a, run_a / "base.nwspack")
+    path = run_a / "tasks" / "task_0.nwspack"
+    _rewrite(path, lambda h: h["base"].update(sha256=sha))
+    forged = nwsconvert.TaskPack.load(path)  # consistent on its own
+    assert forged.base_sha256 == sha and forged.sha256 == nwsconvert.RunDir(run_a).read().task(0).sha256
+    for base in ("forged", "the run's"):
+        if base == "the run's":
+            (run_a / "base.nwspack").write_bytes(original)
+        with pytest.raises(FormatError, match="not the base its run or bundle records") as e:
+            nwsconvert.load(run_a, task=0)
+        assert _names(e.value, path) and "\n" not in str(e.value)
+
+
+def test_a_re_signed_pack_header_is_refused_by_the_whole_file_hash(run_a):
+    """Any header edit with fresh hashes (here an informative field, the task's name in ``meta``) leaves the
+    tensors' hash as the manifest records it; the whole file's hash, recorded since, refuses it."""
+    path = run_a / "tasks" / "task_0.nwspack"
+    _rewrite(path, lambda h: h["meta"].update(name="renamed"))
+    assert nwsconvert.TaskPack.load(path).meta["name"] == "renamed"
+    with pytest.raises(FormatError, match="task_0.nwspack: not the pack of task 0 this run wrote"):
+        nwsconvert.load(run_a, task=0)
+    _edit_manifest(run_a, lambda m: [e.pop("file_sha256") for e in m["tasks"]])  # a run from before the hashes
+    nwsconvert.load(run_a, task=0)
+    (run_a / "base.nwspack").write_bytes((run_a / "base.nwspack").read_bytes() + b" ")  # trailing bytes
+    with pytest.raises(FormatError, match="base.nwspack"):
+        nwsconvert.load(run_a, task=1)
+
+
+def test_a_bundle_pack_re_pointed_at_another_base_is_refused_by_the_runtime(run_a):
+    bundle = run_a / "export"
+    row = json.loads((bundle / "bundle.json").read_text())["tasks"]["0"]
+    sha = _another_base(run_a, bundle / row["base"])
+    _rewrite(bundle / row["pack"], lambda h: h["base"].update(sha256=sha))
+    with pytest.raises(FormatError, match="not the base its run or bundle records"):
+        Runtime(bundle, device="cpu", mode="switch").run(0, np.zeros((1, 1, 16, 16), np.float32))
+
+
 def test_a_task_pack_in_place_of_the_base_is_refused_without_recursion(run_a):
     shutil.copy(run_a / "tasks" / "task_1.nwspack", run_a / "base.nwspack")
     with pytest.raises(FormatError, match="delta-coded itself"):

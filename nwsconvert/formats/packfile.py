@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,11 +274,14 @@ def resolve_base(path: Path, header: dict, given, *, kind: type, load):
 
     Args:
         given: a decoded base (an instance of ``kind``), a path, ``None`` (look it up as
-            :func:`base_candidates` says) or :data:`STANDALONE` (the file must not need a base).
+            :func:`base_candidates` says), :data:`STANDALONE` (the file must not need a base),
+            or a mapping of the base hashes a reader accepts to their files (a run's own base
+            packs: a pack coded against any other base is refused, whatever file is beside it).
         load: ``load(resolved path, mtime_ns, size) -> kind``, reading a base file (cached by the caller).
 
     Raises:
-        FormatError: a base is needed but missing, not the one recorded, or of another pool set.
+        FormatError: a base is needed but missing, not the one recorded, not one the mapping
+            accepts, or of another pool set.
     """
     info = header.get("base")
     if not info:
@@ -287,6 +291,13 @@ def resolve_base(path: Path, header: dict, given, *, kind: type, load):
             f"{path}: is delta-coded itself, so it cannot serve as a base pack (a task pack in place of {BASE_FILE}?)"
         )
     want = info["sha256"]
+    if isinstance(given, Mapping):
+        if want not in given:
+            accepted = ", ".join(f"{sha[:12]}..." for sha in given) or "none"
+            raise FormatError(
+                f"{path}: coded against base pack {want[:12]}..., not the base its run or bundle records ({accepted})"
+            )
+        given = given[want]
     base = None
     if isinstance(given, kind):
         if given.sha256 != want:
@@ -329,7 +340,7 @@ def _cached_base(path: str, mtime_ns: int, size: int) -> PackArrays:
 
 def read_pack_arrays(
     path: str | os.PathLike,
-    base: PackArrays | str | os.PathLike | None = None,
+    base: PackArrays | str | os.PathLike | Mapping[str, str | os.PathLike] | None = None,
     *,
     sha256: str | None = None,
     pool_sha256: str | None = None,

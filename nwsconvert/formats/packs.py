@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,7 +245,7 @@ class TaskPack:
     def load(
         cls,
         path: str | os.PathLike,
-        base: TaskPack | str | os.PathLike | None = None,
+        base: TaskPack | str | os.PathLike | Mapping[str, str | os.PathLike] | None = None,
         *,
         sha256: str | None = None,
         pool_sha256: str | None = None,
@@ -257,7 +258,8 @@ class TaskPack:
             path: the ``.nwspack`` file.
             base: for a delta-coded pack, its base (a pack or a path). By default
                 ``base.nwspack`` is looked up next to ``path``, then in its parent
-                folder (a run directory keeps task packs in ``tasks/``).
+                folder (a run directory keeps task packs in ``tasks/``). A mapping of
+                base hashes to files accepts only those bases (a run's own).
             sha256, pool_sha256, run_id, task: when given, what the pack must be:
                 its content hash (as a manifest records it), the pool set it was
                 built on, its run and its task id. A pack swapped for another

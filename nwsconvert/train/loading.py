@@ -6,7 +6,9 @@ dense = nwsconvert.load("runs/mnist", task=2, dense=True)   # ordinary Conv2d / 
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,13 +18,25 @@ from ..conversion.converter import ConversionError, NWSConverter
 from ..core.nwsmodel import materialize
 from ..core.pools import PoolSet
 from ..errors import FormatError, NWSError, PackMismatchError, UntrustedCodeError
+from ..formats.packfile import STANDALONE
 from ..formats.packs import TaskPack, apply_task
+from ..formats.stfile import file_sha256
 from .heads import resize_head
 from .manifest import Manifest
 from .rundir import RunDir
 from .specs import build_model
 
-__all__ = ["load", "build_task_model", "build_run_model", "load_task_files", "load_run_pools"]
+__all__ = [
+    "load",
+    "build_task_model",
+    "build_run_model",
+    "load_task_files",
+    "load_run_pack",
+    "load_run_pools",
+    "run_bases",
+    "check_run_pack",
+    "check_file_pin",
+]
 
 
 def load_run_pools(run: RunDir, manifest: Manifest) -> PoolSet:
@@ -42,20 +56,82 @@ def load_run_pools(run: RunDir, manifest: Manifest) -> PoolSet:
     return pools
 
 
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+    return file_sha256(path)
+
+
+def check_file_pin(path: Path, want: str | None, what: str, manifest_path: Path) -> None:
+    """Refuse ``path`` unless its bytes have the SHA-256 ``want`` (``None``: the manifest predates whole-file
+    hashes; nothing to check). Digests are kept per path, modification time and size."""
+    if want is None:
+        return
+    st = path.stat()
+    if _file_digest(str(path.resolve()), st.st_mtime_ns, st.st_size) != want:
+        raise FormatError(
+            f"{path}: not the {what} this run wrote (its bytes do not match the file SHA-256 {manifest_path} "
+            "records): edited, or a file of another run"
+        )
+
+
+def _base_entries(run: RunDir, manifest: Manifest) -> dict[str, tuple[Path, str | None, str]]:
+    """Content hash -> ``(file, whole-file hash or None, what)`` of each base a pack of this run may be coded
+    against: the run's base pack and, once written, task 0's pack (``pack_base=task0``)."""
+    entries: dict[str, tuple[Path, str | None, str]] = {}
+    if manifest.base is not None:
+        path = run.resolve(manifest.base.file, "the base pack") if manifest.base.file else run.base_path
+        entries[manifest.base.sha256] = (path, manifest.base.file_sha256, "base pack")
+    if 0 in manifest.finished:
+        entry = manifest.task(0)
+        entries.setdefault(entry.sha256, (run.task_path(manifest, 0), entry.file_sha256, "pack of task 0"))
+    return entries
+
+
+def run_bases(run: RunDir, manifest: Manifest) -> dict[str, Path]:
+    """The bases a pack of this run may be coded against, by content hash (``TaskPack.load``'s ``base``)."""
+    return {sha: path for sha, (path, _, _) in _base_entries(run, manifest).items()}
+
+
+def check_run_pack(run: RunDir, manifest: Manifest, pack: TaskPack, pin: str | None, what: str) -> None:
+    """After ``pack`` was read through :func:`run_bases`: its file and its base's file are the bytes the run
+    wrote (where the manifest records their whole-file hashes)."""
+    assert pack.source is not None
+    check_file_pin(pack.source, pin, what, run.manifest_path)
+    if pack.base is not None and pack.base_sha256 is not None:
+        path, base_pin, base_what = _base_entries(run, manifest)[pack.base_sha256]
+        check_file_pin(path, base_pin, base_what, run.manifest_path)
+
+
+def load_run_pack(run: RunDir, manifest: Manifest, task: int | None, pool_sha256: str) -> TaskPack:
+    """Task ``task``'s pack of a run (``None``: the base pack), pinned to what the run wrote: the tensors,
+    the run, the task, the pool set, the base its indices are changes against (only one of this run's,
+    :func:`run_bases`), and the bytes of both files where the manifest records their hashes.
+
+    Raises:
+        FileNotFoundError: the file is missing. FormatError: its bytes or its base are not the run's.
+        PackMismatchError: the pack of another task, run or pool set.
+    """
+    if task is None:
+        if manifest.base is None:
+            raise FormatError(f"{run.manifest_path}: field base: the run records no base pack")
+        path = run.resolve(manifest.base.file, "the base pack") if manifest.base.file else run.base_path
+        sha, pin, what = manifest.base.sha256, manifest.base.file_sha256, "base pack"
+    else:
+        entry = run.task_entry(manifest, task)
+        path, sha, pin, what = run.task_path(manifest, task), entry.sha256, entry.file_sha256, f"pack of task {task}"
+    base = STANDALONE if task is None else run_bases(run, manifest)
+    pack = TaskPack.load(path, base, sha256=sha, pool_sha256=pool_sha256, run_id=manifest.run_id, task=task)
+    check_run_pack(run, manifest, pack, pin, what)
+    return pack
+
+
 def load_task_files(
     run: RunDir, manifest: Manifest, task: int, pools: PoolSet | None = None
 ) -> tuple[PoolSet, TaskPack]:
-    """The pool set and task ``task``'s pack of a run, each checked against the manifest."""
+    """The pool set and task ``task``'s pack of a run, each checked against the manifest (:func:`load_run_pack`)."""
     pools = pools if pools is not None else load_run_pools(run, manifest)
-    entry = run.task_entry(manifest, task)
     try:
-        pack = TaskPack.load(
-            run.task_path(manifest, task),
-            sha256=entry.sha256,
-            pool_sha256=pools.sha256,
-            run_id=manifest.run_id,
-            task=task,
-        )
+        pack = load_run_pack(run, manifest, task, pools.sha256)
     except PackMismatchError as e:
         raise PackMismatchError(f"{e} [as task {task} of {run.manifest_path}]") from None
     return pools, pack

@@ -17,8 +17,12 @@ Schema (version 3)::
     versions      library versions of the writer
     created       ISO time of the run's creation
     pools         {file, sha256, bytes, learned, metrics} or null before pool learning ends
-    base          {file, sha256, num_classes} or null
-    tasks         [{id, name, num_classes, class_names, file, sha256, bytes, metrics}]
+    base          {file, sha256, file_sha256, num_classes} or null
+    tasks         [{id, name, num_classes, class_names, file, sha256, file_sha256, bytes, metrics}]
+
+``sha256`` of a pack is over the tensors it stores; ``file_sha256`` over the whole file (its header
+says which base the indices are changes against): readers refuse a pack or base whose bytes differ
+(runs written before ``file_sha256`` was recorded: the base a pack names must be one the run records).
 
 Versions 1 and 2 still read (2 added ``model_sha256``; 3 made ``model.convert`` a whole
 NWSConfig). A reader checks every field's type and range before building the objects
@@ -154,12 +158,15 @@ class BaseEntry:
     sha256: str
     file: str | None = None
     num_classes: int | None = None
+    file_sha256: str | None = None  # the whole file's SHA-256 (see TaskEntry)
 
 
 @dataclass
 class TaskEntry:
-    """One finished task: its pack ``RUN/<file>`` (relative, inside the run), the pack's SHA-256,
-    its byte counts (``indices``, ``state``, ``file``) and metrics (``val_acc``, ``rebuilt_acc``...)."""
+    """One finished task: its pack ``RUN/<file>`` (relative, inside the run), the pack's SHA-256 (of
+    the tensors it stores), the whole file's SHA-256 (header included: which base its indices are
+    changes against, how they are coded; absent in runs written before it was recorded), its byte
+    counts (``indices``, ``state``, ``file``) and metrics (``val_acc``, ``rebuilt_acc``...)."""
 
     id: int
     name: str
@@ -169,6 +176,7 @@ class TaskEntry:
     metrics: dict = field(default_factory=dict)
     class_names: list[str] | None = None
     bytes: dict | None = None
+    file_sha256: str | None = None
 
 
 @dataclass
@@ -311,6 +319,7 @@ def _check_tasks(f: Fields) -> None:
         e.strs("class_names", optional=True)
         e.relpath("file")
         e.sha("sha256")
+        e.sha("file_sha256", optional=True)
         e.dict("bytes", optional=True)
         metrics = e.obj_fields("metrics")
         for key in ("val_acc", "val_loss", "train_acc", "train_loss"):
@@ -349,3 +358,4 @@ def _check_base(base: Fields | None) -> None:
         base.filename("file", optional=True)
         base.sha("sha256")
         base.int("num_classes", lo=1, optional=True)
+        base.sha("file_sha256", optional=True)

@@ -23,10 +23,11 @@ from ..core.nwsmodel import load_pools, nws_layers, pool_set
 from ..core.pools import POOL_DTYPES, PoolSet
 from ..errors import FormatError, UntrustedCodeError
 from ..formats.packs import TaskPack, apply_task, extract_task
+from ..formats.stfile import file_sha256
 from ..formats.storage import read_tensors, write_tensors
 from .distributed import DistInfo, gather_strings
 from .heads import resize_head
-from .loading import build_task_model, load_run_pools
+from .loading import build_task_model, check_run_pack, load_run_pack, load_run_pools, run_bases
 from .manifest import BaseEntry, Manifest, PoolsEntry, TaskEntry
 from .rundir import RunDir
 
@@ -83,10 +84,11 @@ class RunStore:
         if self.dist.is_main:
             sha = pools.save(self.run.pool_path)
             base_sha = base.save(self.run.base_path)
+            base_file_sha = file_sha256(self.run.base_path)
             weights: dict[str, torch.Tensor] = {layer.name: layer.weight for layer in nws_layers(model)}
             write_tensors(self.run.base_weights_path, weights, BASE_WEIGHTS_FORMAT, BASE_WEIGHTS_VERSION)
             self.manifest.pools = PoolsEntry(sha, self.run.pool_path.name, pools.nbytes, learned, metrics)
-            self.manifest.base = BaseEntry(base_sha, self.run.base_path.name, base.num_classes)
+            self.manifest.base = BaseEntry(base_sha, self.run.base_path.name, base.num_classes, base_file_sha)
             self.commit({"stage": "pools", "event": "done", "pool_sha256": sha, **metrics})
         self.sync()
 
@@ -105,16 +107,12 @@ class RunStore:
 
     # ---------------------------------------------------------------- packs
     def load_pack(self, task: int | None) -> TaskPack:
-        """A finished task's pack (``None``: the base pack), checked against the manifest: hash, run, task."""
+        """A finished task's pack (``None``: the base pack), pinned to what the manifest records
+        (:func:`~nwsconvert.train.loading.load_run_pack`: file, tensors, run, task, base)."""
         if self.manifest.pools is None or self.manifest.base is None:
             missing = "pools" if self.manifest.pools is None else "base"
             raise FormatError(f"{self.run.manifest_path}: field {missing}: the run records no {missing} entry")
-        pool_sha, run_id = self.manifest.pools.sha256, self.run_id
-        if task is None:
-            path, sha = self.run.base_path, self.manifest.base.sha256
-        else:
-            path, sha = self.run.task_path(self.manifest, task), self.run.task_entry(self.manifest, task).sha256
-        return TaskPack.load(path, sha256=sha, pool_sha256=pool_sha, run_id=run_id, task=task)
+        return load_run_pack(self.run, self.manifest, task, self.manifest.pools.sha256)
 
     def enter_task_state(self, model: nn.Module, task: int | None) -> None:
         """Load the state a task ended in (``None``: the end of pool learning) into ``model``."""
@@ -185,7 +183,9 @@ class RunStore:
         """Task ``task``'s model rebuilt from the files alone: by the manifest's spec (its code imported
         only when ``trusted``), else from a copy of ``model``'s architecture, never its weights."""
         pools = self.pools()
-        pack = TaskPack.load(path, sha256=sha256, pool_sha256=pools.sha256, run_id=self.run_id, task=task)
+        bases = run_bases(self.run, self.manifest)  # coded against one of the run's own bases
+        pack = TaskPack.load(path, bases, sha256=sha256, pool_sha256=pools.sha256, run_id=self.run_id, task=task)
+        check_run_pack(self.run, self.manifest, pack, None, f"pack of task {task}")  # its base's bytes
         try:
             return build_task_model(self.manifest.model.to_dict(), pools, pack, trust_code=trusted)
         except (ValueError, UntrustedCodeError):  # spec not buildable by name
@@ -198,7 +198,9 @@ class RunStore:
         if self.dist.is_main:
             nbytes = {"indices": pack.index_bytes, "state": pack.state_bytes, "file": path.stat().st_size}
             file = str(path.relative_to(self.run.path))
-            entry = TaskEntry(task, meta["name"], num_classes, file, sha, metrics, meta["class_names"], nbytes)
+            entry = TaskEntry(
+                task, meta["name"], num_classes, file, sha, metrics, meta["class_names"], nbytes, file_sha256(path)
+            )
             self.manifest.put_task(entry)
             self.commit({"stage": f"task:{task}", "event": "done", **metrics})
         self.sync()

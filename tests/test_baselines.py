@@ -56,7 +56,10 @@ def test_a_stored_task_scores_what_was_trained(cls, pretrained, tmp_path):
             assert torch.equal(method.load(t)(x), method.model(x))
     memory = method.memory()
     assert memory["disk_bytes"] == sum(f.stat().st_size for f in tmp_path.iterdir() if f.suffix == ".safetensors")
-    assert memory["paper_bits"] > 0
+    # What the paper counts is what the files hold, less their headers and the slack of byte-wide masks
+    # (measured: 84 % of the bytes for PackNet's, 98-99 % for the others); the exact counts per method
+    # are checked in test_memory_accounting_counts_what_is_stored and test_piggyback_and_lora_store_bits_and_adapters.
+    assert 0.8 * memory["disk_bytes"] <= memory["paper_bits"] / 8 <= memory["disk_bytes"]
 
 
 @pytest.mark.parametrize("cls", [DenseFinetune, BNHead, PackNet, Piggyback, LoRA4])
@@ -207,18 +210,20 @@ def test_packnet_never_changes_an_earlier_task(pretrained, tmp_path):
 
 def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, capsys):
     """``accuracy.py --suite split-cifar100 suite.path=... --methods all``: the paper's recipe unless told
-    otherwise, every method, the paper's table printed beside ours (shortened: 2 tasks, 1 epoch)."""
+    otherwise, every method, the paper's table printed beside ours (shortened: 2 tasks, 2 epochs, one of
+    pretraining)."""
     import json
 
     import accuracy
     from fake_cifar import write_fake_cifar100
 
-    archive = write_fake_cifar100(tmp_path / "cifar-100-python.tar.gz", per_class=2)
+    archive = write_fake_cifar100(tmp_path / "cifar-100-python.tar.gz", per_class=6)
     out = tmp_path / "acc.json"
     argv = [
         f"suite.path={archive}",
         "tasks=2",
-        "epochs=1",
+        "epochs=2",
+        "pool_epochs=1",
         "pool_size=16",
         "batch_size=8",
         "model=timm:test_resnet",
@@ -237,11 +242,16 @@ def test_split_cifar100_benchmark_runs_every_method_on_a_fake_archive(tmp_path, 
     result = json.loads(out.read_text())
     variant = "nws[task_init=original,beta=0.1]"
     assert result["methods"] == ["nws", variant, "dense", "bn_head", "packnet", "piggyback", "lora4", "lora16"]
-    assert result["job"]["recipe"] == "split-cifar100" and result["job"]["epochs"] == 1
+    assert result["job"]["recipe"] == "split-cifar100" and result["job"]["epochs"] == 2
     assert result["variants"] == {variant: "task_init=original,beta=0.1"}
     for m in result["methods"]:
         row = result["rows"][0][m]
-        assert len(row["accs"]) == 2 and all(0 <= a <= 1 for a in row["accs"]) and row["disk_bytes"] > 0
+        # The fake archive's classes are told apart by a square's place: every method learns its 5-way
+        # tasks (chance: 20 %) from 6 images a class in 2 epochs. On the CPU the lowest task is 30 %
+        # (Piggyback's first) and the lowest mean 40 %; on 30 test images a task, 25 % / 35 % floors
+        # fail a method that learns nothing or is scored on another task's images.
+        assert len(row["accs"]) == 2 and min(row["accs"]) >= 0.25 and sum(row["accs"]) / 2 >= 0.35, (m, row["accs"])
+        assert row["disk_bytes"] > 0
         # Per-task curves: bytes on disk after each task, growing; a baseline's accuracy right after
         # each task equals its final re-evaluation (no method changes a stored task).
         curve = row["curve"]

@@ -29,11 +29,28 @@ def demo_run(tmp_path_factory):
     return out, printed.getvalue()
 
 
-def test_demo_runs_and_continues(demo_run, capsys):
+def test_demo_learns_its_tasks_in_a_fraction_of_the_memory_and_continues(demo_run, capsys):
+    """What the demo reports, checked against what it wrote: at these sizes (test ResNet, one epoch of
+    pools and of each task, 160 test digits per task) on the CPU it reaches 99.4 % and 74.4 % (86.9 %
+    on average) in 8.2x less memory than two dense models. The floors leave room for another
+    machine's arithmetic (a GPU's bf16) while failing a run that learns nothing (50 % is chance) or
+    stores more than it should (pools of 512 entries: 196.6 KB; both tasks' packs: 64 KB)."""
+    from nwsconvert.analysis.summary import run_summary
+
     out, printed = demo_run
-    assert "task 1 (task1:2-3): acc" in printed and "rebuilt from pack" in printed
-    assert "dense finetune total" in printed and "NWS total (2 tasks)" in printed
-    assert RunDir(out).read().finished == [0, 1]
+    summary = run_summary(out)
+    total, tasks = summary["total"], summary["tasks"]
+    assert [t["id"] for t in tasks] == [0, 1] and RunDir(out).read().finished == [0, 1]
+    assert all(t["acc"] >= 0.65 for t in tasks) and total["avg_acc"] >= 0.78, tasks
+    assert total["nws_bytes"] == summary["pools_bytes"] + summary["base_bytes"] + sum(t["total"] for t in tasks)
+    assert total["dense_finetune_bytes"] == sum(t["dense"] for t in tasks)
+    assert total["ratio"] == total["dense_finetune_bytes"] / total["nws_bytes"] >= 7.0
+    assert f"NWS is {total['ratio']:.1f}x smaller; average accuracy {100 * total['avg_acc']:.2f}%" in printed
+    for t in tasks:
+        assert (
+            f"task {t['id']} ({t['name']}): acc {100 * t['acc']:.2f}%  rebuilt from pack {100 * t['acc']:.2f}%"
+            in printed
+        )
     assert demo.main([*DEMO_ARGS, f"out={out}"]) == 0  # a second run continues the existing one
     assert "continuing it" in capsys.readouterr().out
 

@@ -12,6 +12,7 @@ onnxruntime sums in other orders; a wrong kernel moves logits by O(their size)).
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -80,14 +81,16 @@ def _export(middle: nn.Module, tmp_path, size: int = 12, exporter: str = "auto")
     return model, info
 
 
-def _assert_parity(model, tmp_path, size: int = 12):
+def _assert_parity(model, tmp_path, size: int = 12, disabled=DISABLED_OPTIMIZERS):
+    """Outputs of ``m.onnx`` in an onnxruntime session (the Runtime's options; ``disabled=[]``: a plain
+    session, every rewrite on, as a user's own session runs it) against PyTorch."""
     x = torch.randn(3, 3, size, size)
     with torch.no_grad():
         ref = model(x).numpy()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     sess = ort.InferenceSession(
-        str(tmp_path / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
+        str(tmp_path / "m.onnx"), opts, providers=["CPUExecutionProvider"], disabled_optimizers=list(disabled)
     )
     y = sess.run(None, {"input": x.numpy()})[0]
     assert y.shape == ref.shape
@@ -127,15 +130,23 @@ def test_layers_the_eval_forward_skips_are_left_out(tmp_path):
 
 
 def test_zero_pad_before_max_pool_keeps_its_zeros(tmp_path):
-    """timm's BiT stem pads with 0, then max-pools: onnxruntime's Pad_Fusion would fold the pad into
-    MaxPool (whose padding is -inf). The Runtime's sessions run without that rewrite; here the logits
-    match PyTorch even where a window sees only negative values and padding."""
+    """timm's BiT stem pads with 0, then max-pools: onnxruntime's Pad_Fusion folds such a pad into
+    MaxPool (whose padding is -inf), so a window that sees only negatives and padding loses its 0. The
+    exporter writes ``Max(MaxPool(x, pads), border)`` instead, with no Pad left to fold: the logits
+    match PyTorch in a plain onnxruntime session (Pad_Fusion on, as a user's own session has it) as in
+    the Runtime's."""
     middle = nn.Sequential(nn.ConstantPad2d(1, 0.0), nn.MaxPool2d(3, 2), nn.Conv2d(8, 8, 1))
     model, _ = _export(middle, tmp_path)
     with torch.no_grad():
         model.conv.bias.fill_(-5.0)  # mostly negative feature maps: the padding's zeros win many windows
     nc.pool_set(model).save(tmp_path / "pools.safetensors")
     export_onnx(model, tmp_path / "m.onnx", tmp_path / "pools.safetensors", input_shape=(3, 12, 12), metadata={})
+    graph = onnx.load(tmp_path / "m.onnx", load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert "Pad" not in ops and ops.count("MaxPool") == 1
+    (maximum,) = [n for n in graph.node if n.op_type == "Max"]
+    assert maximum.input[1].endswith("/zero_pad_border")
+    _assert_parity(model, tmp_path, disabled=[])
     _assert_parity(model, tmp_path)
 
 

@@ -104,19 +104,31 @@ def test_a_pack_that_does_not_rebuild_the_task_fails_it(tmp_path, monkeypatch):
     assert RunDir(tmp_path / "r").read().finished == []
 
 
-def test_loading_a_task_runs_no_search(finished_run, monkeypatch):
-    """A task's model is converted without searching (the pack sets every index), and in training
-    mode too: the load is a gather, yet scores what the trained model did."""
+def test_loading_a_task_runs_no_search_and_training_mode_keeps_its_kernels(finished_run, monkeypatch):
+    """A task's model is rebuilt without a search: the pack sets every index, the head resized to the
+    task's classes included, so loading is a gather, yet scores what the trained model did. Put in
+    training mode, its first forward searches each layer once, to set up the lazy search, and finds
+    the pack's own indices (the temporary weights are the chosen kernels); the next finds nothing to do."""
     from nwsconvert.core.layers import NWSWeight
 
     out, _, tasks, metrics, _ = finished_run
     searched = []
-    monkeypatch.setattr(NWSWeight, "full_search", lambda self, weight: searched.append(self))
+    full_search = NWSWeight.full_search
+    monkeypatch.setattr(NWSWeight, "full_search", lambda self, w: (searched.append(self), full_search(self, w))[1])
     for t, (m, (_, test)) in enumerate(zip(metrics, tasks)):
         loaded = nwsconvert.load(out, task=t)
         assert evaluate(loaded, test)["correct"] == m["val_correct"]
-    # The head resized to the task's classes is the one layer searched, when its size changes.
-    assert len(searched) <= len(tasks)
+        assert searched == [], f"task {t}: loading or evaluating searched {len(searched)} layer(s)"
+    layers = nws_layers(loaded)
+    indices = {l.name: l.nws.indices.clone() for l in layers}
+    x = tasks[1][1].tensors[0][:8]
+    loaded.train()
+    loaded(x)
+    assert sorted(id(s) for s in searched) == sorted(id(l.nws) for l in layers)  # each layer once
+    assert all(torch.equal(l.nws.indices, indices[l.name]) for l in layers)
+    searched.clear()
+    loaded(x)
+    assert searched == [] and nwsconvert.search_stats(loaded)["searched"] == 0
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
@@ -337,22 +349,82 @@ def test_task_init_options(tmp_path, how):
         assert not any(changed)  # the weights right after pool learning
     else:
         assert all(changed)
-    metrics = trainer.fit_task(0, blobs(32, 2, 3), blobs(16, 2, 4), 2)
-    # The model rebuilt from the written pack scores what the trained model scored, on 16 images.
-    assert metrics["rebuilt_acc"] == metrics["val_acc"] and metrics["val_acc"] * 16 == round(metrics["val_acc"] * 16)
+    val = blobs(16, 2, 4)
+    metrics = trainer.fit_task(0, blobs(32, 2, 3), val, 2)
+    # The model rebuilt from the written pack scores what the trained model scored, image for image.
+    assert metrics["val_total"] == 16 and metrics["val_acc"] == metrics["val_correct"] / 16
+    assert metrics["rebuilt_acc"] == metrics["val_acc"]
+    trainer.close()
+    assert evaluate(nwsconvert.load(tmp_path / "r", task=0), val)["correct"] == metrics["val_correct"]
 
 
-def test_ema_pool_update_moves_pools_and_adam(tmp_path):
-    model = tiny_model()
-    before = nwsconvert.pool_set(model).sha256
-    cfg = tiny_config(pool_update="ema", optimizer="adam", lr=0.001, schedule="cosine")
-    trainer = Trainer(model, tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
+def test_ema_pool_update_moves_each_entry_toward_its_kernels_and_adam_steps(tmp_path, monkeypatch):
+    """``pool_update=ema`` (paper Eq. 4): after every step, each layer's pools entries that kernels chose
+    move toward the mean of those kernels, by a fraction in (0, 1], and the others stay; the pools take
+    no gradient (buffers throughout). ``optimizer=adam`` steps with Adam, never SGD, at the cosine
+    schedule's learning rate (2 epochs: 1x, then 0.5x)."""
+    from nwsconvert.core.layers import NWSWeight
+
+    moved, stayed, lrs = [], [], []
+    ema_update = NWSWeight.ema_update
+
+    def spy(self, weight, decay=0.99):
+        assert self.mode == "task" and not isinstance(self.pool, torch.nn.Parameter)
+        old = self.pool.detach().double().clone()
+        vec = self._vectors(weight).detach().double()
+        counts = torch.bincount(self.indices.long(), minlength=self.pool_size)
+        mean = torch.zeros_like(old).index_add_(0, self.indices.long(), vec) / counts.clamp_min(1)[:, None]
+        ema_update(self, weight, decay)
+        step, toward = self.pool.detach().double() - old, mean - old
+        chosen = counts > 0
+        # Each chosen entry's step is a multiple t of (mean - old) with 0 < t <= 1: t from the projection,
+        # and the step's component off that line within float32 rounding of the entry's size.
+        t = (step * toward).sum(1) / toward.square().sum(1).clamp_min(1e-30)
+        off = (step - t[:, None] * toward).norm(dim=1)
+        tol = 1e-6 * (old.norm(dim=1) + mean.norm(dim=1)) + 1e-12
+        keep = chosen & (toward.norm(dim=1) > 1e-6 * old.norm(dim=1).clamp_min(1e-3))  # entries far from their mean
+        moved.append(bool((off[keep] <= tol[keep]).all() and (t[keep] > 0).all() and (t[keep] <= 1 + 1e-5).all()))
+        stayed.append(bool((step[~chosen].norm(dim=1) <= tol[~chosen]).all()))
+
+    sgd_steps = []
+    monkeypatch.setattr(NWSWeight, "ema_update", spy)
+    monkeypatch.setattr(torch.optim.SGD, "step", lambda *a, **k: sgd_steps.append(1))
+    adam_step = torch.optim.Adam.step
+
+    def adam_spy(self, *a, **k):
+        lrs.append(self.param_groups[0]["lr"] / self.param_groups[0]["lr_scale"])
+        return adam_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", adam_spy)
+    cfg = tiny_config(pool_update="ema", optimizer="adam", lr=0.001, schedule="cosine", pool_epochs=2)
+    trainer = Trainer(tiny_model(), tmp_path / "r", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False)
     trainer.fit_pools(blobs(32, 4, 1), num_classes=4)
-    after = RunDir(tmp_path / "r").read().pools.sha256
-    assert after != before
+    layers = len(nws_layers(trainer.model))
+    assert sgd_steps == [] and lrs == [0.001, 0.001, 0.0005, 0.0005]  # 32 images, batches of 16, 2 epochs
+    assert len(moved) == 4 * layers and all(moved) and all(stayed)
+    assert RunDir(tmp_path / "r").read().pools.sha256 == nwsconvert.pool_set(trainer.model).sha256
+    trainer.close()
 
 
-def test_gradient_pool_learning_moves_pools_and_reseeds(tmp_path):
+def test_gradient_pool_learning_moves_pools_and_reseeds(tmp_path, monkeypatch):
+    """Pools learn by gradient; after every epoch but the last, entries no kernel chose are reseeded, each
+    onto a kernel of its layer, so that it is used again: at that moment it is the nearest pool vector
+    (float64 brute force) of some kernel. The log counts them."""
+    from nwsconvert.core.layers import NWSWeight
+
+    reseeded, unused_after = [], []
+    reseed = NWSWeight.reseed_unused
+
+    def spy(self, weight, generator=None):
+        dead = (torch.bincount(self.indices.long(), minlength=self.pool_size) == 0).nonzero().squeeze(1)
+        n = reseed(self, weight, generator)
+        vec, pool = self._vectors(weight).detach().double(), self.pool.detach().double()
+        nearest = set(((vec[:, None, :] - pool[None]) ** 2).sum(-1).argmin(1).tolist())
+        reseeded.append(n)
+        unused_after.extend(int(e) for e in dead[:n] if int(e) not in nearest)
+        return n
+
+    monkeypatch.setattr(NWSWeight, "reseed_unused", spy)
     model = tiny_model()
     before = nwsconvert.pool_set(model).sha256
     trainer = Trainer(
@@ -366,7 +438,11 @@ def test_gradient_pool_learning_moves_pools_and_reseeds(tmp_path):
         for r in RunDir(tmp_path / "r").read_log()
         if r.get("stage") == "pools" and "train_loss" in r and "event" not in r
     ]
-    assert len(log) == 3 and all("reseeded" in r for r in log[:-1])
+    layers = len(nws_layers(trainer.model))
+    assert len(log) == 3 and "reseeded" not in log[-1] and len(reseeded) == 2 * layers
+    assert [r["reseeded"] for r in log[:-1]] == [sum(reseeded[:layers]), sum(reseeded[layers:])]
+    assert sum(reseeded) > 0 and unused_after == []
+    trainer.close()
 
 
 def test_metrics_log_survives_a_cut_line(tmp_path):

@@ -249,11 +249,13 @@ class NWSWeight(nn.Module):
         self.stats = {"searched": self.num_vectors, "total": self.num_vectors, "exact_rows": exact_rows}
 
     @torch.no_grad()
-    def resize(self, weight: torch.Tensor) -> None:
+    def resize(self, weight: torch.Tensor, search: bool = True) -> None:
         """Follow a new weight shape (a resized head): new index table, fresh search; the pool is kept.
 
         Args:
             weight: the new temporary weights; ``weight.numel()`` must be a multiple of D.
+            search: search ``weight`` now; ``False``: the indices stay 0 for the caller to set,
+                and the next training forward searches every kernel.
         """
         if weight.numel() % self.vector_size:
             raise ValueError(f"weight of shape {tuple(weight.shape)} does not split into vectors of {self.vector_size}")
@@ -263,7 +265,8 @@ class NWSWeight(nn.Module):
         self.invalidate_cache()
         self.reset_search()
         self._last = None
-        self.full_search(weight)
+        if search:
+            self.full_search(weight)
 
     def reset_search(self) -> None:
         """Forget the lazy-search state: the next training forward searches every kernel."""

@@ -90,7 +90,9 @@ def _resized(old: torch.Tensor, num_classes: int, generator: torch.Generator | N
 
 
 @torch.no_grad()
-def resize_head(model: nn.Module, num_classes: int, generator: torch.Generator | None = None) -> nn.Module:
+def resize_head(
+    model: nn.Module, num_classes: int, generator: torch.Generator | None = None, *, search: bool = True
+) -> nn.Module:
     """Give the head ``num_classes`` outputs, keeping existing rows; in place.
 
     Works for NWS heads (the temporary weights, indices and bias are resized,
@@ -100,6 +102,9 @@ def resize_head(model: nn.Module, num_classes: int, generator: torch.Generator |
     Args:
         num_classes: v_t, at least 1.
         generator: seeds the new rows.
+        search: search the resized NWS head's kernels; ``False`` when the caller sets its indices
+            next (a task pack, a checkpoint): they are 0 until then, and the next training forward
+            searches every kernel.
 
     Returns:
         ``model``.
@@ -116,7 +121,7 @@ def resize_head(model: nn.Module, num_classes: int, generator: torch.Generator |
         old = plist.original
         new = _resized(old, num_classes, generator)
         plist.original = nn.Parameter(new, requires_grad=old.requires_grad)
-        nws.resize(new)
+        nws.resize(new, search=search)
     else:
         head.weight = nn.Parameter(_resized(weight, num_classes, generator), requires_grad=weight.requires_grad)
     bias = getattr(head, "bias", None)

@@ -162,7 +162,7 @@ def build_task_model(
     # No search at conversion: apply_task sets every index from the pack (checked layer by layer).
     NWSConverter(NWSConfig.from_dict(model_info.get("convert") or {}), init=pools).apply(model, search=False)
     if pack.num_classes is not None:
-        resize_head(model, pack.num_classes)
+        resize_head(model, pack.num_classes, search=False)  # apply_task sets its indices
     apply_task(model, pack)
     return model
 

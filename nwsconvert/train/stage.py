@@ -70,7 +70,7 @@ def _restore(ctx: StageContext, ckpt) -> int:
     """Load a checkpoint's model and RNG state; returns the epochs it had completed."""
     header, state, _ = ckpt
     if header.get("num_classes") is not None:
-        resize_head(ctx.model, int(header["num_classes"]))
+        resize_head(ctx.model, int(header["num_classes"]), search=False)  # the state dict holds its indices
     ctx.model.load_state_dict(state)
     ctx.model.to(ctx.device)
     for layer in nws_layers(ctx.model):

@@ -119,7 +119,7 @@ class RunStore:
         self.ensure_pools(model)
         pack = self.load_pack(task)
         if pack.num_classes is not None:
-            resize_head(model, pack.num_classes)
+            resize_head(model, pack.num_classes, search=False)  # apply_task sets its indices
         apply_task(model, pack)
 
     def init_weights(self, model: nn.Module, how: str, seed: int) -> None:

@@ -132,7 +132,7 @@ def test_convert_model(spec, tmp_path):
 
 
 #: One representative per family whose default conversion once failed to export (equal index tensors
-#: that the TorchScript exporter merged), plus presets. Each is
+#: that the TorchScript exporter merged), presets, and each family the README names. Each is
 #: converted as convert(model) does by default (k-means pools of 512 entries) or through its preset,
 #: exported with the default exporter and run in a plain onnxruntime session: benchmarks/export_coverage.py's
 #: probe, the path its figures take. The benchmark covers the other architectures.
@@ -144,6 +144,14 @@ DEFAULT_PATH = [
     "timm:repvit_m0_9@64",  # re-parameterisable blocks, attention-free mobile ViT-style
     "preset:timm:mobilenetv2_050",  # preset=auto: depthwise kernels as their own pools, indices arange(N)
     "zoo:efficientnet_lite0@224",  # the README's EfficientNet-Lite0 with its preset
+    # Each family the README names beyond CNNs, at the smallest size it takes:
+    "timm:test_vit@160",  # ViT: patch embedding, attention, position embedding
+    "timm:test_maxvit@160",  # MaxViT: block and grid attention over MBConv
+    "timm:swin_tiny_patch4_window7_224@224",  # Swin: shifted windows (its size is fixed by them)
+    "timm:halonet26t@256",  # HaloNet: unfold, which only the torch.export-based exporter lowers
+    "timm:mobilenetv4_conv_small@64",  # MobileNetV4: universal inverted bottlenecks
+    "timm:efficientvit_b0@64",  # EfficientViT: linear attention
+    "timm:mambaout_femto@64",  # MambaOut: gated CNN blocks, depthwise 7x7
 ]  # BiT's zero Pad before a MaxPool (onnxruntime's Pad_Fusion): test_convert_model's plain session
 
 

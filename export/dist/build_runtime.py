@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 #: import package -> (source folder, modules). Everything ``Runtime``, ``nws-infer`` and the
-#: bundle and pack readers import; tests/test_runtime_dist.py runs the installed wheel with
+#: bundle and pack readers import; tests/test_export.py::test_the_runtime_wheel_needs_neither_torch_nor_timm runs the installed wheel with
 #: torch blocked, so a module missing here fails there.
 RUNTIME_MODULES = {
     "nwsconvert": ("nwsconvert", ["__init__", "lazy", "errors", "devices"]),

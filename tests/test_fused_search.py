@@ -89,6 +89,32 @@ def test_pool_sizes_from_one_entry_to_seventy_thousand(n):
         assert bool((idx == 0).all()) and bool(torch.isinf(radius).all())
 
 
+@pytest.mark.parametrize("tile", ["own", 64])
+def test_ties_across_pool_tiles_go_to_the_lowest_index(monkeypatch, tile):
+    """The kernel walks the pool in tiles (64 entries on a GPU, 1024 under the interpreter) and keeps a
+    tie with the earlier tile's lower index. Exact ties straddling tile edges (entries 63 and 64, 127
+    and 128, 10 and 191), a row equidistant from entries of two tiles, and a nearest entry in the last,
+    partial tile of a 200-entry pool: every index equals brute force. ``own``: the tile of the machine
+    (the compiled GPU kernel on CUDA); 64: the GPU's tiling, also under the interpreter."""
+    if tile == 64:
+        launch = fused_search.search_launch
+        monkeypatch.setattr(
+            fused_search, "search_launch", lambda exact, interp: {**launch(exact, interp), "BLOCK_P": 64}
+        )
+    g = torch.Generator().manual_seed(11)
+    pool = torch.randn(200, 9, generator=g)
+    for a, b in ((63, 64), (127, 128), (10, 191)):
+        pool[b] = pool[a]
+    centre, e = torch.full((9,), 20.0), torch.zeros(9)
+    e[0] = 1.0
+    pool[5], pool[150] = centre + e, centre - e  # 2 apart, far from the cloud: the centre is a tie
+    pool[199] = torch.full((9,), -20.0)
+    x = torch.stack([pool[64], pool[128], pool[191], centre, pool[199] + 1e-3, *torch.randn(28, 9, generator=g)])
+    idx, radius, exact = _check(x, pool)
+    assert idx[:5].tolist() == [63, 127, 10, 5, 199]
+    assert bool(exact[:4].all()) and bool((radius[:4] == 0).all())  # exact ties: float64, no safe radius
+
+
 def test_empty_batch_and_bad_shapes():
     idx, radius, exact = fused_search.fused_nearest_two(
         torch.zeros(0, 9, device=DEVICE), torch.randn(4, 9, device=DEVICE)

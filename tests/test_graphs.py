@@ -167,16 +167,42 @@ def test_a_graphed_steps_bookkeeping_with_the_cuda_calls_stood_in_for(monkeypatc
 
 
 @pytest.mark.gpu  # CUDA graphs
-def test_a_graphed_step_replays_captured_shapes_and_captures_again_for_a_new_learning_rate():
+def test_a_graphed_step_computes_the_eager_step_through_replays_shapes_and_a_new_learning_rate():
+    """A GraphedStep and an eager TrainStep on twin models, fed the same batches, step for step: the logits,
+    the loss, every temporary weight and every index are equal bit for bit after each step, through the
+    warm-up, the capture, the replays, an eager step for another batch shape, the replay after it, and
+    the warm-up and new capture that a new learning rate makes (the counts of _walk)."""
     from trainer_utils import tiny_config, tiny_model
 
     from nwsconvert.core.engine import SearchEngine
+    from nwsconvert.core.nwsmodel import nws_layers
     from nwsconvert.train.graphs import GraphedStep
     from nwsconvert.train.loop import TrainStep, make_optimizer
 
-    model = tiny_model().cuda().train()
     cfg = tiny_config(amp="off", cuda_graph=True)
-    opt = make_optimizer(model, cfg)
-    with SearchEngine(model):
-        step = GraphedStep(TrainStep(model, model, opt, cfg, CUDA, pool=False), warmup=2)
-        _walk(step, opt, torch.randn(8, 1, 16, 16, device=CUDA), torch.randint(0, 4, (8,), device=CUDA))
+    twins = []
+    for graphed in (False, True):
+        model = tiny_model().to(CUDA).train()
+        opt = make_optimizer(model, cfg)
+        engine = SearchEngine(model)
+        step = TrainStep(model, model, opt, cfg, CUDA, pool=False)
+        twins.append((model, opt, engine, GraphedStep(step, warmup=2) if graphed else step))
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(8, 1, 16, 16, device=CUDA, generator=g)
+    y = torch.randint(0, 4, (8,), device=CUDA, generator=g)
+    schedule = [(x, y)] * 5 + [(x[:4], y[:4]), (x, y), "new learning rate"] + [(x, y)] * 3
+    try:
+        for i, batch in enumerate(schedule):
+            if batch == "new learning rate":
+                for _, opt, _, _ in twins:
+                    for group in opt.param_groups:
+                        group["lr"] *= 0.1
+                continue
+            (eager_out, eager_loss), (out, loss) = (step(*batch) for *_, step in twins)
+            assert torch.equal(eager_out, out) and torch.equal(eager_loss, loss), f"step {i}"
+            for a, b in zip(nws_layers(twins[0][0]), nws_layers(twins[1][0])):
+                assert torch.equal(a.weight, b.weight) and torch.equal(a.nws.indices, b.nws.indices), (i, a.name)
+        assert (twins[1][3].captures, twins[1][3].replays) == (2, 5)
+    finally:
+        for _, _, engine, _ in twins:
+            engine.close()

@@ -18,6 +18,15 @@ from nwsconvert.train.manifest import model_sha256
 from nwsconvert.train.stage import StageContext, run_stage
 
 
+def _correct(model, data, trainer) -> int:
+    """Images ``model`` gets right, evaluated as ``trainer`` evaluated its tasks: on its device, under its
+    autocast (on a GPU machine: CUDA and bfloat16 by default) and in its batches; like with like."""
+    cfg = trainer.config
+    return evaluate(model.to(trainer.device), data, device=trainer.device, amp=cfg.amp, batch_size=cfg.batch_size)[
+        "correct"
+    ]
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """Pools + 2 tasks (3 and 2 classes) of the tiny model; returns (run dir, trainer, datasets)."""
@@ -72,7 +81,7 @@ def test_rebuilt_model_scores_exactly_the_training_time_accuracy(finished_run):
     for t, (m, (_, test)) in enumerate(zip(metrics, tasks)):
         assert m["rebuilt_acc"] == m["val_acc"]
         loaded = nwsconvert.load(out, task=t)
-        assert evaluate(loaded, test)["correct"] == m["val_correct"]
+        assert _correct(loaded, test, trainer) == m["val_correct"]
 
 
 def test_a_pack_that_does_not_rebuild_the_task_fails_it(tmp_path, monkeypatch):
@@ -111,17 +120,17 @@ def test_loading_a_task_runs_no_search_and_training_mode_keeps_its_kernels(finis
     the pack's own indices (the temporary weights are the chosen kernels); the next finds nothing to do."""
     from nwsconvert.core.layers import NWSWeight
 
-    out, _, tasks, metrics, _ = finished_run
+    out, trainer, tasks, metrics, _ = finished_run
     searched = []
     full_search = NWSWeight.full_search
     monkeypatch.setattr(NWSWeight, "full_search", lambda self, w: (searched.append(self), full_search(self, w))[1])
     for t, (m, (_, test)) in enumerate(zip(metrics, tasks)):
         loaded = nwsconvert.load(out, task=t)
-        assert evaluate(loaded, test)["correct"] == m["val_correct"]
+        assert _correct(loaded, test, trainer) == m["val_correct"]
         assert searched == [], f"task {t}: loading or evaluating searched {len(searched)} layer(s)"
     layers = nws_layers(loaded)
     indices = {l.name: l.nws.indices.clone() for l in layers}
-    x = tasks[1][1].tensors[0][:8]
+    x = tasks[1][1].tensors[0][:8].to(trainer.device)
     loaded.train()
     loaded(x)
     assert sorted(id(s) for s in searched) == sorted(id(l.nws) for l in layers)  # each layer once
@@ -151,10 +160,7 @@ def test_under_autocast_the_rebuilt_model_scores_the_training_time_accuracy(tmp_
         assert entry.metrics["rebuilt_acc"] == entry.metrics["val_acc"]
         # Loaded afresh and evaluated under the same autocast: the same images right (train_run's validation sets).
         val = blobs(16, entry.num_classes, 20 + entry.id, 32)
-        assert (
-            evaluate(nwsconvert.load(tmp_path / "r", task=entry.id), val, amp=amp)["correct"]
-            == entry.metrics["val_correct"]
-        )
+        assert _correct(nwsconvert.load(tmp_path / "r", task=entry.id), val, trainer) == entry.metrics["val_correct"]
 
 
 def test_load_matches_the_trained_model_bitwise(finished_run):
@@ -355,7 +361,7 @@ def test_task_init_options(tmp_path, how):
     assert metrics["val_total"] == 16 and metrics["val_acc"] == metrics["val_correct"] / 16
     assert metrics["rebuilt_acc"] == metrics["val_acc"]
     trainer.close()
-    assert evaluate(nwsconvert.load(tmp_path / "r", task=0), val)["correct"] == metrics["val_correct"]
+    assert _correct(nwsconvert.load(tmp_path / "r", task=0), val, trainer) == metrics["val_correct"]
 
 
 def test_ema_pool_update_moves_each_entry_toward_its_kernels_and_adam_steps(tmp_path, monkeypatch):

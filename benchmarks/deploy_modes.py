@@ -1,26 +1,25 @@
-"""The two Runtime modes side by side against the dense ONNX model, on a bundle nws-export writes from a trained run.
+"""The Runtime's modes side by side against the dense ONNX model, on bundles nws-export writes.
 
+    python benchmarks/deploy_modes.py --run runs/demo --json benchmarks/results/deploy_demo.json
     python benchmarks/deploy_modes.py --models resnet18 mobilenetv2_100 efficientnet_b0 --tasks 6 --device cpu
 
-For each timm model a short real run is trained with the user's defaults (``convert(model)``:
-k-means pools of 512 entries; ``Trainer`` with pool learning off, one epoch per task on 16
-random ``size x size`` images of ``5 + t`` classes; packs delta-coded against the run's base
-pack) and exported as ``nws-export --task all --onnx`` does (:func:`export_bundle`): per-task
-``task_<t>.onnx``, ``switch.onnx`` (the dense template), packs. The dense baseline is task 0's
-model with plain layers (``nwsconvert.materialize``) exported by ``torch.onnx.export`` with
-constant folding, run in a plain session.
+A bundle comes from a run directory a user trained (``--run``: every task exported as ``nws-export
+--task all --onnx`` does) or, for ``--models``, from a short run of each timm model trained here with the
+user's defaults (``convert(model)``: k-means pools of 512 entries; one epoch per task on 16 random
+images: packs close to the base, so ``keep="pack"`` decodes less than a real task's). The dense baseline
+is task 0's model with plain layers exported by ``torch.onnx.export``, in a plain session.
 
-Measured, with ``Runtime`` defaults (``max_sessions=4``, fewer than the tasks):
+Measured:
 
-* latency at batch 1 and 32 on one task, interleaved with the dense model (median);
-* the task-switch cost: each task called twice in a row, cycling over all tasks;
-  the median over pairs of (call right after a switch) minus (the repeat right after it),
-  and ``Runtime.last_switch_seconds`` for a switch between two cached tasks;
-* the first use of a task (session mode: session creation; switch mode: the pack decoded,
-  the task's dense tensors gathered and folded with NumPy, a session of the template built);
-* memory: resident-set growth per cached task, the tensors a materialised task holds
-  (``Runtime.info()``), and what a task costs before it is materialised (its pack, on disk);
-* files: per-task ``.onnx`` (session mode), ``.nwspack`` (switch mode's per-task file).
+* latency at batch 1 and 32 on one task, interleaved with the dense model (median): switch mode (one
+  session, weights in bound buffers laid out for this machine) and session mode (the task's own session);
+* a switch's cost: the first run after it minus a steady run of the same task, over a round robin of every
+  task (:func:`nwsconvert.export.timing.switch_costs`; median and quartiles): switch mode keeping every
+  task's indices (the default) or only its pack, session mode with its default 4 cached sessions;
+* memory, each in a fresh process (RSS growth from the libraries imported to every task run once): the
+  dense model's session; switch mode with the bundle's first N tasks (N = 1, 5, 20 where the run has
+  them), beside what each task keeps (``Runtime.info()``); session mode with every task cached;
+* the switch mode's start-up (the layout found for this machine) and the files.
 """
 
 from __future__ import annotations
@@ -46,6 +45,16 @@ from nwsconvert.export.switch import SWITCH_FILE
 
 
 def rss() -> int:
+    """Resident set size in bytes, after the freed memory went back to the system (gc, glibc's malloc_trim):
+    what the objects alive hold, the same for every configuration measured."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -102,33 +111,37 @@ class _Dense:
         return self.sess.run(None, {"input": x})[0]
 
 
-def memory(bundle: Path, mode: str, device: str, threads: int | None) -> dict:
-    """In a fresh process: RSS growth per task with every task of the bundle cached (``max_sessions`` = tasks),
-    ``Runtime.info()``, and each task's first use."""
-    ntasks = len(json.loads((bundle / "bundle.json").read_text())["tasks"])
+def memory(bundle: Path, config: dict, device: str, threads: int | None) -> dict:
+    """In this (fresh) process: RSS growth from the libraries imported to ``config``'s runtime with every task
+    run once; ``config``: ``{"kind": "dense", "path"}`` or ``{"kind": "runtime", "mode", "keep", "max_sessions"}``."""
     x1 = _input(bundle, 1)
     start = rss()
-    rt = Runtime(bundle, device=device, mode=mode, threads=threads, max_sessions=ntasks)
-    rt.run(rt.tasks[0], x1)  # the pools mapped, the first session's one-off costs paid
-    before = rss()
-    first = []
-    for t in rt.tasks[1:]:
+    tic = time.perf_counter()
+    if config["kind"] == "dense":
+        _Dense(Path(config["path"]), device, threads).run(0, x1)
+        return {"rss": rss() - start}
+    rt = Runtime(
+        bundle,
+        device=device,
+        mode=config["mode"],
+        threads=threads,
+        keep=config.get("keep", "indices"),
+        max_sessions=config.get("max_sessions", 4),
+    )
+    started = time.perf_counter() - tic
+    for t in rt.tasks:
         rt.run(t, x1)
-        first.append(rt.last_switch_seconds)
-    return {
-        "rss_all_cached": rss() - start,  # the Runtime with every task of the bundle cached
-        "rss_per_task": (rss() - before) / max(ntasks - 1, 1),
-        "info": rt.info(),
-        "first_use_ms": 1e3 * float(np.median(first)),
-    }
+    info = rt.info()
+    return {"rss": rss() - start, "start_seconds": started, "info": info}
 
 
-def _memory_child(bundle: Path, mode: str, device: str, threads: int | None) -> dict:
-    cmd = [sys.executable, __file__, "--memory-child", str(bundle), mode, "--device", device]
+def _child(bundle: Path, config: dict, device: str, threads: int | None) -> dict:
+    cmd = [sys.executable, __file__, "--memory-child", str(bundle), json.dumps(config), "--device", device]
     cmd += ["--threads", str(threads)] if threads else []
-    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-    out["info"]["bytes_per_task"] = {int(k): v for k, v in (out["info"]["bytes_per_task"] or {}).items()} or None
-    return out
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"memory child {config}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _input(bundle: Path, batch: int) -> np.ndarray:
@@ -138,59 +151,62 @@ def _input(bundle: Path, batch: int) -> np.ndarray:
     return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
 
 
-def measure(bundle: Path, dense: Path, device: str, threads: int | None, rounds: int, cycles: int) -> dict:
+def _first_tasks(run: Path, bundle: Path, n: int, out: Path) -> Path:
+    """A bundle of the run's first ``n`` tasks (nws-export --task 0 ... n-1 --onnx)."""
+    if n == len(json.loads((bundle / "bundle.json").read_text())["tasks"]):
+        return bundle
+    export_bundle(run, out, tasks=list(range(n)), onnx=True)
+    return out
+
+
+def measure(run: Path, bundle: Path, dense: Path, device: str, threads: int | None, rounds: int, cycles: int) -> dict:
+    from nwsconvert.export.timing import summary, switch_costs
+
     x1 = _input(bundle, 1)
     x32 = np.repeat(x1, 32, 0)
-    out = {}
-    rts = {}
-    for mode in ("session", "switch"):
-        out[mode] = _memory_child(bundle, mode, device, threads)  # a fresh process: RSS growth is the Runtime's
-        rts[mode] = Runtime(bundle, device=device, mode=mode, threads=threads)  # defaults: max_sessions=4
-        rts[mode].run(0, x1)
-        rts[mode].run(0, x32)
-    out["dense"] = {}
-    rts["dense"] = _Dense(dense, device, threads)
-    rts["dense"].run(0, x1)
-    rts["dense"].run(0, x32)
-    for batch, x, n in ((1, x1, rounds), (32, x32, max(3, rounds // 8))):
-        lat = {m: [] for m in rts}
-        for _ in range(n):  # interleaved
+    ntasks = len(json.loads((bundle / "bundle.json").read_text())["tasks"])
+    out: dict = {"tasks": ntasks}
+    # Memory, each configuration in a fresh process.
+    out["memory"] = {"dense": _child(bundle, {"kind": "dense", "path": str(dense)}, device, threads)}
+    counts = sorted({n for n in (1, 5, 20) if n <= ntasks} | {ntasks})
+    for n in counts:
+        sub = _first_tasks(run, bundle, n, bundle.parent / f"first_{n}")
+        out["memory"][f"switch_{n}"] = _child(sub, {"kind": "runtime", "mode": "switch"}, device, threads)
+    out["memory"]["switch_keep_pack"] = _child(
+        bundle, {"kind": "runtime", "mode": "switch", "keep": "pack"}, device, threads
+    )
+    out["memory"]["session_all_cached"] = _child(
+        bundle, {"kind": "runtime", "mode": "session", "max_sessions": ntasks}, device, threads
+    )
+    # Latency, interleaved, on task 0 (no switch in between).
+    rts = {
+        "switch": Runtime(bundle, device=device, mode="switch", threads=threads),
+        "session": Runtime(bundle, device=device, mode="session", threads=threads),
+        "dense": _Dense(dense, device, threads),
+    }
+    out["layout"] = rts["switch"].info()["layout"]
+    for rt in rts.values():
+        rt.run(0, x1)
+        rt.run(0, x32)
+    for batch, x, n in ((1, x1, rounds), (32, x32, max(5, rounds // 4))):
+        lat: dict[str, list[float]] = {m: [] for m in rts}
+        for _ in range(n):
             for m, rt in rts.items():
                 tic = time.perf_counter()
                 rt.run(0, x)
                 lat[m].append(time.perf_counter() - tic)
-        for m in rts:
-            out[m][f"latency_b{batch}_ms"] = 1e3 * float(np.median(lat[m]))
-    for m, rt in rts.items():
-        if m == "dense":
-            continue
-        # Each task twice in a row, cycling: a call whose task differs from the previous one is a
-        # switch; the next call (same task) is the reference. Both sit in the same loop, so drift cancels.
-        for t in rt.tasks:
-            rt.run(t, x1)
-        switch, same, calls = [], [], []
-        for _ in range(cycles):
-            for t in rt.tasks:
-                for rep in (0, 1):
-                    tic = time.perf_counter()
-                    rt.run(t, x1)
-                    took = time.perf_counter() - tic
-                    (switch if rep == 0 else same).append(took)
-                    calls.append(took)
-        out[m]["switch_call_ms"] = 1e3 * float(np.median(switch))
-        out[m]["same_call_ms"] = 1e3 * float(np.median(same))
-        paired = 1e3 * (np.array(switch) - np.array(same))  # each switch call minus the repeat right after it
-        out[m]["switch_ms"] = float(np.median(paired))
-        out[m]["switch_ms_iqr"] = [float(q) for q in np.percentile(paired, [25, 75])]
-        out[m]["providers"] = rt.info()["providers"]
-    # A switch between two tasks both cached (switch mode: a dictionary look-up; session mode: the same).
-    both = Runtime(bundle, device=device, mode="switch", threads=threads)
-    pairs = []
-    for _ in range(50):
-        for t in (0, 1):
-            both.run(t, x1)
-            pairs.append(both.last_switch_seconds)
-    out["switch"]["cached_switch_us"] = 1e6 * float(np.median(pairs[2:]))
+        ratios = {m: np.array(lat[m]) / np.array(lat["dense"]) for m in rts}  # round by round: drift cancels
+        out[f"latency_b{batch}"] = {
+            m: {"median_ms": 1e3 * float(np.median(lat[m])), "ratio": summary(list(ratios[m]))} for m in rts
+        }
+    # Switch cost: first run after a switch minus a steady run, every task in turn.
+    out["switch_cost"] = {
+        "switch": summary(switch_costs(rts["switch"], x1, cycles)),
+        "switch_keep_pack": summary(
+            switch_costs(Runtime(bundle, device=device, keep="pack", threads=threads), x1, cycles)
+        ),
+        "session": summary(switch_costs(rts["session"], x1, cycles)),
+    }
     return out
 
 
@@ -211,10 +227,12 @@ def main() -> None:
         "instead of training short runs of --models",
     )
     p.add_argument("--json", default=None)
-    p.add_argument("--memory-child", nargs=2, metavar=("BUNDLE", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--memory-child", nargs=2, metavar=("BUNDLE", "CONFIG"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.memory_child:
-        print(json.dumps(memory(Path(args.memory_child[0]), args.memory_child[1], args.device, args.threads)))
+        print(
+            json.dumps(memory(Path(args.memory_child[0]), json.loads(args.memory_child[1]), args.device, args.threads))
+        )
         return
     import onnxruntime as ort
 
@@ -232,14 +250,16 @@ def main() -> None:
             d = Path(tmp)
             tic = time.perf_counter()
             if args.run:  # the user's run, exported into the temporary folder
-                export_bundle(args.run, d / "export", tasks="all", onnx=True)
+                run = args.run
+                export_bundle(run, d / "export", tasks="all", onnx=True)
                 bundle = d / "export"
                 written = json.loads((bundle / "bundle.json").read_text())
                 args.size, args.tasks = written["data"]["input_size"][0], len(written["tasks"])
-                dense_onnx(args.run, args.size, d / "dense.onnx", channels=written["data"]["channels"])
+                dense_onnx(run, args.size, d / "dense.onnx", channels=written["data"]["channels"])
             else:
                 bundle = make_bundle(name, args.tasks, args.size, d)
-                dense_onnx(d / "run", args.size, d / "dense.onnx")
+                run = d / "run"
+                dense_onnx(run, args.size, d / "dense.onnx")
             desc = json.loads((bundle / "bundle.json").read_text())
             packs = [row["pack_bytes"] for row in desc["tasks"].values()]
             sizes = {
@@ -252,7 +272,6 @@ def main() -> None:
                 "pools": os.path.getsize(bundle / "pools.safetensors"),
                 "dense_onnx": os.path.getsize(d / "dense.onnx"),
                 "bundle": sum(f.stat().st_size for f in bundle.iterdir() if f.is_file()),
-                # what switch mode reads: no per-task graph
                 "switch_bundle": sum(
                     f.stat().st_size
                     for f in bundle.iterdir()
@@ -260,51 +279,60 @@ def main() -> None:
                 ),
             }
             built = time.perf_counter() - tic
-            r = measure(bundle, d / "dense.onnx", args.device, args.threads, args.rounds, args.cycles)
+            r = measure(run, bundle, d / "dense.onnx", args.device, args.threads, args.rounds, args.cycles)
         r["files"] = sizes
         r["build_seconds"] = built
         results["models"][name] = r
-        s, w, dn = r["session"], r["switch"], r["dense"]
-        print(
-            f"{name} {args.size}x{args.size}, {args.tasks} tasks, {args.device} ({s['providers']}; run + export {built:.0f} s)"
-        )
-        for b in (1, 32):
-            key = f"latency_b{b}_ms"
-            print(
-                f"  latency b{b}: dense {dn[key]:.2f} ms, session {s[key]:.2f} ms (x{s[key] / dn[key]:.2f}), "
-                f"switch {w[key]:.2f} ms (x{w[key] / dn[key]:.2f})"
-            )
-        print(
-            f"  call after a switch / same task again, {args.tasks} tasks (max_sessions=4): session {s['switch_call_ms']:.2f} / {s['same_call_ms']:.2f} ms, "
-            f"switch {w['switch_call_ms']:.2f} / {w['same_call_ms']:.2f} ms"
-        )
-        print(
-            f"  switch cost, {args.tasks} tasks round robin, 4 cached (median paired difference [IQR]): session {s['switch_ms']:.2f} ms "
-            f"[{s['switch_ms_iqr'][0]:.2f}, {s['switch_ms_iqr'][1]:.2f}], switch {w['switch_ms']:.2f} ms "
-            f"[{w['switch_ms_iqr'][0]:.2f}, {w['switch_ms_iqr'][1]:.2f}]; between two cached tasks (switch mode): "
-            f"{w['cached_switch_us']:.1f} us"
-        )
-        print(
-            f"  first use of a task: session {s['first_use_ms']:.1f} ms (session creation), switch {w['first_use_ms']:.1f} ms "
-            "(pack decoded, tensors gathered and folded, session of the template)"
-        )
-        print(
-            f"  memory per cached task (RSS growth): session {s['rss_per_task'] / 1e6:.1f} MB, switch {w['rss_per_task'] / 1e6:.1f} MB "
-            f"(materialised tensors {np.mean(list(w['info']['bytes_per_task'].values())) / 1e6:.2f} MB); "
-            f"a task not materialised: its pack, {sizes['pack_per_task'] / 1e6:.3f} MB on disk"
-        )
-        print(
-            f"  files: per task .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB (session mode), .nwspack {sizes['pack_per_task'] / 1e6:.3f} MB "
-            f"(switch mode); shared: switch.onnx {sizes['switch_onnx'] / 1e6:.3f} MB, base pack {sizes['base_pack'] / 1e6:.3f} MB, "
-            f"pools {sizes['pools'] / 1e6:.2f} MB; dense model {sizes['dense_onnx'] / 1e6:.1f} MB"
-        )
-        print(
-            f"  bundle: {sizes['bundle'] / 1e6:.2f} MB in all, {sizes['switch_bundle'] / 1e6:.2f} MB without the per-task graphs "
-            f"(what switch mode reads); RSS with all {args.tasks} tasks cached: session {s['rss_all_cached'] / 1e6:.0f} MB, "
-            f"switch {w['rss_all_cached'] / 1e6:.0f} MB"
-        )
+        report(name, args, r)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def report(name: str, args, r: dict) -> None:
+    """The figures of one bundle, as RESULTS quotes them."""
+    mem, sizes = r["memory"], r["files"]
+    dense_rss = mem["dense"]["rss"]
+    print(f"{name} {args.size}x{args.size}, {r['tasks']} tasks, {args.device}, layout {r['layout']}")
+    for b in (1, 32):
+        lat = r[f"latency_b{b}"]
+        print(
+            f"  latency b{b}: dense {lat['dense']['median_ms']:.2f} ms; switch x{lat['switch']['ratio']['median']:.2f} "
+            f"[{lat['switch']['ratio']['q25']:.2f}, {lat['switch']['ratio']['q75']:.2f}], "
+            f"session x{lat['session']['ratio']['median']:.2f}"
+        )
+    for key, what in (
+        ("switch", "switch mode (indices kept)"),
+        ("switch_keep_pack", "switch mode (pack only)"),
+        ("session", "session mode (4 cached)"),
+    ):
+        c = r["switch_cost"][key]
+        print(
+            f"  switch cost, {what}: {1e3 * c['median']:.1f} ms [{1e3 * c['q25']:.1f}, {1e3 * c['q75']:.1f}] over {c['n']}"
+        )
+    for key, m in mem.items():
+        if not key.startswith("switch_") or key == "switch_keep_pack":
+            continue
+        kept = sum(m["info"]["bytes_per_task"].values())
+        n = len(m["info"]["bytes_per_task"])
+        print(
+            f"  memory, switch mode with {n} tasks: {m['rss'] / 1e6:.1f} MB RSS = dense session {dense_rss / 1e6:.1f} MB "
+            f"x {(m['rss'] - kept) / dense_rss:.2f} + {kept / 1e6:.2f} MB kept ({kept / n / 1e6:.2f} MB a task); "
+            f"start-up {m['start_seconds']:.2f} s"
+        )
+    pk = mem["switch_keep_pack"]
+    print(
+        f"  memory, switch mode keeping packs only: {pk['rss'] / 1e6:.1f} MB RSS ({pk['rss'] / dense_rss:.2f}x the dense session)"
+    )
+    sc = mem["session_all_cached"]
+    print(
+        f"  memory, session mode with all {r['tasks']} cached: {sc['rss'] / 1e6:.1f} MB, "
+        f"{sc['rss'] / r['tasks'] / 1e6:.1f} MB a task ({sc['rss'] / r['tasks'] / dense_rss:.2f}x the dense session)"
+    )
+    print(
+        f"  files: per task .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB, .nwspack {sizes['pack_per_task'] / 1e6:.3f} MB; "
+        f"bundle {sizes['bundle'] / 1e6:.2f} MB, {sizes['switch_bundle'] / 1e6:.2f} MB without per-task graphs; "
+        f"dense model {sizes['dense_onnx'] / 1e6:.1f} MB"
+    )
 
 
 if __name__ == "__main__":

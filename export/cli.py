@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from nwsconvert.cli.common import run_cli
@@ -143,19 +142,19 @@ def _infer(argv: list[str] | None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument(
         "--mode",
-        default="session",
-        choices=["session", "switch"],
-        help="session: one session per task graph (dense speed; a switch to an uncached task builds a session over its "
-        "Gathers); switch: every task runs the bundle's dense template with its tensors materialised from its pack "
-        "(dense speed; a switch between cached tasks is a look-up, an uncached one a NumPy gather and a session)",
+        default="auto",
+        choices=["auto", "switch", "session"],
+        help="switch (auto's choice when the bundle has switch.onnx): one session for every task, its weights "
+        "buffers that a switch rewrites from the pools and the task's indices (dense speed, the memory of one "
+        "model); session: one session per task graph (dense speed; each cached task holds its own weights, "
+        "another costs a session creation)",
     )
-    p.add_argument("--bench", action="store_true", help="print latency and the task-switch time")
+    p.add_argument("--bench", action="store_true", help="print latency and the task-switch cost")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     missing = [path for path in args.images if not Path(path).is_file()]
     if missing:
         raise UsageError(f"{missing[0]}: no such image file")
-    import numpy as np
 
     from nwsconvert.devices import check_device
 
@@ -179,49 +178,41 @@ def _infer(argv: list[str] | None) -> int:
         )
     rt = Runtime(args.bundle, device=args.device, mode=args.mode)
     rt.session(args.task)
-    print(f"mode: {rt.mode}; providers: {rt.session(args.task).get_providers()}")
+    layout = f", layout {rt.info()['layout']}" if rt.mode == "switch" else ""
+    print(f"mode: {rt.mode}; providers: {rt.session(args.task).get_providers()}{layout}")
     if args.images:
         for path, top in zip(args.images, rt.predict(args.task, _load_images(args.images, rt, args.task), k=args.k)):
             print(f"{path}: " + ", ".join(f"{name} {prob:.3f}" for name, prob in top))
     if args.bench:
-        shape = rt.session(args.task).get_inputs()[0].shape
-        meta_shape = [d if isinstance(d, int) else 1 for d in shape]
-        x = np.random.default_rng(0).standard_normal(meta_shape).astype(np.float32)
-        rt.run(args.task, x)
-        first = [rt.last_switch_seconds]  # switch mode: the task's first use (materialised from its pack)
-        times = []
-        for _ in range(50):
-            tic = time.perf_counter()
-            rt.run(args.task, x)
-            times.append(time.perf_counter() - tic)
-        print(f"latency (batch 1): median {1e3 * float(np.median(times)):.2f} ms over 50 runs")
-        if rt.mode == "session":
-            switches = []
-            for t in rt.tasks:
-                rt._sessions.pop(t, None)
-                rt.session(t)
-                switches.append(rt.last_switch_seconds)
-            print(
-                f"task switch (session creation, pools shared): median {1e3 * float(np.median(switches)):.1f} ms over {len(switches)} tasks"
-            )
-        else:
-            for t in rt.tasks:
-                if t not in rt.info()["cached_tasks"]:
-                    rt.run(t, x)  # each task materialised from its pack once
-                    first.append(rt.last_switch_seconds)
-            print(
-                f"first use of a task (pack decoded, tensors gathered and folded, session built): "
-                f"median {1e3 * float(np.median(first)):.1f} ms"
-            )
-            if len(rt.tasks) < 2:
-                print("task switch: the bundle holds one task, nothing to switch to")
-            else:
-                switches = []
-                for _ in range(20):
-                    for t in rt.tasks:
-                        rt.run(t, x)
-                        switches.append(rt.last_switch_seconds)
-                print(
-                    f"task switch (between cached tasks): median {1e6 * float(np.median(switches)):.1f} us over {len(switches)} switches"
-                )
+        _bench(rt, args.task)
     return 0
+
+
+def _bench(rt, task: int) -> None:
+    """Latency of ``task`` at batch 1, and what a switch costs: the first run after it minus a steady run,
+    over a round robin of every task (median and quartiles)."""
+    import numpy as np
+
+    from .timing import run_times, summary, switch_costs
+
+    shape = rt.session(task).get_inputs()[0].shape
+    x = np.random.default_rng(0).standard_normal([d if isinstance(d, int) else 1 for d in shape]).astype(np.float32)
+    lat = summary(run_times(rt, task, x, rounds=50))
+    print(
+        f"latency (batch 1): median {1e3 * lat['median']:.2f} ms "
+        f"(IQR {1e3 * lat['q25']:.2f}-{1e3 * lat['q75']:.2f}) over 50 runs"
+    )
+    if len(rt.tasks) < 2:
+        print("task switch: the bundle holds one task, nothing to switch to")
+        return
+    costs = summary(switch_costs(rt, x, cycles=5))
+    what = (
+        f"buffers rewritten, {rt.ready} task(s) held ready"
+        if rt.mode == "switch"
+        else f"{rt.max_sessions} session(s) cached"
+    )
+    print(
+        f"task switch (first run after it minus a steady run, {len(rt.tasks)} tasks in turn; {what}): "
+        f"median {1e3 * costs['median']:.2f} ms (IQR {1e3 * costs['q25']:.2f}-{1e3 * costs['q75']:.2f}) "
+        f"over {costs['n']} switches"
+    )

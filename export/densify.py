@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PLACEHOLDER", "dense_template", "materialise"]
+__all__ = ["PLACEHOLDER", "dense_template", "materialise", "task_values", "dense_tensors", "recipe_graph"]
 
 #: External-data location of the task tensors in the template: never a file, always supplied by name.
 PLACEHOLDER = "task-tensors-supplied-by-the-runtime"
@@ -157,10 +157,92 @@ def _image_dims(proto) -> list:
     raise ValueError("the graph has no 'input'")
 
 
+def task_values(
+    recipe: list[dict], raw: dict[str, np.ndarray], pool_shapes: dict[str, tuple[int, int]], index_dtype=np.int32
+) -> dict[str, np.ndarray]:
+    """A task's values as every switch to it uses them, computed once from its pack.
+
+    Args:
+        recipe: :func:`dense_template`'s rows.
+        raw: the pack's ``indices/<layer>`` ``(N,)`` integer and ``state/<key>`` float32 arrays.
+        pool_shapes: layer name -> its pool's ``(n, D)``.
+        index_dtype: what the indices are kept as (``np.uint16`` halves them where pools have at most
+            65,536 entries).
+
+    Returns:
+        ``indices/<layer>`` ``(count,)`` padded with 0 to the template's count (a head narrower than
+        the template's); per fold row ``scale/<layer>`` ``(O,)`` (``gamma / sqrt(var + eps)`` in float64,
+        rounded once to float32, as a BatchNorm fusion does) and its folded bias under the row's
+        ``bias_name`` (``(b - mean) * s + beta`` in float64, then float32); each state row padded.
+
+    Raises:
+        KeyError: a value the recipe needs is missing (the caller names the pack).
+        ValueError: a value of another size than the template takes, or an index past its pool.
+    """
+    out: dict[str, np.ndarray] = {}
+    for row in recipe:
+        shape = tuple(row["shape"])
+        if row["kind"] == "state":
+            out[row["name"]] = _padded(raw[row["name"]], shape, row["name"])
+            continue
+        key = f"indices/{row['layer']}"
+        idx = raw[key]
+        n, dim = pool_shapes[row["layer"]]
+        count = int(np.prod(shape)) // dim
+        if idx.size > count:
+            raise ValueError(f"{key}: {idx.size} indices, the template takes {count}")
+        if idx.size and (int(idx.max()) >= n or int(idx.min()) < 0):
+            raise ValueError(f"{key}: an index outside the pool's {n} entries")
+        full = np.zeros(count, index_dtype)
+        full[: idx.size] = idx
+        out[key] = full
+        if row["kind"] == "fold":
+            channels = (shape[0],)
+            gamma, beta, mean, var = (
+                _padded(raw[row[k]], channels, row[k]).astype(np.float64) for k in ("scale", "shift", "mean", "var")
+            )
+            bias = (
+                _padded(raw[row["conv_bias"]], channels, row["conv_bias"]).astype(np.float64)
+                if row["conv_bias"]
+                else np.zeros(channels)
+            )
+            s = gamma / np.sqrt(var + row["eps"])
+            out[f"scale/{row['layer']}"] = s.astype(np.float32)
+            out[row["bias_name"]] = ((bias - mean) * s + beta).astype(np.float32)
+    return out
+
+
+def dense_tensors(
+    recipe: list[dict], pools: dict[str, np.ndarray], values: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """A task's dense tensors from its :func:`task_values`: ``pool[indices]`` in the template's shape, times
+    the fold's scale per output channel; the folded biases and state as prepared.
+
+    Returns:
+        Tensor name -> C-contiguous float32 array of the recipe's shape.
+    """
+    out: dict[str, np.ndarray] = {}
+    for row in recipe:
+        shape = tuple(row["shape"])
+        if row["kind"] == "state":
+            out[row["name"]] = values[row["name"]]
+            continue
+        pool = pools[row["layer"]]
+        # (count, D); every index was checked against the pool (task_values): "clip" only skips numpy's own check
+        weight = np.take(pool, values[f"indices/{row['layer']}"], axis=0, mode="clip")
+        weight = (weight if weight.dtype == np.float32 else weight.astype(np.float32)).reshape(shape)
+        if row["kind"] == "fold":
+            scale = values[f"scale/{row['layer']}"]
+            np.multiply(weight, scale.reshape(-1, *[1] * (len(shape) - 1)), out=weight)  # in place
+            out[row["bias_name"]] = values[row["bias_name"]]
+        out[row["name"]] = weight
+    return out
+
+
 def materialise(
     recipe: list[dict], pools: dict[str, np.ndarray], values: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """A task's tensors for the dense template, with NumPy.
+    """A task's tensors for the dense template, with NumPy: :func:`dense_tensors` of :func:`task_values`.
 
     Args:
         recipe: :func:`dense_template`'s rows (from ``bundle.json``).
@@ -175,38 +257,73 @@ def materialise(
         KeyError: a value the recipe needs is missing (the caller names the pack).
         ValueError: a value of another size than the template takes.
     """
-    out: dict[str, np.ndarray] = {}
+    shapes = {name: tuple(pool.shape) for name, pool in pools.items()}
+    return dense_tensors(recipe, pools, task_values(recipe, values, shapes))
+
+
+def recipe_graph(recipe: list[dict], pools: dict[str, tuple[tuple[int, int], str]], index_type: str = "int32") -> bytes:
+    """:func:`dense_tensors` as an ONNX graph, for onnxruntime to write a task's tensors where they live
+    (on a GPU: into the switch session's bound device buffers, with no copy through the host).
+
+    Args:
+        recipe: :func:`dense_template`'s rows.
+        pools: layer name -> ``((n, D), dtype)`` of its pool (``float32`` or ``float16``).
+        index_type: the indices' type (``int32`` or ``int64``).
+
+    Returns:
+        The serialised graph. Inputs: ``pool/<layer>``, ``indices/<layer>`` ``(count,)``, per fold row
+        ``scale/<layer>`` ``(O,)`` and its folded bias, each state row (all from :func:`task_values`).
+        Outputs: every tensor of the recipe (fold biases and state passed through), the values
+        :func:`dense_tensors` computes, bit for bit: a gather, a float32 product, copies.
+    """
+    from onnx import TensorProto, helper
+
+    types = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+    itype = {"int32": TensorProto.INT32, "int64": TensorProto.INT64}[index_type]
+    nodes, inputs, outputs, inits = [], [], [], []
     for row in recipe:
-        shape = tuple(row["shape"])
+        shape = [int(d) for d in row["shape"]]
         if row["kind"] == "state":
-            out[row["name"]] = _padded(values[row["name"]], shape, row["name"])
+            inputs.append(helper.make_tensor_value_info(row["name"], TensorProto.FLOAT, shape))
+            outputs.append((row["name"], row["name"], shape))
             continue
-        pool = pools[row["layer"]]
-        count = int(np.prod(shape)) // pool.shape[1]
-        idx = values[f"indices/{row['layer']}"]
-        if idx.size > count:
-            raise ValueError(f"indices/{row['layer']}: {idx.size} indices, the template takes {count}")
-        full = np.zeros(count, np.intp)
-        full[: idx.size] = idx
-        weight = np.take(pool, full, axis=0)  # a new (count, D) array (take: ~3x fancy indexing's speed)
-        weight = (weight if weight.dtype == np.float32 else weight.astype(np.float32)).reshape(shape)
-        if row["kind"] == "gather":
-            out[row["name"]] = weight
-            continue
-        channels = (shape[0],)
-        gamma, beta, mean, var = (
-            _padded(values[row[k]], channels, row[k]).astype(np.float64) for k in ("scale", "shift", "mean", "var")
-        )
-        bias = (
-            _padded(values[row["conv_bias"]], channels, row["conv_bias"]).astype(np.float64)
-            if row["conv_bias"]
-            else np.zeros(channels)
-        )
-        s = gamma / np.sqrt(var + row["eps"])  # float64, rounded once to float32 below, as a BatchNorm fusion does
-        np.multiply(weight, s.astype(np.float32).reshape(-1, *[1] * (len(shape) - 1)), out=weight)  # in place
-        out[row["name"]] = weight
-        out[row["bias_name"]] = ((bias - mean) * s + beta).astype(np.float32)
-    return out
+        layer = row["layer"]
+        (n, dim), dtype = pools[layer]
+        count = int(np.prod(shape)) // dim
+        inputs.append(helper.make_tensor_value_info(f"pool/{layer}", types[dtype], [n, dim]))
+        inputs.append(helper.make_tensor_value_info(f"indices/{layer}", itype, [count]))
+        gathered = f"{layer}/gathered"
+        nodes.append(helper.make_node("Gather", [f"pool/{layer}", f"indices/{layer}"], [gathered], axis=0))
+        if dtype != "float32":
+            nodes.append(helper.make_node("Cast", [gathered], [f"{layer}/wide"], to=TensorProto.FLOAT))
+            gathered = f"{layer}/wide"
+        shape_name = f"{layer}/shape"
+        inits.append(helper.make_tensor(shape_name, TensorProto.INT64, [len(shape)], shape))
+        weight = f"{layer}/weight"
+        nodes.append(helper.make_node("Reshape", [gathered, shape_name], [weight]))
+        if row["kind"] == "fold":
+            per = f"{layer}/per_channel"
+            inits.append(helper.make_tensor(per, TensorProto.INT64, [len(shape)], [-1] + [1] * (len(shape) - 1)))
+            inputs.append(helper.make_tensor_value_info(f"scale/{layer}", TensorProto.FLOAT, [shape[0]]))
+            inputs.append(helper.make_tensor_value_info(row["bias_name"], TensorProto.FLOAT, [shape[0]]))
+            nodes.append(helper.make_node("Reshape", [f"scale/{layer}", per], [f"{layer}/scale"]))
+            nodes.append(helper.make_node("Mul", [weight, f"{layer}/scale"], [f"{layer}/folded"]))
+            weight = f"{layer}/folded"
+            outputs.append((row["bias_name"], row["bias_name"], [shape[0]]))
+        outputs.append((weight, row["name"], shape))
+    # Output names are the recipe's tensor names: an Identity per output gives each its own name.
+    for produced, name, _ in outputs:
+        nodes.append(helper.make_node("Identity", [produced], [f"out:{name}"]))
+    graph = helper.make_graph(
+        nodes,
+        "nwsconvert-task-tensors",
+        inputs,
+        [helper.make_tensor_value_info(f"out:{name}", TensorProto.FLOAT, shape) for _, name, shape in outputs],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="nwsconvert")
+    model.ir_version = 8
+    return model.SerializeToString()
 
 
 def _padded(arr: np.ndarray, shape: tuple, name: str) -> np.ndarray:

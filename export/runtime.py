@@ -1,45 +1,38 @@
 """onnxruntime deployment of a bundle, with fast task switching.
 
-    rt = nwsconvert.export.Runtime("runs/mnist/export")     # CUDA when present, else CPU
+    rt = nwsconvert.export.Runtime("runs/mnist/export")     # CUDA when present, else CPU; one session, every task
     logits = rt.run(2, images)                              # images: (B, C, H, W) float32, normalised
     rt.predict(2, images, k=3)                               # [[(class name, probability), ...], ...]
-    rt = Runtime("runs/mnist/export", mode="switch")        # one dense template, each task materialised from its pack
+    rt = Runtime("runs/mnist/export", mode="session")       # one session per task graph
 
-Two modes (measured side by side in ``benchmarks/RESULTS.md``, "Runtime modes"):
+Two modes (measured side by side in ``benchmarks/RESULTS.md``, "Many tasks for the memory of one"):
 
-``session`` (default)
-    one onnxruntime session per task graph (``task_<t>.onnx``): onnxruntime folds
-    the task's Gathers and BatchNorms into dense weights when the session is
-    built, so inference runs at dense speed; a switch to a task without a cached
-    session costs a session creation, and each cached session holds its own
-    dense weights.
-``switch``
-    every task runs the bundle's dense template (``switch.onnx``, see
-    :mod:`nwsconvert.export.densify`): on a task's first use its pack is decoded (without
-    torch, :func:`nwsconvert.formats.packfile.read_pack_arrays`), its dense weights gathered
-    from the mapped pools and its BatchNorms folded into the convolutions with NumPy, and a
-    session of the template is built with them as constants. Inference then runs the dense
-    model (weights prepacked as onnxruntime does for any constant). The last
-    ``max_sessions`` tasks stay materialised: a switch between them is a look-up
-    (microseconds); a task not materialised costs only its pack, on disk, and its first use
-    tens of milliseconds. No per-task ``.onnx`` is needed: the per-task file is the pack.
+``switch`` (the default when the bundle holds ``switch.onnx``)
+    one onnxruntime session of the bundle's dense template (:mod:`nwsconvert.export.densify`) runs every
+    task. Its weights are graph inputs bound to buffers through IOBinding, laid out as this machine's
+    kernels read them (:mod:`nwsconvert.export.layout`: onnxruntime's blocked NCHWc layout on a CPU, so
+    inference runs at the speed of a session built for the task). A switch rewrites the buffers from the
+    shared pools and the task's indices (one gather per layer, BatchNorm folded, with NumPy on a CPU; a
+    graph on the GPU whose outputs are the buffers, on CUDA). No session is built after start-up, and the
+    memory is one dense model (``ready`` of them: the tasks kept ready, a switch between them only
+    rebinds) plus the pools plus what each task keeps: its decoded indices (``keep="indices"``, the
+    default, 2 bytes a kernel) or only its pack (``keep="pack"``: decoded at each switch).
+``session``
+    one session per task graph (``task_<t>.onnx``): onnxruntime folds the task's Gathers and BatchNorms
+    into dense weights when the session is built. A cached session is a look-up; another task costs a
+    session creation; each cached session holds its own dense weights (``max_sessions`` of them, least
+    recently used out; the sessions share one memory arena).
 
-The pool file is memory-mapped once; its tensors are handed to every task's
-session by name (``SessionOptions.add_external_initializers``, which replaces
-the graph's external-data references before any optimisation), so a task
-switch costs one session creation (indices + small tensors) and never reads
-``pools.safetensors`` again, and the tensors used are the ones at the offsets
-the checked header gives, whatever offsets the graph was exported with.
-(``add_initializer`` is not used: onnxruntime ignores it for initializers
-stored as external data and reads the file at the graph's offsets.)
-Sessions are cached, least recently used first out; a Runtime that keeps rebuilding
-sessions it evicted (more tasks in turn than ``max_sessions``) warns once.
+The pool file is memory-mapped once and checked against the bundle's pool-set hash. Session mode hands
+its tensors to every task graph by name (``SessionOptions.add_external_initializers``, which replaces
+the graph's external-data references before any optimisation): the tensors at the offsets the checked
+header gives, whatever offsets the graph was exported with.
 
-Everything it opens is checked first: ``bundle.json``'s fields, the pool file
-against the bundle's pool-set hash (once, on the mapped file), and each task
-graph against its recorded SHA-256 before its session is built. A bad file is
-refused by name (:class:`~nwsconvert.errors.FormatError`), never answered with
-NaN. Imports neither torch nor timm.
+Everything it opens is checked first: ``bundle.json``'s fields, the pool file against the bundle's
+pool-set hash, each graph against its recorded SHA-256, each pack against its hash, its pool set and the
+base the bundle records. A bad file is refused by name (:class:`~nwsconvert.errors.FormatError`), never
+answered with NaN; a switch to a task whose pack is damaged raises and leaves the task selected before
+it working. Imports neither torch nor timm.
 """
 
 from __future__ import annotations
@@ -49,17 +42,19 @@ import os
 import time
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from nwsconvert.devices import cuda_device_count
 from nwsconvert.errors import FormatError, TaskNotFoundError
-from nwsconvert.formats.packfile import read_pack_arrays
+from nwsconvert.formats.packfile import clear_cached_bases, read_pack_arrays
 from nwsconvert.formats.stfile import nws_header, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle, recipe_sha256
-from .densify import materialise
+from .densify import dense_tensors, task_values
+from .layout import aligned_empty, prepare
 
 #: onnxruntime graph rewrites every session runs without. ``Pad_Fusion`` folds a zero-valued
 #: constant Pad into a following MaxPool, whose own padding counts as -inf, so a window that
@@ -78,34 +73,97 @@ def _gpu_present() -> bool:
     return cuda_device_count() > 0
 
 
+def _release_freed_memory() -> None:
+    """Hand the memory freed while building sessions back to the system (glibc's ``malloc_trim``): a
+    session's build leaves its temporaries (folded weights before their reorder, the optimiser's copies)
+    in the heap, which the process would otherwise keep as if the session held them. Nothing elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class _Slot:
+    """One buffer set of the switch session's weight inputs, and the task it holds."""
+
+    inputs: dict  # input name -> OrtValue over the buffer (CPU: views of ``buffer``; CUDA: device tensors)
+    binding: object  # IOBinding with ``inputs`` bound
+    buffer: np.ndarray | None = None  # CPU: the flat, aligned float32 buffer the inputs view
+    task: int | None = None
+
+
+@dataclass
+class _Task:
+    """What the switch mode keeps of a task: its values (``keep="indices"``) or the error its pack gave."""
+
+    values: dict | None = None
+    device_values: dict = field(default_factory=dict)  # CUDA: the values as device tensors
+    error: Exception | None = None
+
+
+_ENV_ARENA: bool | None = None  # None: not tried yet in this process
+
+
+def _shared_cpu_arena(ort) -> bool:
+    """Register one CPU arena allocator for the process, which sessions asking for it share (session mode:
+    one arena for every cached session, not one each). False where this onnxruntime cannot."""
+    global _ENV_ARENA
+    if _ENV_ARENA is None:
+        try:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+            _ENV_ARENA = True
+        except Exception:  # noqa: BLE001 (one the caller registered already, or a build without it)
+            _ENV_ARENA = False
+    return _ENV_ARENA
+
+
 class Runtime:
     """Sessions over one bundle.
 
     Args:
         bundle: a folder written by ``nws-export --onnx``.
         device: ``auto`` (CUDA when onnxruntime-gpu and a GPU are present), ``cuda`` or ``cpu``.
-        max_sessions: sessions kept (LRU).
+        mode: ``switch`` (one session, every task), ``session`` (one session per task graph), or
+            ``auto``: ``switch`` when the bundle holds ``switch.onnx`` (see the module docstring).
+        max_sessions: session mode: task sessions kept (least recently used out).
         threads: intra-op threads of the CPU provider (``None``: onnxruntime's default).
-        mode: ``session`` or ``switch`` (see the module docstring).
+        ready: switch mode: weight buffers, each holding one task ready (a switch between tasks held is a
+            rebind; another task overwrites the least recently used buffer). Each costs one dense model.
+        keep: switch mode: ``indices`` (every task's decoded indices kept from start-up: a switch is the
+            gather alone) or ``pack`` (nothing kept but the pack file: each switch decodes it).
+        layout: switch mode: ``auto`` (this machine's kernels' layout, see :mod:`nwsconvert.export.layout`)
+            or ``plain`` (the template's own shapes; what CUDA runs).
+        fill: switch mode: how a switch computes a task's tensors: ``numpy`` (on the host; the CPU's
+            default), ``onnxruntime`` (a graph whose outputs are the buffers, on the session's device: the
+            CUDA default, with no copy through the host; on a CPU with ``layout="plain"`` only), ``auto``.
 
     Attributes:
         providers: the providers requested; ``session(task).get_providers()`` says what runs.
-        last_switch_seconds: time the last switch to a task not already selected took
-            (session mode: the session creation; switch mode: materialising the task from its
-            pack the first time, a look-up while it stays materialised).
+        last_switch_seconds: the work of the last switch to a task not held ready, in seconds: decoding
+            (``keep="pack"``), the gather and fold, and writing the buffers (switch mode); the session
+            creation (session mode). A switch to a task held ready or cached costs a look-up.
 
     Raises:
-        FileNotFoundError: no bundle there. FormatError: ``bundle.json``, the pool file
-            or a graph is damaged or not the one the bundle records (named).
+        FileNotFoundError: no bundle there. FormatError: ``bundle.json``, the pool file, the template or
+            a graph is damaged or not the one the bundle records (named).
     """
 
     def __init__(
         self,
         bundle: str | os.PathLike,
         device: str = "auto",
+        mode: str = "auto",
         max_sessions: int = 4,
         threads: int | None = None,
-        mode: str = "session",
+        *,
+        ready: int = 1,
+        keep: str = "indices",
+        layout: str = "auto",
+        fill: str = "auto",
     ):
         import onnxruntime as ort
 
@@ -114,8 +172,18 @@ class Runtime:
         self.desc = read_bundle(self.path)
         if device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
-        if mode not in ("session", "switch"):
-            raise ValueError(f"mode must be session or switch, got {mode!r}")
+        if mode not in ("auto", "session", "switch"):
+            raise ValueError(f"mode must be auto, switch or session, got {mode!r}")
+        if keep not in ("indices", "pack"):
+            raise ValueError(f"keep must be indices or pack, got {keep!r}")
+        if layout not in ("auto", "plain"):
+            raise ValueError(f"layout must be auto or plain, got {layout!r}")
+        if fill not in ("auto", "numpy", "onnxruntime"):
+            raise ValueError(f"fill must be auto, numpy or onnxruntime, got {fill!r}")
+        if type(ready) is not int or ready < 1:
+            raise ValueError(f"ready must be a whole number >= 1, got {ready!r}")
+        if mode == "auto":
+            mode = "switch" if "switch" in self.desc else "session"
         if mode == "switch" and "switch" not in self.desc:
             raise FileNotFoundError(
                 f"{self.path} has no switch.onnx (one-session mode): export it again with nws-export --onnx"
@@ -127,19 +195,26 @@ class Runtime:
         if gpu and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA / cuDNN from torch's nvidia wheels
         self.requested_cuda = device == "cuda" or gpu
+        self.cuda = gpu
         self.providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if gpu else ["CPUExecutionProvider"]
         self.threads = threads
         self.max_sessions = max_sessions
+        self.ready, self.keep, self.layout_request = ready, keep, layout
+        self.fill = ("onnxruntime" if gpu else "numpy") if fill == "auto" else fill
+        if self.fill == "numpy" and gpu and mode == "switch":
+            raise ValueError("fill='numpy' writes host buffers; on CUDA the switch mode fills with onnxruntime")
+        self._device_kind = "cuda" if gpu else "cpu"
         self._sessions: OrderedDict[int, object] = OrderedDict()
         self._evicted: set[int] = set()
-        self.rebuilds = 0  # sessions built again (switch mode: tasks materialised again) after their eviction
+        self.rebuilds = 0  # session mode: sessions built again after their eviction
         self._pool_arrays = self._map_pools(self.path / "pools.safetensors")
         self._pools = {f"pool/{n}": ort.OrtValue.ortvalue_from_numpy(a) for n, a in self._pool_arrays.items()}
         self._verified: set[int] = set()
-        self.last_switch_seconds = None
-        self._template_bytes: bytes | None = None  # switch mode: the checked template graph
-        self._dense: OrderedDict[int, tuple] = OrderedDict()  # switch mode: (session, classes, bytes, OrtValues)
-        self._selected = None
+        self.last_switch_seconds: float | None = None
+        self.switches = 0  # switches that wrote a task's tensors (switch mode) or built a session
+        self._template_bytes: bytes | None = None
+        if mode == "switch":
+            self._start_switch()
 
     def _map_pools(self, pool_file: Path) -> dict[str, np.ndarray]:
         """Layer name -> its pool, from the pool file mapped once and checked against the bundle's pool-set
@@ -166,6 +241,10 @@ class Runtime:
     def class_names(self, task: int) -> list[str]:
         return self._row(task).get("class_names") or [str(i) for i in range(self._row(task)["num_classes"])]
 
+    def num_classes(self, task: int) -> int:
+        """Classes of ``task``: its logits are the first this many columns of the switch template's output."""
+        return int(self._row(task)["num_classes"])
+
     def _row(self, task: int) -> dict:
         row = self.desc["tasks"].get(str(task))
         if row is None or "onnx" not in row:
@@ -174,16 +253,27 @@ class Runtime:
             )
         return row
 
-    def _options(self, external: dict | None = None):
-        """Session options: quiet, the thread count, and ``external`` (name -> OrtValue; default the
-        mapped pools) handed over by name in place of the graph's external data."""
-        external = self._pools if external is None else external
+    def _options(self, external: dict | None = None, level=None, shared_arena: bool = False):
+        """Session options: quiet, the thread count, the optimisation ``level``, and ``external`` (name ->
+        OrtValue) handed over by name in place of the graph's external data."""
         opts = self.ort.SessionOptions()
         opts.log_severity_level = 3
         if self.threads:
             opts.intra_op_num_threads = self.threads
-        opts.add_external_initializers(list(external), list(external.values()))
+        if level is not None:
+            opts.graph_optimization_level = level
+        if external:
+            opts.add_external_initializers(list(external), list(external.values()))
+        if shared_arena and not self.cuda and _shared_cpu_arena(self.ort):
+            opts.add_session_config_entry("session.use_env_allocators", "1")
         return opts
+
+    def _check_providers(self, sess, what: str) -> None:
+        if self.requested_cuda and "CUDAExecutionProvider" not in sess.get_providers():
+            warnings.warn(
+                f"{what}: the CUDA provider was requested but the session runs on {sess.get_providers()}",
+                stacklevel=4,
+            )
 
     def _open(self, graph: Path, sha256: str | None, what: str):
         """A checked session over ``graph`` (its SHA-256 against bundle.json, then its pool-set metadata)."""
@@ -196,7 +286,7 @@ class Runtime:
         try:
             sess = self.ort.InferenceSession(
                 str(graph),
-                sess_options=self._options(),
+                sess_options=self._options(self._pools, shared_arena=True),
                 providers=self.providers,
                 disabled_optimizers=DISABLED_OPTIMIZERS,
             )
@@ -207,17 +297,15 @@ class Runtime:
             raise FormatError(
                 f"{graph}: the graph is of pool set {str(meta.get('nwsconvert.pool_sha256'))[:12]}..., the bundle's is {self.desc['pool_sha256'][:12]}..."
             )
-        if self.requested_cuda and "CUDAExecutionProvider" not in sess.get_providers():
-            warnings.warn(
-                f"{graph.name}: the CUDA provider was requested but the session runs on {sess.get_providers()}",
-                stacklevel=3,
-            )
+        self._check_providers(sess, graph.name)
         return sess
 
     def session(self, task: int):
-        """The session that runs ``task``: its own (session mode, created on first use, then cached) or the bundle's one."""
+        """The session that runs ``task``: the bundle's one (switch mode) or its own (session mode, created
+        on first use, then cached)."""
         if self.mode == "switch":
-            return self._materialised(task)[0]
+            self._row(task)
+            return self._session
         if task in self._sessions:
             self._sessions.move_to_end(task)
             return self._sessions[task]
@@ -231,30 +319,26 @@ class Runtime:
             raise FormatError(
                 f"{self.path / row['onnx']}: the graph is task {meta.get('nwsconvert.task')}, bundle.json lists it as task {task}"
             )
+        _release_freed_memory()
         self.last_switch_seconds = time.perf_counter() - tic
+        self.switches += 1
         self._sessions[task] = sess
-        self._cached(self._sessions, task)
-        return sess
-
-    def _cached(self, cache: OrderedDict, task: int) -> None:
-        """After ``task`` joined ``cache``: evict the least recently used beyond ``max_sessions``, and warn
-        once when tasks evicted before keep coming back (more tasks in turn than the cache holds)."""
         if task in self._evicted:
             self.rebuilds += 1
             if self.rebuilds == self.max_sessions:
-                cheaper = "" if self.mode == "switch" else ", or use mode='switch' (a cheaper rebuild)"
                 warnings.warn(
                     f"Runtime({self.path}): {self.rebuilds} task sessions built again after eviction "
                     f"({1e3 * self.last_switch_seconds:.0f} ms each; max_sessions={self.max_sessions} for more tasks "
-                    f"in turn): raise max_sessions{cheaper}",
+                    "in turn): raise max_sessions, or use mode='switch' (one session for every task)",
                     stacklevel=3,
                 )
-        while len(cache) > self.max_sessions:
-            self._evicted.add(cache.popitem(last=False)[0])
+        while len(self._sessions) > self.max_sessions:
+            self._evicted.add(self._sessions.popitem(last=False)[0])
+        return sess
 
     # ---------------------------------------------------------------- switch mode
     def _template(self) -> bytes:
-        """``switch.onnx``'s bytes, checked against bundle.json once (every task's session is built from them)."""
+        """``switch.onnx``'s bytes, checked against bundle.json."""
         if self._template_bytes is None:
             info = self.desc["switch"]
             graph = self.path / info["onnx"]
@@ -278,94 +362,224 @@ class Runtime:
             self._template_bytes = data
         return self._template_bytes
 
-    def _materialised(self, task: int) -> tuple:
-        """``(session, num_classes, bytes held)`` of ``task`` in switch mode: its dense tensors computed from
-        its pack (one gather per layer, BatchNorm folded) and given to a session of the bundle's template
-        as constants; kept for the ``max_sessions`` tasks used last."""
-        if task in self._dense:
-            self._dense.move_to_end(task)
-            if self._selected != task:
-                tic = time.perf_counter()
-                self._selected = task
-                self.last_switch_seconds = time.perf_counter() - tic
-            return self._dense[task]
+    def _start_switch(self) -> None:
+        """Build the one session, its ``ready`` buffer sets and (``keep="indices"``) every task's values."""
+        ort = self.ort
+        self._recipe = self.desc["switch"]["tensors"]
+        rows: list[tuple[str, tuple[int, ...]]] = []
+        for r in self._recipe:
+            rows.append((r["name"], tuple(int(d) for d in r["shape"])))
+            if r["kind"] == "fold":
+                rows.append((r["bias_name"], (int(r["shape"][0]),)))
+        graph_file = self.path / self.desc["switch"]["onnx"]
+        if self.fill == "onnxruntime" and not (self.cuda or self.layout_request == "plain"):
+            raise ValueError("fill='onnxruntime' writes the template's own layout: give layout='plain' with it")
+        pools = {
+            n: (tuple(p.shape), "float32" if p.dtype == np.float32 else "float16") for n, p in self._pool_arrays.items()
+        }
+        try:
+            self._graph, filler = prepare(
+                self._template(),
+                rows,
+                layout="plain" if self.cuda or self.layout_request == "plain" else "auto",
+                threads=self.threads,
+                disabled_optimizers=DISABLED_OPTIMIZERS,
+                fill=(self._recipe, pools) if self.fill == "onnxruntime" else None,
+            )
+            level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL if self._graph.optimised else None
+            self._session = ort.InferenceSession(
+                self._graph.model,
+                sess_options=self._options(level=level),
+                providers=self.providers,
+                disabled_optimizers=DISABLED_OPTIMIZERS,
+            )
+            self._filler = None
+            if filler is not None:
+                sess = ort.InferenceSession(filler, sess_options=self._options(), providers=self.providers)
+                device_pools = {
+                    f"pool/{n}": ort.OrtValue.ortvalue_from_numpy(a, self._device_kind, 0)
+                    for n, a in self._pool_arrays.items()
+                }
+                self._filler = (sess, device_pools)
+        except (FormatError, FileNotFoundError):
+            raise
+        except Exception as e:  # onnx and onnxruntime raise their own exception types
+            raise FormatError(
+                f"{graph_file}: onnxruntime cannot run it with its tensors as inputs ({type(e).__name__}: {str(e)[:200]})"
+            ) from None
+        _release_freed_memory()
+        self._check_providers(self._session, graph_file.name)
+        self._output = self._session.get_outputs()[0].name
+        self._input = self._session.get_inputs()[0].name
+        self._pool_shapes = {name: tuple(p.shape) for name, p in self._pool_arrays.items()}
+        small = max((p.shape[0] for p in self._pool_arrays.values()), default=0) <= 1 << 16
+        self._index_dtype = np.uint16 if small and self.fill == "numpy" else np.int32
+        self._slots = [self._new_slot() for _ in range(self.ready)]
+        self._held: OrderedDict[int, _Slot] = OrderedDict()  # task -> slot, least recently used first
+        self._selected: int | None = None
+        self._tasks: dict[int, _Task] = {}
+        if self.keep == "indices":
+            for t in self.tasks:
+                try:
+                    self._tasks[t] = _Task(values=self._read_values(t))
+                except (FormatError, FileNotFoundError, ValueError, KeyError) as e:
+                    self._tasks[t] = _Task(error=e)  # raised at a switch to it; the others run
+            clear_cached_bases()  # every task decoded: the base they were changes against is not needed again
+            _release_freed_memory()
+
+    def _new_slot(self) -> _Slot:
+        ort = self.ort
+        binding = self._session.io_binding()
+        if self.fill == "onnxruntime":
+            inputs = {
+                p.name: ort.OrtValue.ortvalue_from_shape_and_type(list(p.shape), np.float32, self._device_kind, 0)
+                for p in self._graph.placements
+            }
+            buffer = None
+        else:
+            buffer = aligned_empty(self._graph.floats)
+            buffer.fill(0)
+            inputs = {name: ort.OrtValue.ortvalue_from_numpy(view) for name, view in self._graph.views(buffer).items()}
+        for name, value in inputs.items():
+            binding.bind_ortvalue_input(name, value)
+        return _Slot(inputs, binding, buffer)
+
+    def _read_values(self, task: int) -> dict[str, np.ndarray]:
+        """Task ``task``'s :func:`task_values` from its pack (hash, pool set, task and base checked)."""
         row = self._row(task)
-        template = self._template()
-        tic = time.perf_counter()
         path = self.path / row["pack"]
         base = self.path / row["base"] if row.get("base") else None
-        values = _switch_inputs(
+        raw = _switch_inputs(
             path,
             {row["base_sha256"]: base} if base is not None and row.get("base_sha256") else base,
             row.get("pack_sha256"),
             self.desc["pool_sha256"],
             task,
         )
-        recipe = self.desc["switch"]["tensors"]
         try:
-            tensors = materialise(recipe, self._pool_arrays, values)
+            return task_values(self._recipe, raw, self._pool_shapes, self._index_dtype)
         except KeyError as e:
             raise FormatError(
                 f"{path}: holds no {e.args[0]!r}, which bundle.json's switch.tensors (the recipe of switch.onnx) "
                 "names: a pack or a bundle of another model?"
             ) from None
-        except (ValueError, IndexError) as e:  # sizes or indices the recipe does not take
+        except ValueError as e:  # sizes or indices the recipe does not take
             raise FormatError(f"{path}: {e} (bundle.json's switch.tensors): export the bundle again") from None
-        held = {name: self.ort.OrtValue.ortvalue_from_numpy(t) for name, t in tensors.items()}  # the session reads them
-        graph = self.path / self.desc["switch"]["onnx"]
-        try:
-            sess = self.ort.InferenceSession(
-                template,
-                sess_options=self._options(held),
-                providers=self.providers,
-                disabled_optimizers=DISABLED_OPTIMIZERS,
-            )
-        except Exception as e:  # onnxruntime raises its own exception types
-            raise FormatError(
-                f"{graph}: onnxruntime cannot load it with task {task}'s tensors, made as bundle.json's switch.tensors "
-                f"says ({type(e).__name__}: {str(e)[:200]})"
-            ) from None
-        if self.requested_cuda and "CUDAExecutionProvider" not in sess.get_providers():
-            warnings.warn(
-                f"{graph.name}: the CUDA provider was requested but the session runs on {sess.get_providers()}",
-                stacklevel=3,
-            )
-        self._dense[task] = (sess, row["num_classes"], sum(t.nbytes for t in tensors.values()), held)
-        self._selected = task
+
+    def _values(self, task: int) -> dict[str, np.ndarray]:
+        held = self._tasks.get(task)
+        if held is None:  # keep="pack"
+            return self._read_values(task)
+        if held.error is not None:
+            raise held.error
+        assert held.values is not None
+        return held.values
+
+    def _ready(self, task: int) -> _Slot:
+        """The slot holding ``task``, after writing its tensors into the least recently used one if none does.
+        A task whose pack fails its checks raises before any buffer is touched."""
+        slot = self._held.get(task)
+        if slot is not None:
+            self._held.move_to_end(task)
+            self._selected = task
+            return slot
+        self._row(task)
+        tic = time.perf_counter()
+        values = self._values(task)
+        if self.fill == "onnxruntime":
+            device = self._device_values(task, values)
+            slot = self._take_slot(task)
+            self._run_filler(slot, device)
+        else:
+            tensors = dense_tensors(self._recipe, self._pool_arrays, values)
+            slot = self._take_slot(task)
+            assert slot.buffer is not None
+            self._graph.fill(slot.buffer, tensors)
         self.last_switch_seconds = time.perf_counter() - tic
-        self._cached(self._dense, task)
-        return self._dense[task]
+        self.switches += 1
+        self._selected = task
+        return slot
+
+    def _take_slot(self, task: int) -> _Slot:
+        """A free slot, or the least recently used one, now holding ``task``."""
+        free = [s for s in self._slots if s.task is None]
+        if free:
+            slot = free[0]
+        else:
+            old, slot = self._held.popitem(last=False)
+        slot.task = task
+        self._held[task] = slot
+        return slot
+
+    def _device_values(self, task: int, values: dict) -> dict:
+        """The task's values as tensors on the session's device (kept with ``keep="indices"``: uploaded once;
+        the indices and state, never a weight)."""
+        held = self._tasks.get(task)
+        if held is not None and held.device_values:
+            return held.device_values
+        kind = self._device_kind
+        device = {k: self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), kind, 0) for k, v in values.items()}
+        if held is not None:
+            held.device_values = device
+        return device
+
+    def _run_filler(self, slot: _Slot, device: dict) -> None:
+        sess, pools = self._filler
+        binding = sess.io_binding()
+        for name, value in {**pools, **device}.items():
+            binding.bind_ortvalue_input(name, value)
+        for name, value in slot.inputs.items():
+            binding.bind_ortvalue_output(f"out:{name}", value)
+        sess.run_with_iobinding(binding)
 
     def info(self) -> dict:
-        """What this Runtime uses: ``mode``, ``providers`` (of the sessions built so far), ``cached_tasks`` and
-        ``bytes_per_task`` (switch mode: the dense tensors materialised for each cached task, which its
-        session holds as constants; session mode: ``None``, each cached session holds its folded dense
-        weights, about the dense model's size)."""
+        """What this Runtime uses: ``mode``, ``providers`` (of the sessions built so far), ``layout`` and the
+        tasks held ready with the bytes of the weight buffers and of what each task keeps (switch mode),
+        ``cached_tasks`` (session mode: each cached session holds its folded dense weights)."""
         if self.mode == "switch":
-            sessions = [v[0] for v in self._dense.values()]
-            cached, per_task = list(self._dense), {t: v[2] for t, v in self._dense.items()}
-        else:
-            sessions = list(self._sessions.values())
-            cached, per_task = list(self._sessions), None
+            kept = {t: sum(v.nbytes for v in h.values.values()) for t, h in self._tasks.items() if h.values}
+            return {
+                "mode": "switch",
+                "providers": self._session.get_providers(),
+                "layout": self._graph.layout,
+                "layout_note": self._graph.reason,
+                "ready_tasks": list(self._held),
+                "selected": self._selected,
+                "weight_buffer_bytes": 4 * self._graph.floats * len(self._slots),
+                "bytes_per_task": kept,
+                "keep": self.keep,
+            }
+        sessions = list(self._sessions.values())
         providers = sorted({p for s in sessions for p in s.get_providers()})
-        return {
-            "mode": self.mode,
-            "providers": providers or self.providers,
-            "cached_tasks": cached,
-            "bytes_per_task": per_task,
-        }
+        return {"mode": "session", "providers": providers or self.providers, "cached_tasks": list(self._sessions)}
 
     def metadata(self, task: int) -> dict:
         """The ONNX metadata of the graph that runs ``task`` (input size, normalisation...)."""
         return self.session(task).get_modelmeta().custom_metadata_map
 
-    def run(self, task: int, images) -> np.ndarray:
-        """Logits ``(B, num_classes)`` for ``images`` ``(B, C, H, W)`` (normalised as the bundle's metadata says)."""
+    def run(self, task: int, images):
+        """Logits of ``task`` for ``images`` (normalised as the bundle's metadata says).
+
+        Args:
+            images: ``(B, C, H, W)`` float32 as NumPy (logits come back as NumPy ``(B, num_classes)``), or an
+                ``onnxruntime.OrtValue`` (switch mode: on the GPU with CUDA, then the logits stay there too, an
+                OrtValue of ``(B, max classes)`` whose first :meth:`num_classes` columns are the task's).
+        """
+        if self.mode == "session":
+            x = np.ascontiguousarray(np.asarray(images, dtype=np.float32))
+            return self.session(task).run(None, {"input": x})[0]
+        slot = self._ready(task)
+        binding = slot.binding
+        if isinstance(images, self.ort.OrtValue):
+            binding.bind_ortvalue_input(self._input, images)
+            binding.bind_output(self._output, self._device_kind)
+            self._session.run_with_iobinding(binding)
+            return binding.get_outputs()[0]
         x = np.ascontiguousarray(np.asarray(images, dtype=np.float32))
-        if self.mode == "switch":
-            sess, classes, _, _ = self._materialised(task)
-            return sess.run(None, {"input": x})[0][:, :classes]
-        return self.session(task).run(None, {"input": x})[0]
+        binding.bind_cpu_input(self._input, x)
+        binding.bind_output(self._output, "cpu")
+        self._session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()[0][:, : self.num_classes(task)]
 
     def predict(self, task: int, images, k: int = 1) -> list[list[tuple[str, float]]]:
         """Top-``k`` ``(class name, probability)`` per image."""

@@ -468,11 +468,11 @@ def test_runtime_refuses_a_damaged_graph_by_name(run_a, damage, capsys):
         graph.write_bytes(data[:100] + bytes([data[100] ^ 0x10]) + data[101:])
     else:
         graph.unlink()
-    rt = Runtime(_bundle(run_a), device="cpu")
+    rt = Runtime(_bundle(run_a), device="cpu", mode="session")  # task graphs: the session mode's files
     rt.session(0)  # the other task is untouched
     with pytest.raises((FormatError, FileNotFoundError), match="task_1.onnx"):
         rt.session(1)
-    assert infer_main(["--bundle", str(_bundle(run_a)), "--task", "1", "--bench"]) == 1
+    assert infer_main(["--bundle", str(_bundle(run_a)), "--task", "1", "--bench", "--mode", "session"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("nws-infer: ") and "task_1.onnx" in err and err.count("\n") == 1
 

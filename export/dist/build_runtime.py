@@ -39,10 +39,11 @@ RUNTIME_MODULES = {
     "nwsconvert.conversion": ("nwsconvert/conversion", ["__init__", "config"]),
     "nwsconvert.train": ("nwsconvert/train", ["__init__", "rundir", "manifest"]),
     "nwsconvert.cli": ("nwsconvert/cli", ["__init__", "common"]),
-    "nwsconvert.export": ("export", ["__init__", "bundlefile", "densify", "runtime", "cli"]),
+    "nwsconvert.export": ("export", ["__init__", "bundlefile", "densify", "layout", "runtime", "cli"]),
 }
 #: the main distribution's dependencies the runtime keeps (by distribution name), plus Pillow for nws-infer's images.
-KEEP = ("numpy", "constriction", "onnxruntime", "onnxruntime-gpu")
+#: onnx: the switch mode reads and edits the graph onnxruntime optimises for the machine (nwsconvert.export.layout).
+KEEP = ("numpy", "constriction", "onnx", "onnxruntime", "onnxruntime-gpu")
 EXTRA = ["pillow>=9"]
 
 

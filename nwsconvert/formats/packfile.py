@@ -43,6 +43,7 @@ __all__ = [
     "base_candidates",
     "resolve_base",
     "read_pack_arrays",
+    "clear_cached_bases",
 ]
 
 PACK_FORMAT = "nwsconvert.taskpack"
@@ -330,6 +331,11 @@ def resolve_base(path: Path, header: dict, given, *, kind: type, load):
             f"{path}: its base {base.source} is on pool set {base.pool_sha256[:12]}..., the pack on {header['pool_sha256'][:12]}..."
         )
     return base
+
+
+def clear_cached_bases() -> None:
+    """Forget the bases :func:`read_pack_arrays` decoded (it keeps the last four: 8 bytes a kernel each)."""
+    _cached_base.cache_clear()
 
 
 @functools.lru_cache(maxsize=4)

@@ -308,10 +308,10 @@ class TaskPack:
 def clear_base_caches() -> None:
     """Forget the base packs read so far (:meth:`TaskPack.load` and the torch-free reader each keep the
     last four, keyed by path, modification time and size): for tools that rewrite base files in place."""
-    from .packfile import _cached_base
+    from .packfile import clear_cached_bases
 
     _load_base.cache_clear()
-    _cached_base.cache_clear()
+    clear_cached_bases()
 
 
 @functools.lru_cache(maxsize=4)

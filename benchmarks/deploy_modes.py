@@ -44,24 +44,6 @@ from nwsconvert.export import Runtime, export_bundle
 from nwsconvert.export.switch import SWITCH_FILE
 
 
-def rss() -> int:
-    """Resident set size in bytes, after the freed memory went back to the system (gc, glibc's malloc_trim):
-    what the objects alive hold, the same for every configuration measured."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def make_bundle(name: str, tasks: int, size: int, out: Path) -> Path:
     """A trained run of ``tasks`` tasks (the user's defaults) in ``out/run``, exported to ``out/run/export``."""
     torch.manual_seed(0)
@@ -111,33 +93,10 @@ class _Dense:
         return self.sess.run(None, {"input": x})[0]
 
 
-def memory(bundle: Path, config: dict, device: str, threads: int | None) -> dict:
-    """In this (fresh) process: RSS growth from the libraries imported to ``config``'s runtime with every task
-    run once; ``config``: ``{"kind": "dense", "path"}`` or ``{"kind": "runtime", "mode", "keep", "max_sessions"}``."""
-    x1 = _input(bundle, 1)
-    start = rss()
-    tic = time.perf_counter()
-    if config["kind"] == "dense":
-        _Dense(Path(config["path"]), device, threads).run(0, x1)
-        return {"rss": rss() - start}
-    rt = Runtime(
-        bundle,
-        device=device,
-        mode=config["mode"],
-        threads=threads,
-        keep=config.get("keep", "indices"),
-        max_sessions=config.get("max_sessions", 4),
-    )
-    started = time.perf_counter() - tic
-    for t in rt.tasks:
-        rt.run(t, x1)
-    info = rt.info()
-    return {"rss": rss() - start, "start_seconds": started, "info": info}
-
-
 def _child(bundle: Path, config: dict, device: str, threads: int | None) -> dict:
-    cmd = [sys.executable, __file__, "--memory-child", str(bundle), json.dumps(config), "--device", device]
-    cmd += ["--threads", str(threads)] if threads else []
+    """``benchmarks/runtime_memory.py`` in a fresh process: what ``config`` holds, from a runtime's imports on."""
+    cmd = [sys.executable, str(Path(__file__).with_name("runtime_memory.py")), str(bundle), json.dumps(config)]
+    cmd += ["--device", device] + (["--threads", str(threads)] if threads else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"memory child {config}: {done.stderr[-2000:]}")
@@ -190,8 +149,12 @@ def measure(run: Path, bundle: Path, dense: Path, device: str, threads: int | No
         rt.run(0, x32)
     for batch, x, n in ((1, x1, rounds), (32, x32, max(5, rounds // 4))):
         lat: dict[str, list[float]] = {m: [] for m in rts}
+        order = list(rts)
+        shuffle = np.random.default_rng(batch)
         for _ in range(n):
-            for m, rt in rts.items():
+            shuffle.shuffle(order)  # each round in another order: no mode always runs right after another
+            for m in order:
+                rt = rts[m]
                 tic = time.perf_counter()
                 rt.run(0, x)
                 lat[m].append(time.perf_counter() - tic)
@@ -227,13 +190,7 @@ def main() -> None:
         "instead of training short runs of --models",
     )
     p.add_argument("--json", default=None)
-    p.add_argument("--memory-child", nargs=2, metavar=("BUNDLE", "CONFIG"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.memory_child:
-        print(
-            json.dumps(memory(Path(args.memory_child[0]), json.loads(args.memory_child[1]), args.device, args.threads))
-        )
-        return
     import onnxruntime as ort
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

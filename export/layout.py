@@ -214,8 +214,19 @@ def _optimised(template: bytes, values: dict[str, np.ndarray], threads: int | No
         return onnx.load(path)
 
 
-def _structure(model) -> list[tuple]:
-    return [(n.op_type, n.domain, tuple(n.input), tuple(n.output)) for n in model.graph.node]
+def _canonical(model) -> tuple[list[tuple], dict[str, str]]:
+    """The graph's nodes with every tensor renamed by its first appearance (onnxruntime numbers the tensors
+    its rewrites make in an order that can depend on the values), and the renaming."""
+    names: dict[str, str] = {i.name: i.name for i in model.graph.input}
+    structure = []
+    for n in model.graph.node:
+        for t in (*n.input, *n.output):
+            if t and t not in names:
+                names[t] = f"t{len(names)}"
+        structure.append(
+            (n.op_type, n.domain, tuple(names.get(t, t) for t in n.input), tuple(names[t] for t in n.output))
+        )
+    return structure, names
 
 
 def _match(src_shape: tuple[int, ...], shape: tuple[int, ...], positions: np.ndarray) -> tuple[str, int] | None:
@@ -260,58 +271,90 @@ def machine_graph(
         The optimised graph, or :func:`plain_graph` with the reason when a task tensor is used in a way a
         switch cannot rewrite.
     """
-    disabled = list(disabled_optimizers or [])
     sizes = {name: int(np.prod(shape, dtype=np.int64)) for name, shape in rows}
     if max(sizes.values(), default=0) >= _EXACT:
         big = max(sizes, key=sizes.__getitem__)
         return plain_graph(template, rows, f"{big} has {sizes[big]:,} elements, too many to number exactly")
-    numbered = {n: np.arange(1, sizes[n] + 1, dtype=np.float32).reshape(s) for n, s in rows}
-    ids = {n: np.full(s, i + 1, np.float32) for i, (n, s) in enumerate(rows)}
-    rng = np.random.default_rng(seed)
-    random = {n: rng.standard_normal(s).astype(np.float32) for n, s in rows}
     try:
-        return _derive(template, rows, numbered, ids, random, threads, disabled)
+        return _derive(template, rows, threads, list(disabled_optimizers or []), seed)
     except LayoutError as e:
         return plain_graph(template, rows, str(e))
 
 
-def _derive(template, rows, numbered, ids, random, threads, disabled) -> MachineGraph:
+def _groups(rows: list[tuple[str, tuple[int, ...]]]) -> list[list[str]]:
+    """The task tensors in groups of fewer than 2**24 elements in all: each group is numbered 1, 2, ... through
+    all its tensors at once (exact in float32, and no two of its tensors equal, which onnxruntime would merge)."""
+    groups: list[list[str]] = [[]]
+    total = 0
+    for name, shape in rows:
+        size = int(np.prod(shape, dtype=np.int64))
+        if total + size >= _EXACT:
+            groups.append([])
+            total = 0
+        groups[-1].append(name)
+        total += size
+    return groups
+
+
+def _derive(template, rows, threads, disabled, seed) -> MachineGraph:
     from onnx import numpy_helper
 
-    by_pos = _optimised(template, numbered, threads, disabled)
-    by_id = _optimised(template, ids, threads, disabled)
-    by_random = _optimised(template, random, threads, disabled)
-    if not (_structure(by_pos) == _structure(by_id) == _structure(by_random)):
-        raise LayoutError("onnxruntime optimised the template differently for different tensor values")
     names = [name for name, _ in rows]
-    order = {name: i for i, name in enumerate(names)}
-    arrays = [{i.name: numpy_helper.to_array(i) for i in m.graph.initializer} for m in (by_pos, by_id, by_random)]
-    if not (arrays[0].keys() == arrays[1].keys() == arrays[2].keys()):
+    shapes = dict(rows)
+    rng = np.random.default_rng(seed)
+    random = {n: rng.standard_normal(s).astype(np.float32) for n, s in rows}
+    # Each tensor holding its number: which tensor each optimised element comes from.
+    ids = {n: np.full(s, i + 1, np.float32) for i, (n, s) in enumerate(rows)}
+    by_random = _optimised(template, random, threads, disabled)
+    by_id = _optimised(template, ids, threads, disabled)
+    structure, renamed = _canonical(by_random)
+
+    def arrays(model) -> dict[str, np.ndarray]:
+        nodes, names_of = _canonical(model)
+        if nodes != structure:
+            raise LayoutError("onnxruntime optimised the template differently for different tensor values")
+        return {names_of.get(i.name, i.name): numpy_helper.to_array(i) for i in model.graph.initializer}
+
+    rand, ident = arrays(by_random), arrays(by_id)
+    if rand.keys() != ident.keys():
         raise LayoutError("the optimised graphs hold different initializers")
-    derived: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]] = []
-    for name, pos in arrays[0].items():
-        ident, rand = arrays[1][name], arrays[2][name]
-        if np.array_equal(pos, ident, equal_nan=True) and np.array_equal(pos, rand, equal_nan=True):
-            continue  # a constant of the template
-        if pos.dtype != np.float32:
-            raise LayoutError(f"optimised initializer {name!r} depends on a task tensor and is {pos.dtype}")
-        derived.append((name, pos, ident, rand))
-    placements: list[Placement] = []
-    used: set[str] = set()
-    for name, pos, ident, rand in derived:
-        source_ids = np.unique(ident[ident != 0])
-        if source_ids.size != 1 or not np.array_equal(pos == 0, ident == 0):
-            raise LayoutError(f"optimised initializer {name!r} mixes task tensors or their values")
-        number = float(source_ids[0])
+    derived = [c for c in rand if not np.array_equal(rand[c], ident[c], equal_nan=True)]
+    actual = {canonical: name for name, canonical in renamed.items()}  # by_random's own names
+    sources: dict[str, str] = {}
+    for c in derived:
+        name = actual.get(c, c)
+        if rand[c].dtype != np.float32:
+            raise LayoutError(f"optimised initializer {name!r} depends on a task tensor and is {rand[c].dtype}")
+        numbers = np.unique(ident[c][ident[c] != 0])
+        number = float(numbers[0]) if numbers.size == 1 else 0.5
         if number != round(number) or not 1 <= number <= len(names):
-            raise LayoutError(f"optimised initializer {name!r} is computed from a task tensor, not copied")
-        source = names[int(number) - 1]
-        src_shape = numbered[source].shape
+            raise LayoutError(f"optimised initializer {name!r} mixes task tensors, or is computed from one")
+        sources[c] = names[int(number) - 1]
+    # Each group numbered through its tensors (the others random): where each element comes from in its tensor.
+    positions: dict[str, np.ndarray] = {}
+    for group in _groups(rows):
+        probe, offsets, at = dict(random), {}, 0
+        for n in group:
+            offsets[n] = at
+            probe[n] = np.arange(at + 1, at + random[n].size + 1, dtype=np.float32).reshape(shapes[n])
+            at += random[n].size
+        numbered = arrays(_optimised(template, probe, threads, disabled))
+        for c in derived:
+            if sources[c] in offsets:
+                v = numbered[c]
+                if not np.array_equal(v == 0, ident[c] == 0):
+                    raise LayoutError(
+                        f"optimised initializer {actual.get(c, c)!r} is computed from {sources[c]!r}, not copied"
+                    )
+                positions[c] = np.where(v == 0, 0, v - offsets[sources[c]])
+    placements: list[Placement] = []
+    for c in derived:
+        name, source, pos = actual.get(c, c), sources[c], positions[c]
         flat = pos.reshape(-1)
-        if not np.array_equal(flat, np.round(flat)) or flat.max() > numbered[source].size:
+        if not np.array_equal(flat, np.round(flat)) or flat.min() < 0 or flat.max() > random[source].size:
             raise LayoutError(f"optimised initializer {name!r} is computed from {source!r}, not copied")
         shape = tuple(int(d) for d in pos.shape)
-        found = _match(src_shape, shape, pos)
+        found = _match(shapes[source], shape, pos)
         if found is None:
             kind, block, perm = "perm", 0, flat.astype(np.int64) - 1
         else:
@@ -319,20 +362,20 @@ def _derive(template, rows, numbered, ids, random, threads, disabled) -> Machine
         placement = Placement(name, shape, 0, kind, source, block, perm)
         out = np.zeros(shape, np.float32)
         placement.write(out, random[source])
-        if not np.array_equal(out, rand):
+        if not np.array_equal(out, rand[c]):
             raise LayoutError(f"optimised initializer {name!r} is not {source!r} reordered ({kind})")
         placements.append(placement)
-        used.add(source)
-    missing = [n for n in names if n not in used]
+    missing = [n for n in names if n not in set(sources.values())]
     if missing:
         raise LayoutError(f"task tensor {missing[0]!r} does not reach the optimised graph's initializers")
+    order = {name: i for i, name in enumerate(names)}
     placements.sort(key=lambda p: order[p.source])
-    offsets, floats = _place([(p.name, p.shape) for p in placements])
-    for p, off in zip(placements, offsets):
+    offsets_, floats = _place([(p.name, p.shape) for p in placements])
+    for p, off in zip(placements, offsets_):
         p.offset = off
     blocks = sorted({p.block for p in placements if p.block})
     layout = "+".join(f"nchwc{b}" for b in blocks) or "plain-optimised"
-    model = _as_inputs(by_pos, [p.name for p in placements])
+    model = _as_inputs(by_random, [p.name for p in placements])
     return MachineGraph(model, placements, floats, layout, True)
 
 

@@ -37,6 +37,7 @@ it working. Imports neither torch nor timm.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
@@ -49,7 +50,7 @@ import numpy as np
 
 from nwsconvert.devices import cuda_device_count
 from nwsconvert.errors import FormatError, TaskNotFoundError
-from nwsconvert.formats.packfile import clear_cached_bases, read_pack_arrays
+from nwsconvert.formats.packfile import STANDALONE, clear_cached_bases, read_pack_arrays
 from nwsconvert.formats.stfile import nws_header, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle, recipe_sha256
@@ -418,6 +419,7 @@ class Runtime:
         self._held: OrderedDict[int, _Slot] = OrderedDict()  # task -> slot, least recently used first
         self._selected: int | None = None
         self._tasks: dict[int, _Task] = {}
+        self._bases: dict[str, object] = {}  # keep="pack": each base decoded once
         if self.keep == "indices":
             for t in self.tasks:
                 try:
@@ -444,20 +446,28 @@ class Runtime:
             binding.bind_ortvalue_input(name, value)
         return _Slot(inputs, binding, buffer)
 
+    def _base(self, row: dict):
+        """The base a task's pack is coded against (``None``: it has none), as a path checked on each read,
+        or with ``keep="pack"`` decoded once and kept, its indices in the kept index type."""
+        if not row.get("base"):
+            return None
+        path, sha = self.path / row["base"], row.get("base_sha256")
+        if self.keep != "pack" or sha is None:
+            return {sha: path} if sha else path
+        if sha not in self._bases:
+            base = read_pack_arrays(path, STANDALONE, sha256=sha, pool_sha256=self.desc["pool_sha256"])
+            compact = {k: v.astype(self._index_dtype) for k, v in base.indices.items()}
+            self._bases[sha] = dataclasses.replace(base, indices=compact, encoded={})
+        return self._bases[sha]
+
     def _read_values(self, task: int) -> dict[str, np.ndarray]:
-        """Task ``task``'s :func:`task_values` from its pack (hash, pool set, task and base checked)."""
+        """Task ``task``'s :func:`task_values` from its pack (hash, pool set, task and base checked), in two
+        contiguous arrays (its indices; its floats) that the returned arrays view."""
         row = self._row(task)
         path = self.path / row["pack"]
-        base = self.path / row["base"] if row.get("base") else None
-        raw = _switch_inputs(
-            path,
-            {row["base_sha256"]: base} if base is not None and row.get("base_sha256") else base,
-            row.get("pack_sha256"),
-            self.desc["pool_sha256"],
-            task,
-        )
+        raw = _switch_inputs(path, self._base(row), row.get("pack_sha256"), self.desc["pool_sha256"], task)
         try:
-            return task_values(self._recipe, raw, self._pool_shapes, self._index_dtype)
+            values = task_values(self._recipe, raw, self._pool_shapes, self._index_dtype)
         except KeyError as e:
             raise FormatError(
                 f"{path}: holds no {e.args[0]!r}, which bundle.json's switch.tensors (the recipe of switch.onnx) "
@@ -465,6 +475,7 @@ class Runtime:
             ) from None
         except ValueError as e:  # sizes or indices the recipe does not take
             raise FormatError(f"{path}: {e} (bundle.json's switch.tensors): export the bundle again") from None
+        return _compact(values)
 
     def _values(self, task: int) -> dict[str, np.ndarray]:
         held = self._tasks.get(task)
@@ -591,12 +602,31 @@ class Runtime:
         return [[(names[j], float(prob[i, j])) for j in row] for i, row in enumerate(top)]
 
 
-def _switch_inputs(
-    path: Path, base: Path | dict[str, Path] | None, sha256: str | None, pool_sha256: str, task: int
-) -> dict[str, np.ndarray]:
+def _compact(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``values`` as views of two contiguous arrays, one per dtype group (integers; floats): a task's kept
+    values are two allocations, not one per layer."""
+    out: dict[str, np.ndarray] = {}
+    for kind in (np.integer, np.floating):
+        names = [k for k, v in values.items() if np.issubdtype(v.dtype, kind)]
+        if not names:
+            continue
+        dtype = np.result_type(*(values[k].dtype for k in names))
+        block = np.empty(sum(values[k].size for k in names), dtype)
+        at = 0
+        for k in names:
+            v = values[k]
+            view = block[at : at + v.size].reshape(v.shape)
+            view[...] = v
+            out[k] = view
+            at += v.size
+    return out
+
+
+def _switch_inputs(path: Path, base, sha256: str | None, pool_sha256: str, task: int) -> dict[str, np.ndarray]:
     """A task's values of switch.onnx's inputs, from its pack: ``indices/<layer>`` int32 ``(N,)`` and
     ``state/<key>`` float32 (floating state entries only, as the graph takes them). ``base``: the base
-    file, or ``{its SHA-256: file}`` (bundle.json's ``base_sha256``: the only base the pack may name)."""
+    file, ``{its SHA-256: file}`` (bundle.json's ``base_sha256``: the only base the pack may name), or the
+    decoded base."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (task {task}'s pack, which the one-session mode reads)")
     pack = read_pack_arrays(path, base, sha256=sha256, pool_sha256=pool_sha256, task=task)

@@ -295,6 +295,27 @@ def test_the_graph_fill_onnxruntime_runs_on_a_gpu_writes_what_numpy_writes(bundl
         Runtime(bundle, device="cpu", fill="onnxruntime")
 
 
+@pytest.mark.gpu  # onnxruntime-gpu's CUDA provider
+def test_on_cuda_the_switch_mode_keeps_weights_and_logits_on_the_device(bundle3):
+    """With a GPU the switch mode's buffers are device tensors that an onnxruntime graph fills from the
+    device-resident pools and indices; images given as a device OrtValue give device logits. Logits match
+    the CPU's within float32 (cuDNN sums in other orders: 1e-4 of the largest logit)."""
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu (the CUDA provider) is not installed")
+    _, bundle = bundle3
+    rt, cpu = Runtime(bundle, device="cuda"), Runtime(bundle, device="cpu")
+    assert rt.mode == "switch" and rt.fill == "onnxruntime" and rt.info()["providers"][0] == "CUDAExecutionProvider"
+    assert all(v.device_name().lower() == "cuda" for v in rt._slots[0].inputs.values())
+    x = np.random.default_rng(5).standard_normal((4, 1, 16, 16)).astype(np.float32)
+    for t in (0, 1, 2, 0):
+        ref = cpu.run(t, x)
+        np.testing.assert_allclose(rt.run(t, x), ref, atol=1e-4 * float(np.abs(ref).max()), rtol=0)
+    out = rt.run(1, ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0))
+    assert out.device_name().lower() == "cuda"
+    ref = cpu.run(1, x)
+    np.testing.assert_allclose(out.numpy()[:, : rt.num_classes(1)], ref, atol=1e-4 * float(np.abs(ref).max()), rtol=0)
+
+
 _FLAT = """
 import gc, ctypes, json, sys
 import numpy as np
@@ -305,7 +326,8 @@ def rss():
 x = np.zeros((1, 1, 16, 16), np.float32)
 start = rss()
 rt = Runtime(sys.argv[1], device="cpu")
-rt.run(0, x)
+for t in rt.tasks:  # every task once: every code path a switch takes has run
+    rt.run(t, x)
 first = rss()
 for _ in range(3):
     for t in rt.tasks:
@@ -316,10 +338,10 @@ print(json.dumps({"start": first - start, "cycled": rss() - first, "kept": sum(r
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc")
 def test_memory_stays_flat_however_many_tasks_the_runtime_switches_between(bundle3, tmp_path):
-    """In fresh processes: running every task of a 3-task bundle three times over adds nothing to the resident
-    set (a switch rewrites buffers; per-task sessions would each hold a dense model, 1.5 MB here), and the
-    3-task Runtime holds what the 1-task one holds plus the two tasks' kept indices (0.2 MB margin for
-    the allocator's rounding)."""
+    """In fresh processes: after every task ran once, running them all three times over adds nothing to the
+    resident set (a switch rewrites buffers; per-task sessions would each hold a dense model, 1.5 MB here),
+    and the 3-task Runtime holds what the 1-task one holds plus the two tasks' kept values (a margin of
+    0.25 MB for the allocators' rounding: Python's and glibc's arenas grow in steps)."""
     import subprocess
     import sys
 
@@ -330,9 +352,9 @@ def test_memory_stays_flat_however_many_tasks_the_runtime_switches_between(bundl
         done = subprocess.run([sys.executable, "-c", _FLAT, str(b)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         got[name] = json.loads(done.stdout)
-    assert got["three"]["cycled"] <= 200_000, got
+    assert got["three"]["cycled"] <= 250_000, got
     added = got["three"]["kept"] - got["one"]["kept"]
-    assert got["three"]["start"] - got["one"]["start"] <= added + 200_000, got
+    assert got["three"]["start"] - got["one"]["start"] <= added + 250_000, got
 
 
 def test_the_torch_export_based_exporter_writes_working_bundles(run, tmp_path):

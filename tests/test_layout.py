@@ -165,3 +165,15 @@ def test_prepare_runs_in_a_child_and_returns_the_same_graph():
     reference = plain_graph(template, ROWS)
     assert plain.layout == "plain" and [p.shape for p in plain.placements] == [tuple(s) for _, s in ROWS]
     assert [p.offset for p in plain.placements] == [p.offset for p in reference.placements]
+
+
+def test_tensors_are_numbered_in_groups_that_float32_counts_exactly():
+    """Each probe numbers a group of tensors 1, 2, ... through all of them (no two equal, which onnxruntime
+    would merge into one constant); a group stays under 2**24 elements, float32's exact integers."""
+    from nwsconvert.export.layout import _groups
+
+    rows = [("a", (4096, 2048)), ("b", (4096, 2048)), ("c", (10,)), ("d", (1 << 23, 1))]
+    groups = _groups(rows)
+    assert groups == [["a"], ["b", "c"], ["d"]]
+    sizes = dict(("a b c d".split()[i], int(np.prod(s))) for i, (_, s) in enumerate(rows))
+    assert all(sum(sizes[n] for n in g) < 1 << 24 for g in groups)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The runtime on a GPU (issue 47's CUDA column), in one call once onnxruntime-gpu is installed there:
+#   . .dev/base/device.sh && bash benchmarks/gpu_runtime.sh        # results under ${OUT:-/tmp/gpu_runtime}
+# (every .dev/ortK part sent first, one per call: ../shared/gpu/README.md). It checks that onnxruntime
+# offers the CUDA provider, runs the runtime's tests on CUDA, then benchmarks/deploy_modes.py --device cuda
+# on ResNet-18, MobileNetV2 and EfficientNet-B0 at 224x224 (short runs trained there) and on the demo's
+# and long-mixed-20's runs at 28x28 (trained there with nws-train's defaults). PARTS picks what runs
+# (tests models demo long20) to split it over two calls. The device image lacks Debian's Fashion-MNIST:
+# copy /usr/share/datasets/fashion-mnist to .dev/fashion here and carry it for long20 (FASHION=.dev/fashion).
+set -u
+OUT=${OUT:-/tmp/gpu_runtime}
+PARTS=${PARTS:-"tests models demo long20"}
+PY=${PY:-python}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
+$PY -c "import onnxruntime as o, torch; print(o.__version__, o.get_available_providers(), torch.__version__)" \
+    > "$OUT/versions.txt" 2>&1
+git rev-parse HEAD >> "$OUT/versions.txt" 2>/dev/null
+if ! grep -q CUDAExecutionProvider "$OUT/versions.txt"; then
+    echo "onnxruntime offers no CUDA provider: send every .dev/ortK part first" | tee "$OUT/FAILED"
+    exit 1
+fi
+for part in $PARTS; do
+    case $part in
+    tests)
+        $PY -m pytest -q tests/test_export.py tests/test_layout.py tests/test_demo.py > "$OUT/pytest_runtime.log" 2>&1
+        echo "pytest rc=$?" >> "$OUT/pytest_runtime.log" ;;
+    models)
+        $PY benchmarks/deploy_modes.py --device cuda --models resnet18 mobilenetv2_100 efficientnet_b0 --size 224 \
+            --tasks 6 --json "$OUT/deploy_cuda_224.json" > "$OUT/deploy_cuda_224.log" 2>&1 ;;
+    demo)
+        $PY -m nwsconvert.cli.train out=/tmp/gpu_demo progress=false > "$OUT/demo_train.log" 2>&1
+        $PY benchmarks/deploy_modes.py --device cuda --run /tmp/gpu_demo --json "$OUT/deploy_cuda_demo.json" \
+            > "$OUT/deploy_cuda_demo.log" 2>&1 ;;
+    long20)
+        $PY -m nwsconvert.cli.train suite=long-mixed-20 "suite.fashion_root=${FASHION:-.dev/fashion}" out=/tmp/gpu_long20 \
+            progress=false > "$OUT/long20_train.log" 2>&1
+        $PY benchmarks/deploy_modes.py --device cuda --run /tmp/gpu_long20 --json "$OUT/deploy_cuda_long20.json" \
+            > "$OUT/deploy_cuda_long20.log" 2>&1 ;;
+    esac
+done

@@ -713,3 +713,31 @@ def test_a_killed_task_with_head_lr_scale_resumes_to_the_uninterrupted_pack(tmp_
         monkeypatch.setattr(stage, "load_checkpoint", without_scales)
     Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False).fit_task(0, train, val, 2)
     assert RunDir(tmp_path / "r").read().tasks[0].sha256 == RunDir(tmp_path / "ref").read().tasks[0].sha256
+
+
+def test_task_starts_reuse_the_first_search_and_write_the_same_packs(tmp_path, monkeypatch):
+    """Under ``task_init=original`` every task starts from the weights pool learning ended with: the first
+    task start searches them, later ones restore that search (and the base weights and base pack are read
+    once, and the rebuild check reuses the model it built). The packs are those of a run that searches
+    and reads everything again at each task start, tensor for tensor."""
+    from nwsconvert.core.layers import NWSWeight
+    from nwsconvert.train.store import RunStore
+
+    assert TrainConfig().task_init == "original"
+    searched = []
+    full_search = NWSWeight.full_search
+    monkeypatch.setattr(NWSWeight, "full_search", lambda self, w: (searched.append(self), full_search(self, w))[1])
+    cached = train_run(tmp_path / "cached", tasks=(3, 2, 3))
+    per_run = len(searched)
+    layers = len(nws_layers(cached.model))
+
+    def again(self, layers, pools):  # every task start searches, as before the cache
+        for layer in layers:
+            layer.nws.full_search(layer.weight)
+
+    monkeypatch.setattr(RunStore, "_start_search", again)
+    searched.clear()
+    train_run(tmp_path / "fresh", tasks=(3, 2, 3))
+    assert len(searched) - per_run == 2 * (layers - 1)  # tasks 1 and 2: every layer but the resized head
+    packs = [[t.sha256 for t in RunDir(tmp_path / name).read().tasks] for name in ("cached", "fresh")]
+    assert packs[0] == packs[1] and len(packs[0]) == 3

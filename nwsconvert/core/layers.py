@@ -106,7 +106,12 @@ class _GatherSTE(torch.autograd.Function):
         if not ctx.scale:
             return grad, None, None
         weight, k = ctx.saved_tensors
-        out = torch.add(grad, weight, alpha=ctx.scale)
+        if grad.dtype == weight.dtype and grad.is_contiguous() and not grad._is_view():
+            # The weight gradient the layer's own op computed for K, which nothing else reads: added to in
+            # place (a new tensor of the weight's size costs its allocation and page faults every step).
+            out = grad.add_(weight, alpha=ctx.scale)
+        else:
+            out = torch.add(grad, weight, alpha=ctx.scale)
         out.sub_(k.to(out.dtype), alpha=ctx.scale)
         return out, None, None
 
@@ -267,6 +272,35 @@ class NWSWeight(nn.Module):
         self._last = None
         if search:
             self.full_search(weight)
+
+    def search_state(self) -> tuple:
+        """A copy of what the lazy search knows: ``(pool, indices, reference, budgets, scalar intervals
+        ready)``; :meth:`restore_search` puts it back, as if the search that made it ran again."""
+        copy = lambda t: None if t is None else t.clone()  # noqa: E731
+        return (
+            self.pool.detach().clone(),
+            self.indices.clone(),
+            copy(self._ref),
+            copy(self._budget_sq),
+            self._scalar_ready,
+        )
+
+    def restore_search(self, state: tuple) -> None:
+        """Put back a :meth:`search_state` taken of this layer's weights as they are now: the indices and the
+        lazy search continue exactly as after the search that made it.
+
+        Raises:
+            ValueError: the state is of another pool or another number of kernels.
+        """
+        pool, indices, ref, budget, ready = state
+        if indices.shape != self.indices.shape or not torch.equal(pool, self.pool.detach()):
+            raise ValueError("the search state is of another pool or another number of kernels")
+        self._prepared()  # the pool's search tables, as the search that made the state left them
+        self.indices.copy_(indices)
+        self._ref = None if ref is None else ref.clone()
+        self._budget_sq = None if budget is None else budget.clone()
+        self._scalar_ready = ready
+        self._touched = None
 
     def reset_search(self) -> None:
         """Forget the lazy-search state: the next training forward searches every kernel."""

@@ -51,6 +51,11 @@ class RunStore:
     def __init__(self, run: RunDir, manifest: Manifest, dist: DistInfo, pool_dtype: str = "float32"):
         self.run, self.manifest, self.dist = run, manifest, dist
         self.pool_dtype = pool_dtype
+        # What every task start and rebuild check would otherwise read, decode or search again:
+        self._base_weights: dict[str, torch.Tensor] | None = None  # checkpoints/base_weights.safetensors
+        self._init_search: tuple[str, dict[str, tuple]] | None = None  # (pool-set hash, layer -> search state)
+        self._base_pack: TaskPack | None = None  # base.nwspack, decoded
+        self._skeleton: tuple[str, nn.Module] | None = None  # (pool-set hash, the model the rebuild check builds)
 
     @property
     def run_id(self) -> str | None:
@@ -81,6 +86,7 @@ class RunStore:
             # the file's, so that it and every pack built from it share the file's hash; a new search.
             load_pools(model, pools)
         base = extract_task(model, model_spec=self.manifest.model.spec, meta={"stage": "pools"}, run_id=self.run_id)
+        self._base_weights = self._init_search = self._base_pack = self._skeleton = None
         if self.dist.is_main:
             sha = pools.save(self.run.pool_path)
             base_sha = base.save(self.run.base_path)
@@ -107,12 +113,17 @@ class RunStore:
 
     # ---------------------------------------------------------------- packs
     def load_pack(self, task: int | None) -> TaskPack:
-        """A finished task's pack (``None``: the base pack), pinned to what the manifest records
+        """A finished task's pack (``None``: the base pack, read once), pinned to what the manifest records
         (:func:`~nwsconvert.train.loading.load_run_pack`: file, tensors, run, task, base)."""
         if self.manifest.pools is None or self.manifest.base is None:
             missing = "pools" if self.manifest.pools is None else "base"
             raise FormatError(f"{self.run.manifest_path}: field {missing}: the run records no {missing} entry")
-        return load_run_pack(self.run, self.manifest, task, self.manifest.pools.sha256)
+        if task is None and self._base_pack is not None and self._base_pack.sha256 == self.manifest.base.sha256:
+            return self._base_pack
+        pack = load_run_pack(self.run, self.manifest, task, self.manifest.pools.sha256)
+        if task is None:
+            self._base_pack = pack
+        return pack
 
     def enter_task_state(self, model: nn.Module, task: int | None) -> None:
         """Load the state a task ended in (``None``: the end of pool learning) into ``model``."""
@@ -127,15 +138,22 @@ class RunStore:
         ended with), ``random`` (PyTorch's default init); anything else leaves them. Search restarts."""
         layers = nws_layers(model)
         if how == "original":
-            tensors, _ = read_tensors(
-                self.run.base_weights_path, BASE_WEIGHTS_FORMAT, BASE_WEIGHTS_VERSION, hashed_since=2
-            )
+            if self._base_weights is None:  # read once per run and process; a task start copies from memory
+                self._base_weights, _ = read_tensors(
+                    self.run.base_weights_path, BASE_WEIGHTS_FORMAT, BASE_WEIGHTS_VERSION, hashed_since=2
+                )
+            copied = []
             with torch.no_grad():
                 for layer in layers:
-                    saved = tensors[layer.name]
+                    saved = self._base_weights[layer.name]
                     if tuple(saved.shape) == tuple(layer.weight.shape):  # the head is resized afterwards
                         layer.weight.copy_(saved)
-        elif how == "random":
+                        copied.append(layer)
+                    else:
+                        layer.nws.reset_search()
+            self._start_search(copied, pool_set(model).sha256)
+            return
+        if how == "random":
             gen = torch.Generator().manual_seed(seed)
             with torch.no_grad():
                 for layer in layers:
@@ -144,6 +162,26 @@ class RunStore:
                     w.copy_(torch.empty(w.shape).uniform_(-bound, bound, generator=gen))
         for layer in layers:
             layer.nws.reset_search()
+
+    def _start_search(self, layers: list, pools: str) -> None:
+        """The search state of ``layers`` holding the weights pool learning ended with: searched the first
+        time (what the first training forward would do), restored from that search at every later task
+        start (the same weights, the same pools: the same indices, references and budgets). ``pools``:
+        the pool set's hash."""
+        if self._init_search is None or self._init_search[0] != pools:
+            states = {}
+            for layer in layers:
+                layer.nws.full_search(layer.weight)
+                states[layer.name] = layer.nws.search_state()
+            self._init_search = (pools, states)
+            return
+        states = self._init_search[1]
+        for layer in layers:
+            state = states.get(layer.name)
+            if state is None:
+                layer.nws.full_search(layer.weight)
+            else:
+                layer.nws.restore_search(state)
 
     def write_pack(
         self, model: nn.Module, task: int, meta: dict, *, state_dtype: str, pack_base: str
@@ -186,8 +224,16 @@ class RunStore:
         bases = run_bases(self.run, self.manifest)  # coded against one of the run's own bases
         pack = TaskPack.load(path, bases, sha256=sha256, pool_sha256=pools.sha256, run_id=self.run_id, task=task)
         check_run_pack(self.run, self.manifest, pack, None, f"pack of task {task}")  # its base's bytes
+        if self._skeleton is not None and self._skeleton[0] == pools.sha256:
+            # The model built for an earlier task's check: every index and state entry comes from this pack.
+            net = self._skeleton[1]
+            if pack.num_classes is not None:
+                resize_head(net, pack.num_classes, search=False)
+            return apply_task(net, pack)
         try:
-            return build_task_model(self.manifest.model.to_dict(), pools, pack, trust_code=trusted)
+            net = build_task_model(self.manifest.model.to_dict(), pools, pack, trust_code=trusted)
+            self._skeleton = (pools.sha256, net)
+            return net
         except (ValueError, UntrustedCodeError):  # spec not buildable by name
             net = copy.deepcopy(model)
             apply_task(net, pack)

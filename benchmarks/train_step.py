@@ -1,6 +1,7 @@
 """One training step of an NWS model vs the same dense model, side by side.
 
     python benchmarks/train_step.py [--model resnet18] [--batch 64] [--size 32] [--rounds 30]
+    python benchmarks/train_step.py --model torchvision:resnet18 --search layer [--unfused]   # a user's own loop
 
 Time: dense and NWS steps interleaved in one process (same threads, same
 machine state), median of ``--rounds`` each after warm-up; also the median of
@@ -58,7 +59,13 @@ def build(args, nws: bool):
     import nwsconvert
 
     torch.manual_seed(0)
-    model = timm.create_model(args.model, num_classes=10).to(args.device)
+    if args.model.startswith("torchvision:"):  # as a user's own loop builds it
+        import torchvision
+
+        model = torchvision.models.get_model(args.model.split(":", 1)[1], weights=None, num_classes=10)
+    else:
+        model = timm.create_model(args.model.removeprefix("timm:"), num_classes=10)
+    model = model.to(args.device)
     if nws:
         from nwsconvert.core.engine import search_engine
 

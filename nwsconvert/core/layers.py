@@ -537,7 +537,9 @@ class NWSWeight(nn.Module):
         """``||sg[W] - K||^2`` (mean squared error), differentiable in the pool (paper Eq. 4)."""
         if self.mode != "pool":
             raise RuntimeError("distillation_loss needs pool-learning mode: call nwsconvert.set_mode(model, 'pool')")
-        k = self.pool.index_select(0, self.indices).view(self.weight_shape)
+        # int64 indices: the backward's index_add_ into the pool takes a vectorised path for them (4-5x
+        # faster on CPU than for int32, with the same sums in the same order: bitwise equal).
+        k = self.pool.index_select(0, self.indices.long()).view(self.weight_shape)
         return F.mse_loss(k, weight.detach().to(k.dtype))
 
     # ------------------------------------------------------------ pool modes
@@ -567,7 +569,8 @@ class NWSWeight(nn.Module):
             self._ema = (torch.ones(self.pool_size, dtype=vec.dtype, device=vec.device), self.pool.detach().clone())
         count, total = self._ema
         count.mul_(decay).add_(torch.bincount(self.indices, minlength=self.pool_size).to(vec.dtype), alpha=1 - decay)
-        total.mul_(decay).add_(torch.zeros_like(total).index_add_(0, self.indices, vec), alpha=1 - decay)
+        sums = torch.zeros_like(total).index_add_(0, self.indices.long(), vec)  # int64: index_add_'s fast path
+        total.mul_(decay).add_(sums, alpha=1 - decay)
         self.pool.copy_(total / count.clamp_min(1e-12)[:, None])  # in place: bumps the version the search tracks
 
     @torch.no_grad()

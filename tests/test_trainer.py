@@ -718,8 +718,9 @@ def test_a_killed_task_with_head_lr_scale_resumes_to_the_uninterrupted_pack(tmp_
 def test_task_starts_reuse_the_first_search_and_write_the_same_packs(tmp_path, monkeypatch):
     """Under ``task_init=original`` every task starts from the weights pool learning ended with: the first
     task start searches them, later ones restore that search (and the base weights and base pack are read
-    once, and the rebuild check reuses the model it built). The packs are those of a run that searches
-    and reads everything again at each task start, tensor for tensor."""
+    once, the rebuild check reuses the model it built, and the state the previous task ended in is the
+    model's own, not read back from its pack). The packs are those of a run that searches and reads
+    everything again at each task start, tensor for tensor."""
     from nwsconvert.core.layers import NWSWeight
     from nwsconvert.train.store import RunStore
 
@@ -736,6 +737,7 @@ def test_task_starts_reuse_the_first_search_and_write_the_same_packs(tmp_path, m
             layer.nws.full_search(layer.weight)
 
     monkeypatch.setattr(RunStore, "_start_search", again)
+    monkeypatch.setattr(RunStore, "holds", lambda self, model, task: False)  # and reads the previous pack
     searched.clear()
     train_run(tmp_path / "fresh", tasks=(3, 2, 3))
     assert len(searched) - per_run == 2 * (layers - 1)  # tasks 1 and 2: every layer but the resized head

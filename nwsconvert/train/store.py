@@ -33,6 +33,14 @@ from .rundir import RunDir
 
 __all__ = ["RunStore", "BASE_WEIGHTS_FORMAT", "BASE_WEIGHTS_VERSION"]
 
+
+def _state_version(model: nn.Module) -> tuple:
+    """The version counters of ``model``'s state entries and indices: any in-place change to them since a
+    reading changes it (the temporary weights excluded: a pack does not hold them)."""
+    skip = {f"{layer.name}.parametrizations.weight.original" for layer in nws_layers(model)}
+    return tuple(t._version for k, t in model.state_dict(keep_vars=True).items() if k not in skip)
+
+
 BASE_WEIGHTS_FORMAT = "nwsconvert.baseweights"
 BASE_WEIGHTS_VERSION = 2  # 2: header_sha256
 
@@ -56,6 +64,7 @@ class RunStore:
         self._init_search: tuple[str, dict[str, tuple]] | None = None  # (pool-set hash, layer -> search state)
         self._base_pack: TaskPack | None = None  # base.nwspack, decoded
         self._skeleton: tuple[str, nn.Module] | None = None  # (pool-set hash, the model the rebuild check builds)
+        self._holding: tuple | None = None  # (model id, task, state version): the model a pack was just taken of
 
     @property
     def run_id(self) -> str | None:
@@ -132,6 +141,19 @@ class RunStore:
         if pack.num_classes is not None:
             resize_head(model, pack.num_classes, search=False)  # apply_task sets its indices
         apply_task(model, pack)
+
+    def reenter(self, model: nn.Module) -> None:
+        """:meth:`enter_task_state` for a model that :meth:`holds` that task: its indices and state are the
+        pack's already; its temporary weights become the chosen kernels, as the pack would set them."""
+        with torch.no_grad():
+            for layer in nws_layers(model):
+                layer.weight.copy_(layer.nws.gather().to(layer.weight.dtype))
+                layer.nws.reset_search()
+
+    def holds(self, model: nn.Module, task: int) -> bool:
+        """Whether ``model`` is the model task ``task``'s pack was taken of, unchanged since (its indices and
+        state are the pack's; its temporary weights are not, they are whatever training left)."""
+        return self._holding is not None and self._holding == (id(model), task, _state_version(model))
 
     def init_weights(self, model: nn.Module, how: str, seed: int) -> None:
         """Set the temporary weights as ``task_init`` says: ``original`` (the weights pool learning
@@ -239,8 +261,12 @@ class RunStore:
             apply_task(net, pack)
             return net
 
-    def commit_task(self, task: int, meta: dict, num_classes: int, pack: TaskPack, path: Path, sha, metrics) -> None:
-        """Main process: record the finished task in the manifest and commit it; every rank then syncs."""
+    def commit_task(
+        self, task: int, meta: dict, num_classes: int, pack: TaskPack, path: Path, sha, metrics, model=None
+    ) -> None:
+        """Main process: record the finished task in the manifest and commit it; every rank then syncs.
+        ``model``: the model the pack was taken of (see :meth:`holds`)."""
+        self._holding = (id(model), task, _state_version(model)) if model is not None else None
         if self.dist.is_main:
             nbytes = {"indices": pack.index_bytes, "state": pack.state_bytes, "file": path.stat().st_size}
             file = str(path.relative_to(self.run.path))

@@ -241,7 +241,12 @@ class Trainer:
         ckpt = stage_checkpoint(self.run, stage)
         self.store.ensure_pools(self.model)
         if ckpt is None:
-            self.store.enter_task_state(self.model, task - 1 if task > 0 else None)
+            # The state the previous task ended in, from its pack; where the weights are set anew below,
+            # the model itself holds it when this process just finished that task (the pack was taken of it).
+            if task > 0 and cfg.task_init != "previous" and self.store.holds(self.model, task - 1):
+                self.store.reenter(self.model)
+            else:
+                self.store.enter_task_state(self.model, task - 1 if task > 0 else None)
             if cfg.task_init != "previous":
                 self.store.init_weights(self.model, cfg.task_init, cfg.seed)
             resize_head(self.model, num_classes, torch.Generator().manual_seed(cfg.seed + task))
@@ -279,5 +284,5 @@ class Trainer:
             "seconds": seconds,
             "pool_usage": pool_usage(model),
         }
-        self.store.commit_task(task, meta, num_classes, pack, path, sha, metrics)
+        self.store.commit_task(task, meta, num_classes, pack, path, sha, metrics, model=model)
         return metrics

@@ -621,19 +621,24 @@ def test_probe_reports_each_phase_and_the_stored_model_scores_the_last(pretraine
     assert 0 <= pig["from_files"] <= 1
 
 
-@pytest.mark.parametrize("start, loaded", [("previous", [None, 0]), ("base", [None, None])])
+@pytest.mark.parametrize("start, loaded", [("previous", [None, "the model task 0 ended as"]), ("base", [None, None])])
 def test_probe_task_state_starts_each_task_from_where_it_says(tmp_path, monkeypatch, start, loaded):
     """benchmarks/probes/probe_task_state.py: task t's BatchNorm and head come from task t-1 (nws-train's
-    rule) or from the base pack for every task; afterwards nws-train is as it was."""
+    rule: the model that just finished it, whose state its pack holds) or from the base pack for every
+    task; afterwards nws-train is as it was."""
     from probes import probe_task_state
 
     from nwsconvert.train.store import RunStore
     from nwsconvert.train.trainer import Trainer
 
-    calls: list[int | None] = []
-    real = RunStore.enter_task_state
+    calls: list[int | str | None] = []
+    real, reenter = RunStore.enter_task_state, RunStore.reenter
     monkeypatch.setattr(
         RunStore, "enter_task_state", lambda self, model, task: (calls.append(task), real(self, model, task))[1]
+    )
+    # nws-train keeps the state task t-1 ended in from the model that just finished it (its pack's state)
+    monkeypatch.setattr(
+        RunStore, "reenter", lambda self, model: (calls.append("the model task 0 ended as"), reenter(self, model))[1]
     )
     fit_task = Trainer.fit_task
     argv = ["model=timm:test_resnet", "pool_size=32", "pool_epochs=1", "epochs=1", "tasks=2", "progress=false"]

@@ -38,10 +38,12 @@ def task_start(start: str) -> Iterator[None]:
     def fit_from_base(self: Trainer, *args, **kwargs):
         store_entry = RunStore.enter_task_state
         self.store.enter_task_state = lambda model, task: store_entry(self.store, model, None)  # type: ignore[method-assign]
+        self.store.holds = lambda model, task: False  # type: ignore[method-assign] (never the previous task's model)
         try:
             return fit_task(self, *args, **kwargs)
         finally:
             del self.store.enter_task_state
+            del self.store.holds
 
     Trainer.fit_task = fit_from_base  # type: ignore[method-assign]
     try:

@@ -397,7 +397,7 @@ def prepare(
     Kept for the life of this process, per template and request.
 
     Raises:
-        RuntimeError: the child failed (its last line of stderr).
+        Whatever :func:`machine_graph` raises, when the work fails in this process too.
     """
     request = {
         "rows": [[name, list(shape)] for name, shape in rows],
@@ -413,12 +413,17 @@ def prepare(
         work = Path(tmp)
         (work / "template.onnx").write_bytes(template)
         (work / "request.json").write_text(json.dumps(request))
-        done = subprocess.run(
-            [sys.executable, "-m", "nwsconvert.export.layout", str(work)], capture_output=True, text=True
-        )
-        if done.returncode:
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise RuntimeError(f"preparing the switch graph failed: {last}")
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "nwsconvert.export.layout", str(work)], capture_output=True, text=True
+            )
+            ok = done.returncode == 0
+        except OSError:
+            ok = False
+        if not ok:
+            # No child to be had (a frozen application's interpreter, say), or it failed: the same work in
+            # this process, which then raises the failure itself.
+            _child(work)
         desc = json.loads((work / "graph.json").read_text())
         placements = [
             Placement(

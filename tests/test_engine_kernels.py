@@ -23,7 +23,8 @@ from nwsconvert.core.nwsmodel import nws_layers, set_commitment, set_mode
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(
-    not fused_search.available(DEVICE), reason="needs Triton (CPU-only torch wheels ship without it)"
+    not fused_search.available(DEVICE),
+    reason="needs Triton >= 3.3 (CPU-only torch wheels ship without it; torch 2.7 brings 3.3)",
 )
 
 ENGINE_KERNELS = (

@@ -13,7 +13,7 @@ from nwsconvert.core.search import brute_force, nearest_two
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(
     not fused_search.available(DEVICE),
-    reason="needs Triton (CPU-only torch wheels ship without it) and CUDA or TRITON_INTERPRET=1",
+    reason="needs Triton >= 3.3 (CPU-only torch wheels ship without it; torch 2.7 brings 3.3) and CUDA or TRITON_INTERPRET=1",
 )
 
 

@@ -58,6 +58,27 @@ __all__ = [
 #: wheels come without it.
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
+#: The oldest Triton the kernels are known to run right on (under its interpreter the engine's tests fail
+#: on 3.1 and 3.2: booleans it cannot invert, then other results; 3.3, 3.4, 3.6 and 3.8 pass). torch 2.7
+#: ships 3.3; with an older Triton the engine runs its torch kernel and ``cuda_graph`` is refused.
+MIN_TRITON = (3, 3)
+
+
+def _triton_version() -> tuple[int, ...] | None:
+    """The installed Triton's version, or ``None`` without one (read from its metadata, not imported)."""
+    if not _HAVE_TRITON:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        text = version("triton")
+    except PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+_TRITON_OK = (_triton_version() or (0,)) >= MIN_TRITON
+
 #: The smallest subnormal float32 (unit roundoff and radius shrink: the BLAS path's, from search.py).
 _TINY32 = 2.0**-149
 #: Rows per search-kernel program (a block never holds two layers' rows).
@@ -72,7 +93,7 @@ def _interpreting() -> bool:
 
 def available(device: torch.device | str) -> bool:
     """Whether :func:`fused_nearest_two` runs on ``device``: CUDA with Triton, or any device under the interpreter."""
-    if not _HAVE_TRITON:
+    if not _TRITON_OK:
         return False
     return torch.device(device).type == "cuda" or _interpreting()
 
@@ -164,8 +185,8 @@ def fused_nearest_two(vectors: torch.Tensor, pool: torch.Tensor) -> tuple[torch.
     """
     if not available(vectors.device):
         raise RuntimeError(
-            f"fused search needs CUDA and Triton (device {vectors.device}; Triton "
-            f"{'present' if _HAVE_TRITON else 'missing'}; TRITON_INTERPRET=1 runs it on CPU)"
+            f"fused search needs CUDA and Triton >= {'.'.join(map(str, MIN_TRITON))} (device {vectors.device}; Triton "
+            f"{'.'.join(map(str, _triton_version() or ())) or 'missing'}; TRITON_INTERPRET=1 runs it on CPU)"
         )
     if vectors.ndim != 2 or pool.ndim != 2 or vectors.shape[1] != pool.shape[1] or pool.shape[0] < 1:
         raise ValueError(f"vectors {tuple(vectors.shape)} and pool {tuple(pool.shape)} must be (N, D) and (n >= 1, D)")

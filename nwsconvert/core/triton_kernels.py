@@ -139,10 +139,10 @@ def engine_flag_kernel(
     if CELLS:
         entry = tl.load(index_ptr + rows, mask=live, other=0).to(tl.int64) + tl.load(blk_off_ptr + blk)
         value = tl.load(x_ptr + rows.to(tl.int64), mask=live, other=0.0)
-        outside = ~(
-            (tl.load(lo_ptr + entry, mask=live, other=0.0) < value)
-            & (value < tl.load(hi_ptr + entry, mask=live, other=0.0))
+        inside = (tl.load(lo_ptr + entry, mask=live, other=0.0) < value) & (
+            value < tl.load(hi_ptr + entry, mask=live, other=0.0)
         )
+        outside = inside == 0  # (not ~: Triton 3.1's interpreter cannot invert a boolean)
     if TRACK:
         cols = tl.arange(0, DP)
         offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
@@ -158,7 +158,7 @@ def engine_flag_kernel(
             shrunk = tl.where(budget > 0, _round_down_f32(left * left, consts_ptr), tl.where(budget < 0, budget, 0.0))
             budget = tl.where(move != 0, shrunk, budget)
             tl.store(budget_ptr + rows, budget, mask=live)
-        need = ~(drift < budget)  # NaN counts as drifted
+        need = (drift < budget) == 0  # NaN counts as drifted
         if CELLS:
             need = tl.where(tl.load(stale_ptr + tl.load(blk_layer_ptr + blk)) != 0, need, outside)
     else:
@@ -243,7 +243,7 @@ def engine_search_kernel(
         r1 = tl.sqrt(a)
         r2 = tl.sqrt(b)
         half_gap = (r2 - r1) * 0.5
-        tie = ~(half_gap > tl.load(consts_ptr + 7) * (r2 + tl.load(consts_ptr + 8)))  # NaN: a tie
+        tie = (half_gap > tl.load(consts_ptr + 7) * (r2 + tl.load(consts_ptr + 8))) == 0  # NaN: a tie
         radius = tl.where(tie, 0.0, half_gap * tl.load(consts_ptr + 3))
         if TRACK:
             tl.store(budget_ptr + rows, _round_down_f32(radius * radius, consts_ptr), mask=live)

@@ -3,15 +3,16 @@ in the layout this machine's kernels read.
 
 On a CPU, onnxruntime runs convolutions in its blocked NCHWc kernels: when a session is built from constant
 weights it reorders each convolution's weight once (blocks of 8 or 16 channels, by the CPU's vector width).
-Weights given as plain graph inputs skip that rewrite and run 1.2-3.9x slower (ResNet-18; RESULTS, "one
-session for every task"). :func:`machine_graph` lets onnxruntime optimise the template here, with constant
+Weights given as plain graph inputs skip that rewrite and run 1.2-3.9x slower (ResNet-18; RESULTS, "Many
+tasks for the memory of one"). :func:`machine_graph` lets onnxruntime optimise the template here, with constant
 stand-ins for the task tensors, and then turns the reordered weights back into graph inputs. Where each
-element of a reordered weight comes from is read off the optimised graph itself: built once with every task
-tensor holding its own element numbers (1, 2, ...) and once with each tensor holding its number in the
-recipe, the optimised graph's weights say, element by element, which tensor and which element they hold
-(or 0: padding). Each input's layout is then matched to a plain copy, a zero-padded copy, or one of the
-NCHWc reorders (``OIHWBiBo``, ``OIHWBo``), and checked bit for bit against onnxruntime's own rewrite of
-random tensors. A task then runs at the speed of a session built for it, while a switch only rewrites the
+element of a reordered weight comes from is read off the optimised graph itself: built once with each task
+tensor holding its number in the recipe, and once per group of tensors (under 2**24 elements, float32's
+exact integers) with their elements numbered 1, 2, ... through the group (so that no two are equal, which
+onnxruntime would merge), the optimised graph's weights say, element by element, which tensor and which
+element they hold (or 0: padding). Each input's layout is then matched to a plain copy, a zero-padded
+copy, or one of the NCHWc reorders (``OIHWBiBo``, ``OIHWBo``), and checked bit for bit against
+onnxruntime's own rewrite of random tensors. A task then runs at the speed of a session built for it, while a switch only rewrites the
 inputs' buffers (:meth:`MachineGraph.fill`).
 
 Where the optimised graph does anything else with a task tensor (folds it into another constant, say), or a

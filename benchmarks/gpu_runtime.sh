@@ -10,7 +10,7 @@
 set -u
 OUT=${OUT:-/tmp/gpu_runtime}
 PARTS=${PARTS:-"tests models demo long20"}
-PY=${PY:-python}
+PY=${PY:-$(command -v python || command -v python3)}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
 $PY -c "import onnxruntime as o, torch; print(o.__version__, o.get_available_providers(), torch.__version__)" \
@@ -28,9 +28,10 @@ for part in $PARTS; do
     models)
         $PY benchmarks/deploy_modes.py --device cuda --models resnet18 mobilenetv2_100 efficientnet_b0 --size 224 \
             --tasks 6 --json "$OUT/deploy_cuda_224.json" > "$OUT/deploy_cuda_224.log" 2>&1 ;;
-    demo)
-        $PY -m nwsconvert.cli.train out=/tmp/gpu_demo progress=false > "$OUT/demo_train.log" 2>&1
-        $PY benchmarks/deploy_modes.py --device cuda --run /tmp/gpu_demo --json "$OUT/deploy_cuda_demo.json" \
+    demo)  # DEMO_RUN: a demo run already trained on this machine (gpu_checks.sh's make demo writes runs/demo)
+        run=${DEMO_RUN:-/tmp/gpu_demo}
+        [ -f "$run/manifest.json" ] || $PY -m nwsconvert.cli.demo out="$run" progress=false > "$OUT/demo_train.log" 2>&1
+        $PY benchmarks/deploy_modes.py --device cuda --run "$run" --json "$OUT/deploy_cuda_demo.json" \
             > "$OUT/deploy_cuda_demo.log" 2>&1 ;;
     long20)
         $PY -m nwsconvert.cli.train suite=long-mixed-20 "suite.fashion_root=${FASHION:-.dev/fashion}" out=/tmp/gpu_long20 \

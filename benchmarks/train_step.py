@@ -217,6 +217,10 @@ def main():
     )
     ap.add_argument("--cuda-graph", action="store_true", help="capture both steps in CUDA graphs and replay them")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument(
+        "--memory", action=argparse.BooleanOptionalAction, default=True,
+        help="measure peak memory in two fresh processes (--no-memory: time only)",
+    )
     ap.add_argument("--memory-child", choices=["dense", "nws"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -257,7 +261,8 @@ def main():
     td, tn = statistics.median(times["dense"]), statistics.median(times["nws"])
 
     mem = {}
-    for variant in ("dense", "nws"):
+    children = {}
+    for variant in ("dense", "nws") if args.memory else ():  # each in its own process, both at once
         cmd = [
             sys.executable,
             __file__,
@@ -281,7 +286,12 @@ def main():
             "--data",
             args.data,
         ]
-        mem[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        children[variant] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for variant, child in children.items():
+        out, err = child.communicate()
+        if child.returncode:
+            raise RuntimeError(f"memory child {variant}: {err[-2000:]}")
+        mem[variant] = json.loads(out)
 
     host = {}
     if args.device.startswith("cuda") and not args.cuda_graph:
@@ -303,15 +313,16 @@ def main():
     )
     print(f"commitment: {'autograd MSE (--unfused)' if args.unfused else 'fused into the backward'}")
     print(f"kernels re-searched per step: median {statistics.median(searched) * 100:.2f} %")
-    d, n = mem["dense"], mem["nws"]
-    print(
-        f"peak RSS    dense {d['peak_rss_mb']:8.1f} MB   NWS {n['peak_rss_mb']:8.1f} MB   ratio "
-        f"{n['peak_rss_mb'] / d['peak_rss_mb']:.2f}x"
-    )
-    print(
-        f"above import baseline  dense {d['peak_above_base_mb']:8.1f} MB   NWS {n['peak_above_base_mb']:8.1f} MB   "
-        f"ratio {n['peak_above_base_mb'] / d['peak_above_base_mb']:.2f}x"
-    )
+    d, n = mem.get("dense", {}), mem.get("nws", {})
+    if mem:
+        print(
+            f"peak RSS    dense {d['peak_rss_mb']:8.1f} MB   NWS {n['peak_rss_mb']:8.1f} MB   ratio "
+            f"{n['peak_rss_mb'] / d['peak_rss_mb']:.2f}x"
+        )
+        print(
+            f"above import baseline  dense {d['peak_above_base_mb']:8.1f} MB   NWS {n['peak_above_base_mb']:8.1f} MB   "
+            f"ratio {n['peak_above_base_mb'] / d['peak_above_base_mb']:.2f}x"
+        )
     if "cuda_peak_mb" in d:
         print(
             f"CUDA peak   dense {d['cuda_peak_mb']:8.1f} MB   NWS {n['cuda_peak_mb']:8.1f} MB   ratio "

@@ -86,7 +86,9 @@ class _Dense:
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        # TF32 off, as the Runtime's default: like with like (onnxruntime's own default rounds to TF32).
+        cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})
+        providers = [cuda, "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         self.sess = ort.InferenceSession(str(path), opts, providers=providers)
 
     def run(self, task: int, x: np.ndarray) -> np.ndarray:

@@ -68,7 +68,8 @@ def measure(bundle: Path, config: dict, device: str, threads: int | None) -> dic
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})  # as the Runtime's default
+        providers = [cuda, "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         sess = ort.InferenceSession(config["path"], opts, providers=providers)
         sess.run(None, {"input": x})
         return {"rss": rss() - start, "gpu": gpu_memory() if device == "cuda" else None}

@@ -141,6 +141,11 @@ def _infer(argv: list[str] | None) -> int:
     p.add_argument("-k", type=int, default=3, help="top-k classes to print")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument(
+        "--tf32",
+        action="store_true",
+        help="CUDA: let cuDNN/cuBLAS round float32 products to TF32 (faster on Ampere and later; logits move ~1e-3)",
+    )
+    p.add_argument(
         "--mode",
         default="auto",
         choices=["auto", "switch", "session"],
@@ -176,7 +181,7 @@ def _infer(argv: list[str] | None) -> int:
             if have
             else f"--task {args.task}: bundle {args.bundle} holds no ONNX graphs (exported without --onnx): {again}"
         )
-    rt = Runtime(args.bundle, device=args.device, mode=args.mode)
+    rt = Runtime(args.bundle, device=args.device, mode=args.mode, tf32=args.tf32)
     rt.session(args.task)
     layout = f", layout {rt.info()['layout']}" if rt.mode == "switch" else ""
     print(f"mode: {rt.mode}; providers: {rt.session(args.task).get_providers()}{layout}")

@@ -141,9 +141,13 @@ class Runtime:
         fill: switch mode: how a switch computes a task's tensors: ``numpy`` (on the host; the CPU's
             default), ``onnxruntime`` (a graph whose outputs are the buffers, on the session's device: the
             CUDA default, with no copy through the host; on a CPU with ``layout="plain"`` only), ``auto``.
+        tf32: CUDA: let cuDNN and cuBLAS round float32 products to TF32 on GPUs that have it (Ampere and
+            later; onnxruntime's own default). Off by default: the logits then agree with the CPU's and
+            PyTorch's to float32 rounding (about 1e-6 of the largest logit), where TF32 (10 bits of
+            mantissa) moves them by about 1e-3.
 
     Attributes:
-        providers: the providers requested; ``session(task).get_providers()`` says what runs.
+        providers: the providers requested (names); ``session(task).get_providers()`` says what runs.
         last_switch_seconds: the work of the last switch to a task not held ready, in seconds: decoding
             (``keep="pack"``), the gather and fold, and writing the buffers (switch mode); the session
             creation (session mode). A switch to a task held ready or cached costs a look-up.
@@ -165,6 +169,7 @@ class Runtime:
         keep: str = "indices",
         layout: str = "auto",
         fill: str = "auto",
+        tf32: bool = False,
     ):
         import onnxruntime as ort
 
@@ -198,6 +203,12 @@ class Runtime:
         self.requested_cuda = device == "cuda" or gpu
         self.cuda = gpu
         self.providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if gpu else ["CPUExecutionProvider"]
+        self.tf32 = bool(tf32)
+        # What sessions are built with: the names, the CUDA provider with its TF32 setting.
+        self._provider_args = [
+            ("CUDAExecutionProvider", {"use_tf32": "1" if self.tf32 else "0"}) if p == "CUDAExecutionProvider" else p
+            for p in self.providers
+        ]
         self.threads = threads
         self.max_sessions = max_sessions
         self.ready, self.keep, self.layout_request = ready, keep, layout
@@ -288,7 +299,7 @@ class Runtime:
             sess = self.ort.InferenceSession(
                 str(graph),
                 sess_options=self._options(self._pools, shared_arena=True),
-                providers=self.providers,
+                providers=self._provider_args,
                 disabled_optimizers=DISABLED_OPTIMIZERS,
             )
         except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
@@ -391,12 +402,12 @@ class Runtime:
             self._session = ort.InferenceSession(
                 self._graph.model,
                 sess_options=self._options(level=level),
-                providers=self.providers,
+                providers=self._provider_args,
                 disabled_optimizers=DISABLED_OPTIMIZERS,
             )
             self._filler = None
             if filler is not None:
-                sess = ort.InferenceSession(filler, sess_options=self._options(), providers=self.providers)
+                sess = ort.InferenceSession(filler, sess_options=self._options(), providers=self._provider_args)
                 device_pools = {
                     f"pool/{n}": ort.OrtValue.ortvalue_from_numpy(a, self._device_kind, 0)
                     for n, a in self._pool_arrays.items()

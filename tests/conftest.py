@@ -11,6 +11,10 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The GPU tests that compare runs bit for bit take deterministic kernels (deterministic=true); cuBLAS
+# reads its workspace setting when a handle is made, which an earlier test in this process may do.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -512,24 +512,43 @@ def test_the_runtime_wheel_needs_neither_torch_nor_timm(run, tmp_path):
     ],
 )
 def test_the_runtime_picks_its_providers_from_what_onnxruntime_and_the_machine_offer(
-    run, tmp_path, monkeypatch, available, gpu, device, providers, warned
+    bundle3, monkeypatch, available, gpu, device, providers, warned
 ):
-    """The provider choice, with onnxruntime's list and the GPU's presence faked (the suite runs without a GPU)."""
+    """The provider choice, with onnxruntime's list and the GPU's presence faked (the suite runs without a GPU).
+    Every session is asked for the CUDA provider with TF32 off (onnxruntime's default is on: logits 1e-3
+    from the CPU's), or on with ``tf32=True``."""
     import warnings
 
     import onnxruntime
 
     import nwsconvert.export.runtime as runtime
 
-    export_bundle(run, tmp_path / "b", 0)
-    preloaded = []
+    _, bundle = bundle3
+    preloaded, asked = [], []
+    session = onnxruntime.InferenceSession
+
+    def recording(*args, providers=None, **kwargs):
+        asked.append(providers)
+        return session(*args, providers=["CPUExecutionProvider"], **kwargs)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", recording)
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: list(available))
     monkeypatch.setattr(onnxruntime, "preload_dlls", lambda *a, **k: preloaded.append(1), raising=False)
     monkeypatch.setattr(runtime, "_gpu_present", lambda: gpu)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rt = Runtime(tmp_path / "b", device=device)
+        rt = Runtime(bundle, device=device, mode="session")  # the switch mode would put buffers on a GPU
+        rt.session(0)
     assert rt.providers == providers
     assert rt.requested_cuda == (device == "cuda" or providers[0] == "CUDAExecutionProvider")
     assert bool(preloaded) == (providers[0] == "CUDAExecutionProvider")  # CUDA / cuDNN loaded only when used
     assert any("CUDA requested but" in str(w.message) for w in caught) == warned
+    cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})
+    want = [cuda, "CPUExecutionProvider"] if providers[0] == "CUDAExecutionProvider" else ["CPUExecutionProvider"]
+    assert asked and all(p == want for p in asked), asked
+    if providers[0] == "CUDAExecutionProvider":
+        asked.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the faked CUDA provider falls back to the CPU's, and says so
+            Runtime(bundle, device=device, mode="session", tf32=True).session(0)
+        assert asked and all(p == [("CUDAExecutionProvider", {"use_tf32": "1"}), "CPUExecutionProvider"] for p in asked)

@@ -53,8 +53,11 @@ class GraphedStep:
     Triton's compilation settle there), captures the next step, and replays it for every batch of the
     captured shapes while the optimiser's learning rates stay those it captured (a learning rate is a
     constant of the graph). A batch of another shape (a smaller last batch) runs eagerly; a new learning
-    rate (the schedule's next epoch) starts warm-up and capture again. Replays run the captured
-    kernels in their order, so the weights and indices equal eager training's.
+    rate (the schedule's next epoch) starts warm-up and capture again, the new graph in a memory pool
+    of its own (the old graph's pool is released with it). Replays run the captured kernels in their
+    order, so the weights and indices equal eager training's wherever the kernels themselves are
+    deterministic (``deterministic=true``: cuDNN's default backward kernels differ from run to run,
+    eager or replayed).
 
     Args:
         step: the task's step; its model must have the search engine attached.
@@ -74,7 +77,6 @@ class GraphedStep:
         self._lrs: tuple | None = None
         self._shapes: tuple | None = None
         self._warm = 0
-        self._pool = torch.cuda.graph_pool_handle()
         self._static: tuple | None = None  # (x, y, logits, loss) of the captured step
 
     def _learning_rates(self) -> tuple:
@@ -107,8 +109,11 @@ class GraphedStep:
         sx, sy = x.clone(), y.clone()
         self.step.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients
         graph = torch.cuda.CUDAGraph()
+        # A private pool per graph (pool=None). One handle shared by successive graphs fails: the first
+        # graph's release leaves its pool with no user until its blocks are freed, and the allocator's
+        # next capture into it stops at an internal assert (torch 2.11, seen on an H100).
         # thread_local: the DataLoader's pin-memory thread may use CUDA while this thread captures.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out, loss = self.step(sx, sy)
         self.graph, self._static, self._shapes = graph, (sx, sy, out, loss), shapes
         self.captures += 1

@@ -44,7 +44,7 @@ if [ "${LAYER_ROW:-1}" = 1 ] && [ "$STAGE" != rest ]; then
         --json "$OUT/train_step_resnet18_224_layer.json" > "$OUT/train_step_resnet18_224_layer.log" 2>&1
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = rest ]; then
-    $PY -m pytest -q -n 14 tests > "$OUT/pytest_all.log" 2>&1
+    $PY -m pytest -q -n 14 ${TESTS:-tests} > "$OUT/pytest_all.log" 2>&1
     echo "pytest rc=$?" >> "$OUT/pytest_all.log"
     TIMEV=""; [ -x /usr/bin/time ] && TIMEV="/usr/bin/time -v"
     $TIMEV $PY -m nwsconvert.cli.demo > "$OUT/demo.log" 2>&1

@@ -36,8 +36,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile.py: no CUDA device")
     args = argparse.Namespace(
-        model=a.model, size=a.size, batch=a.batch, device="cuda", pool_size=512, search="engine",
-        unfused=False, data="split-mnist",
+        model=a.model,
+        size=a.size,
+        batch=a.batch,
+        device="cuda",
+        pool_size=512,
+        search="engine",
+        unfused=False,
+        data="split-mnist",
     )
     nws = not a.dense
     model, opt = train_step.build(args, nws)

@@ -218,7 +218,9 @@ def main():
     ap.add_argument("--cuda-graph", action="store_true", help="capture both steps in CUDA graphs and replay them")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument(
-        "--memory", action=argparse.BooleanOptionalAction, default=True,
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="measure peak memory in two fresh processes (--no-memory: time only)",
     )
     ap.add_argument("--memory-child", choices=["dense", "nws"], help=argparse.SUPPRESS)

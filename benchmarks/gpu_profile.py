@@ -37,6 +37,7 @@ def main() -> None:
         raise SystemExit("gpu_profile.py: no CUDA device")
     args = argparse.Namespace(
         model=a.model,
+        model_kwargs="{}",
         size=a.size,
         batch=a.batch,
         device="cuda",

@@ -62,9 +62,11 @@ def build(args, nws: bool):
     if args.model.startswith("torchvision:"):  # as a user's own loop builds it
         import torchvision
 
-        model = torchvision.models.get_model(args.model.split(":", 1)[1], weights=None, num_classes=10)
+        model = torchvision.models.get_model(
+            args.model.split(":", 1)[1], weights=None, num_classes=10, **json.loads(args.model_kwargs)
+        )
     else:
-        model = timm.create_model(args.model.removeprefix("timm:"), num_classes=10)
+        model = timm.create_model(args.model.removeprefix("timm:"), num_classes=10, **json.loads(args.model_kwargs))
     model = model.to(args.device)
     if nws:
         from nwsconvert.core.engine import search_engine
@@ -195,6 +197,9 @@ def memory_child(args, nws: bool) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet18")
+    ap.add_argument(
+        "--model-kwargs", default="{}", help='JSON keyword arguments of the model, e.g. \'{"zero_init_residual": true}\''
+    )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=30)
@@ -275,6 +280,8 @@ def main():
             args.search,
             "--model",
             args.model,
+            "--model-kwargs",
+            args.model_kwargs,
             "--batch",
             str(args.batch),
             "--size",

@@ -198,7 +198,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet18")
     ap.add_argument(
-        "--model-kwargs", default="{}", help='JSON keyword arguments of the model, e.g. \'{"zero_init_residual": true}\''
+        "--model-kwargs",
+        default="{}",
+        help="JSON keyword arguments of the model, e.g. '{\"zero_init_residual\": true}'",
     )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--size", type=int, default=32)

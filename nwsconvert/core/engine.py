@@ -132,10 +132,16 @@ class _Commit:
 
     def __call__(self, grad: torch.Tensor, k: torch.Tensor, weights) -> torch.Tensor:
         w = torch.cat([w.reshape(-1, self.dim) for w in weights])
+        # The group's incoming gradient is a buffer autograd made for K alone (the layers' weight gradients
+        # concatenated), which nothing else reads: the term goes into it in place, so the backward's peak
+        # holds no second (R, D) buffer (the kernel reads and writes each element in the same program).
+        own = grad.is_contiguous() and not grad._is_view()
         if self.wide is not None:
-            out = torch.empty_like(grad)
+            out = grad if own else torch.empty_like(grad)
             fused_search.engine_commit(grad.contiguous(), w, k, self.scale, self.wide, out)
             return out
+        if own and grad.dtype == w.dtype:
+            return grad.addcmul_(self.scale.to(grad.dtype), w - k.to(w.dtype))
         return torch.addcmul(grad, self.scale.to(grad.dtype), w - k.to(w.dtype))
 
 
@@ -175,7 +181,7 @@ class _Group:
             self.pools.append((p, layer.nws.pool_size))
             r += layer.nws.num_vectors
             p += layer.nws.pool_size
-        self.sizes = [count * dim for _, count in self.rows]
+        self.row_counts = [count for _, count in self.rows]  # rows per layer
         self.shapes = [layer.nws.weight_shape for layer in layers]
         # Each layer's parametrization (holding W as ``original``): one attribute read per step and layer
         # instead of the three module look-ups of NWSLayer.weight.
@@ -274,7 +280,9 @@ class _Group:
             torch._foreach_copy_([layer.nws.indices for layer in self.layers], self.index_pieces)
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             k = _GroupSTE.apply(k, self._commit(), *weights)
-        self.pieces = [piece.view(shape) for piece, shape in zip(k.view(-1).split(self.sizes), self.shapes)]
+        # Split by rows, not through a flat view: the backward then concatenates the layers' gradients into
+        # a tensor of K's shape that is no view, which the commitment term may take in place (_Commit).
+        self.pieces = [piece.view(shape) for piece, shape in zip(k.split(self.row_counts), self.shapes)]
         return weights
 
     def _track_pools(self) -> bool:

@@ -15,6 +15,15 @@
 # Measured on an H100 (2026-11-27): a machine's start and install ~30 s; the five step rows eager and four
 # graphed ~300 s; the whole suite with -n 14 250 s; make demo's job 26 s; dense finetuning beside NWS 45 s;
 # the runtime's tests 110 s (beside the suite).
+#
+# Staging (here, before the lease): bash ../shared/gpu/stage.sh --ort, then cut the wheel into five parts of
+# 51 MiB instead of six (one call less; a part, .dev/base and the tree stay under 64 MiB):
+#   cat .dev/ort*/part* > /tmp/ort.whl && rm -rf .dev/ort* && split -b 51M -d -a 1 /tmp/ort.whl /tmp/ortpart &&
+#   i=0; for f in /tmp/ortpart*; do mkdir -p .dev/ort$i && mv $f .dev/ort$i/part$i; i=$((i+1)); done; echo $i > .dev/base/ort_parts
+# The calls, back to back (a machine is given back after 30 s idle), each `. .dev/base/device.sh && ...`:
+#   1. carry .dev/base .dev/ort0: PHASE=steps BUDGET=... (the rows still to time; the suite detached)
+#   2-4. carry .dev/base .dev/ortK: PHASE=poll
+#   5. carry .dev/base .dev/ort4: PHASE=runtime BUDGET=... PROFILE="resnet18 32 64"
 set -u
 PHASE=${PHASE:-poll}
 OUT=${OUT:-/tmp/gpu_session}

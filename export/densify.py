@@ -13,22 +13,23 @@ into the graph a task runs at dense speed:
 * the Gathers, the index unpacking and the pools are removed.
 
 Every new initializer is external data at :data:`PLACEHOLDER`, a location that does not exist:
-the graph holds no task. The runtime computes a task's tensors from its pack with NumPy
-(:func:`materialise`: one gather per layer, the folds) and hands them to onnxruntime with
-``SessionOptions.add_external_initializers``, which replaces the references by name before
-anything is read. Being constants, onnxruntime optimises them as in a per-task graph (weight
-prepacking, NCHWc layouts on CPU): inference costs what the dense model costs. The recipe,
-one row per tensor (:func:`dense_template`'s return value), goes into ``bundle.json``.
+the graph holds no task. The recipe, one row per tensor (:func:`dense_template`'s return value), goes
+into ``bundle.json``. The runtime's switch mode turns those initializers into graph inputs, laid out
+for the machine (:mod:`nwsconvert.export.layout`), and fills them at each switch from a task's values
+(:func:`task_values`: its indices, and its BatchNorm folds computed once from its pack): with NumPy
+(:func:`dense_tensors`: one gather per layer, times the fold's scale), or on the session's device
+with onnxruntime (:func:`recipe_graph`: the same computation as a graph whose outputs are the bound
+buffers).
 
-Imported by the runtime for :func:`materialise` only (NumPy, no onnx, no torch); the export half
-imports ``onnx`` inside the functions that edit graphs.
+Imported by the runtime for :func:`task_values` and :func:`dense_tensors` (NumPy, no onnx, no torch);
+:func:`recipe_graph` and the export half import ``onnx`` inside the functions that build graphs.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PLACEHOLDER", "dense_template", "materialise", "task_values", "dense_tensors", "recipe_graph"]
+__all__ = ["PLACEHOLDER", "dense_template", "task_values", "dense_tensors", "recipe_graph"]
 
 #: External-data location of the task tensors in the template: never a file, always supplied by name.
 PLACEHOLDER = "task-tensors-supplied-by-the-runtime"
@@ -237,28 +238,6 @@ def dense_tensors(
             out[row["bias_name"]] = values[row["bias_name"]]
         out[row["name"]] = weight
     return out
-
-
-def materialise(
-    recipe: list[dict], pools: dict[str, np.ndarray], values: dict[str, np.ndarray]
-) -> dict[str, np.ndarray]:
-    """A task's tensors for the dense template, with NumPy: :func:`dense_tensors` of :func:`task_values`.
-
-    Args:
-        recipe: :func:`dense_template`'s rows (from ``bundle.json``).
-        pools: layer name -> ``(n, D)`` pool (float32 or float16: gathered, then widened exactly).
-        values: the task's ``indices/<layer>`` ``(N,)`` integer and ``state/<key>`` float32 arrays (its pack).
-
-    Returns:
-        Tensor name -> C-contiguous float32 array of the recipe's shape (head rows beyond the task's
-        classes padded: their logits are dropped).
-
-    Raises:
-        KeyError: a value the recipe needs is missing (the caller names the pack).
-        ValueError: a value of another size than the template takes.
-    """
-    shapes = {name: tuple(pool.shape) for name, pool in pools.items()}
-    return dense_tensors(recipe, pools, task_values(recipe, values, shapes))
 
 
 def recipe_graph(recipe: list[dict], pools: dict[str, tuple[tuple[int, int], str]], index_type: str = "int32") -> bytes:

@@ -46,7 +46,7 @@ def switch_costs(runtime, images, cycles: int = 5, tasks: list[int] | None = Non
 def run_times(runtime, task: int, images, rounds: int = 50) -> list[float]:
     """Seconds per run of ``task`` on ``images``, ``rounds`` runs after one warm-up run."""
     runtime.run(task, images)
-    return [_timed(lambda: runtime.run(task, images)) for _ in range(rounds)]  # noqa: B023  # noqa: B023
+    return [_timed(lambda: runtime.run(task, images)) for _ in range(rounds)]  # noqa: B023
 
 
 def summary(values: list[float]) -> dict:

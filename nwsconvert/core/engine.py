@@ -52,6 +52,7 @@ from torch import nn
 
 from . import fused_search
 from .fused_search import row_blocks
+from .layers import writable_gradient
 from .nwsmodel import _require
 from .rounding import budget_sq, full_precision, round_down_f32
 from .search import PreparedPool, flat_nonzero, nearest_two
@@ -135,7 +136,7 @@ class _Commit:
         # The group's incoming gradient is a buffer autograd made for K alone (the layers' weight gradients
         # concatenated), which nothing else reads: the term goes into it in place, so the backward's peak
         # holds no second (R, D) buffer (the kernel reads and writes each element in the same program).
-        own = grad.is_contiguous() and not grad._is_view()
+        own = writable_gradient(grad)
         if self.wide is not None:
             out = grad if own else torch.empty_like(grad)
             fused_search.engine_commit(grad.contiguous(), w, k, self.scale, self.wide, out)

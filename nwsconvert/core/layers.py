@@ -85,6 +85,12 @@ def _scatter_index(indices: torch.Tensor) -> torch.Tensor:
     return indices.long() if indices.device.type == "cpu" else indices
 
 
+def writable_gradient(grad: torch.Tensor) -> bool:
+    """Whether a custom backward may add to its incoming ``grad`` in place: a contiguous tensor of its own, no
+    view (autograd made it for this op's output alone, and nothing else reads it)."""
+    return grad.is_contiguous() and not grad._is_view()
+
+
 def index_bits(pool_size: int) -> int:
     """Bits per stored index for a pool of ``pool_size`` entries (``ceil(log2 n)``, at least 1)."""
     return max(1, math.ceil(math.log2(pool_size)))
@@ -113,7 +119,7 @@ class _GatherSTE(torch.autograd.Function):
         if not ctx.scale:
             return grad, None, None
         weight, k = ctx.saved_tensors
-        if grad.dtype == weight.dtype and grad.is_contiguous() and not grad._is_view():
+        if grad.dtype == weight.dtype and writable_gradient(grad):
             # The weight gradient the layer's own op computed for K, which nothing else reads: added to in
             # place (a new tensor of the weight's size costs its allocation and page faults every step).
             out = grad.add_(weight, alpha=ctx.scale)

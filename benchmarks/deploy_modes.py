@@ -16,9 +16,11 @@ Measured:
 * a switch's cost: the first run after it minus a steady run of the same task, over a round robin of every
   task (:func:`nwsconvert.export.timing.switch_costs`; median and quartiles): switch mode keeping every
   task's indices (the default) or only its pack, session mode with its default 4 cached sessions;
-* memory, each in a fresh process (RSS growth from the libraries imported to every task run once): the
-  dense model's session; switch mode with the bundle's first N tasks (N = 1, 5, 20 where the run has
-  them), beside what each task keeps (``Runtime.info()``); session mode with every task cached;
+* memory, each in a fresh process (RSS growth from the libraries imported to every task run twice, the
+  steady state: ``benchmarks/runtime_memory.py``): the dense model's session; switch mode with the
+  bundle's first N tasks (N = 1, 5, 20 where the run has them), beside what each task keeps
+  (``Runtime.info()``); every task held ready (``ready=N``: a buffer each); session mode with one and
+  with every task cached (what each further cached task adds, against its dense weights);
 * the switch mode's start-up (the layout found for this machine) and the files.
 """
 
@@ -75,6 +77,14 @@ def dense_onnx(run: Path, size: int, path: Path, channels: int = 3) -> None:
         output_names=["logits"],
         dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
     )
+
+
+def _initializer_bytes(path: Path) -> int:
+    """The bytes of a graph's initializers (its weights, as the dense model stores them)."""
+    import onnx
+    from onnx import numpy_helper
+
+    return sum(numpy_helper.to_array(i).nbytes for i in onnx.load(str(path)).graph.initializer)
 
 
 class _Dense:
@@ -139,6 +149,15 @@ def measure(run: Path, bundle: Path, dense: Path, device: str, threads: int | No
     out["memory"]["session_all_cached"] = _child(
         bundle, {"kind": "runtime", "mode": "session", "max_sessions": ntasks}, device, threads
     )
+    if ntasks > 1:  # every task held ready (a buffer each) against one: what each further one adds
+        out["memory"]["switch_all_ready"] = _child(
+            bundle, {"kind": "runtime", "mode": "switch", "ready": ntasks}, device, threads
+        )
+    if ntasks > 1:  # one cached session: what each further one adds is the difference
+        one = _first_tasks(run, bundle, 1, bundle.parent / "first_1")
+        out["memory"]["session_one_cached"] = _child(
+            one, {"kind": "runtime", "mode": "session", "max_sessions": 1}, device, threads
+        )
     # Latency, interleaved, on task 0 (no switch in between).
     rts = {
         "switch": Runtime(bundle, device=device, mode="switch", threads=threads),
@@ -230,6 +249,7 @@ def main() -> None:
                 "switch_onnx": os.path.getsize(bundle / SWITCH_FILE),
                 "pools": os.path.getsize(bundle / "pools.safetensors"),
                 "dense_onnx": os.path.getsize(d / "dense.onnx"),
+                "dense_weights": _initializer_bytes(d / "dense.onnx"),
                 "bundle": sum(f.stat().st_size for f in bundle.iterdir() if f.is_file()),
                 "switch_bundle": sum(
                     f.stat().st_size
@@ -269,7 +289,7 @@ def report(name: str, args, r: dict) -> None:
             f"  switch cost, {what}: {1e3 * c['median']:.1f} ms [{1e3 * c['q25']:.1f}, {1e3 * c['q75']:.1f}] over {c['n']}"
         )
     for key, m in mem.items():
-        if not key.startswith("switch_") or key == "switch_keep_pack":
+        if not key.startswith("switch_") or key in ("switch_keep_pack", "switch_all_ready"):
             continue
         kept = sum(m["info"]["bytes_per_task"].values())
         n = len(m["info"]["bytes_per_task"])
@@ -282,11 +302,24 @@ def report(name: str, args, r: dict) -> None:
     print(
         f"  memory, switch mode keeping packs only: {pk['rss'] / 1e6:.1f} MB RSS ({pk['rss'] / dense_rss:.2f}x the dense session)"
     )
+    if "switch_all_ready" in mem:
+        added = (mem["switch_all_ready"]["rss"] - mem[f"switch_{r['tasks']}"]["rss"]) / (r["tasks"] - 1)
+        print(
+            f"  memory, switch mode with all {r['tasks']} tasks ready: {mem['switch_all_ready']['rss'] / 1e6:.1f} MB; each "
+            f"further ready task adds {added / 1e6:.1f} MB ({added / sizes['dense_weights']:.2f}x its dense weights)"
+        )
     sc = mem["session_all_cached"]
     print(
         f"  memory, session mode with all {r['tasks']} cached: {sc['rss'] / 1e6:.1f} MB, "
         f"{sc['rss'] / r['tasks'] / 1e6:.1f} MB a task ({sc['rss'] / r['tasks'] / dense_rss:.2f}x the dense session)"
     )
+    if "session_one_cached" in mem:
+        added = (sc["rss"] - mem["session_one_cached"]["rss"]) / (r["tasks"] - 1)
+        print(
+            f"  memory, session mode: one cached {mem['session_one_cached']['rss'] / 1e6:.1f} MB; each further cached "
+            f"task adds {added / 1e6:.1f} MB ({added / sizes['dense_weights']:.2f}x its {sizes['dense_weights'] / 1e6:.1f} MB "
+            "of dense weights)"
+        )
     print(
         f"  files: per task .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB, .nwspack {sizes['pack_per_task'] / 1e6:.3f} MB; "
         f"bundle {sizes['bundle'] / 1e6:.2f} MB, {sizes['switch_bundle'] / 1e6:.2f} MB without per-task graphs; "

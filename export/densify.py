@@ -17,11 +17,11 @@ the graph holds no task. The recipe, one row per tensor (:func:`dense_template`'
 into ``bundle.json``. The runtime's switch mode turns those initializers into graph inputs, laid out
 for the machine (:mod:`nwsconvert.export.layout`), and fills them at each switch from a task's values
 (:func:`task_values`: its indices, and its BatchNorm folds computed once from its pack): with NumPy
-(:func:`dense_tensors`: one gather per layer, times the fold's scale), or on the session's device
+(:func:`iter_dense_tensors`: one gather per layer, times the fold's scale, each written before the next), or on the session's device
 with onnxruntime (:func:`recipe_graph`: the same computation as a graph whose outputs are the bound
 buffers).
 
-Imported by the runtime for :func:`task_values` and :func:`dense_tensors` (NumPy, no onnx, no torch);
+Imported by the runtime for :func:`task_values` and :func:`iter_dense_tensors` (NumPy, no onnx, no torch);
 :func:`recipe_graph` and the export half import ``onnx`` inside the functions that build graphs.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PLACEHOLDER", "dense_template", "task_values", "dense_tensors", "recipe_graph"]
+__all__ = ["PLACEHOLDER", "dense_template", "task_values", "iter_dense_tensors", "dense_tensors", "recipe_graph"]
 
 #: External-data location of the task tensors in the template: never a file, always supplied by name.
 PLACEHOLDER = "task-tensors-supplied-by-the-runtime"
@@ -213,20 +213,20 @@ def task_values(
     return out
 
 
-def dense_tensors(
-    recipe: list[dict], pools: dict[str, np.ndarray], values: dict[str, np.ndarray]
-) -> dict[str, np.ndarray]:
-    """A task's dense tensors from its :func:`task_values`: ``pool[indices]`` in the template's shape, times
-    the fold's scale per output channel; the folded biases and state as prepared.
+def iter_dense_tensors(recipe: list[dict], pools: dict[str, np.ndarray], values: dict[str, np.ndarray]):
+    """A task's dense tensors from its :func:`task_values`, one at a time: ``pool[indices]`` in the template's
+    shape, times the fold's scale per output channel; the folded biases and state as prepared.
 
-    Returns:
-        Tensor name -> C-contiguous float32 array of the recipe's shape.
+    A switch writes each into its buffer before the next is computed, so its temporaries are one layer's
+    weights, never a whole dense model's beside the buffers.
+
+    Yields:
+        ``(tensor name, C-contiguous float32 array of the recipe's shape)``, in recipe order.
     """
-    out: dict[str, np.ndarray] = {}
     for row in recipe:
         shape = tuple(row["shape"])
         if row["kind"] == "state":
-            out[row["name"]] = values[row["name"]]
+            yield row["name"], values[row["name"]]
             continue
         pool = pools[row["layer"]]
         # (count, D); every index was checked against the pool (task_values): "clip" only skips numpy's own check
@@ -235,9 +235,19 @@ def dense_tensors(
         if row["kind"] == "fold":
             scale = values[f"scale/{row['layer']}"]
             np.multiply(weight, scale.reshape(-1, *[1] * (len(shape) - 1)), out=weight)  # in place
-            out[row["bias_name"]] = values[row["bias_name"]]
-        out[row["name"]] = weight
-    return out
+            yield row["bias_name"], values[row["bias_name"]]
+        yield row["name"], weight
+
+
+def dense_tensors(
+    recipe: list[dict], pools: dict[str, np.ndarray], values: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Every tensor :func:`iter_dense_tensors` yields, at once.
+
+    Returns:
+        Tensor name -> C-contiguous float32 array of the recipe's shape.
+    """
+    return dict(iter_dense_tensors(recipe, pools, values))
 
 
 def recipe_graph(recipe: list[dict], pools: dict[str, tuple[tuple[int, int], str]], index_type: str = "int32") -> bytes:

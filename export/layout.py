@@ -128,11 +128,25 @@ class MachineGraph:
     optimised: bool
     reason: str | None = None
 
-    def fill(self, buffer: np.ndarray, tensors: dict[str, np.ndarray]) -> None:
-        """Write a task's dense tensors (name -> float32 array of the template's shape) into a slot's
-        ``buffer`` (flat float32 of ``floats``), every placement."""
+    def fill(self, buffer: np.ndarray, tensors) -> None:
+        """Write a task's dense tensors into a slot's ``buffer`` (flat float32 of ``floats``), every placement.
+
+        Args:
+            tensors: name -> float32 array of the template's shape, or an iterable of ``(name, array)``
+                pairs (:func:`~nwsconvert.export.densify.iter_dense_tensors`: each written, then dropped).
+
+        Raises:
+            KeyError: a placement's tensor is not among ``tensors`` (named).
+        """
+        pairs = tensors.items() if isinstance(tensors, dict) else tensors
+        by_source: dict[str, list[Placement]] = {}
         for p in self.placements:
-            p.write(buffer[p.offset : p.offset + p.size].reshape(p.shape), tensors[p.source])
+            by_source.setdefault(p.source, []).append(p)
+        for name, tensor in pairs:
+            for p in by_source.pop(name, ()):
+                p.write(buffer[p.offset : p.offset + p.size].reshape(p.shape), tensor)
+        if by_source:
+            raise KeyError(f"no tensor {next(iter(by_source))!r} for the switch graph's inputs")
 
     def views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
         """Input name -> its array in a slot's ``buffer`` (views: what a session binds)."""

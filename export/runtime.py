@@ -54,7 +54,7 @@ from nwsconvert.formats.packfile import STANDALONE, clear_cached_bases, read_pac
 from nwsconvert.formats.stfile import nws_header, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle, recipe_sha256
-from .densify import dense_tensors, task_values
+from .densify import iter_dense_tensors, task_values
 from .layout import aligned_empty, prepare
 
 #: onnxruntime graph rewrites every session runs without. ``Pad_Fusion`` folds a zero-valued
@@ -513,10 +513,14 @@ class Runtime:
             slot = self._take_slot(task)
             self._run_filler(slot, device)
         else:
-            tensors = dense_tensors(self._recipe, self._pool_arrays, values)
             slot = self._take_slot(task)
             assert slot.buffer is not None
-            self._graph.fill(slot.buffer, tensors)
+            try:
+                self._graph.fill(slot.buffer, iter_dense_tensors(self._recipe, self._pool_arrays, values))
+            except BaseException:  # a buffer half written holds no task
+                self._held.pop(task, None)
+                slot.task = None
+                raise
         self.last_switch_seconds = time.perf_counter() - tic
         self.switches += 1
         self._selected = task

@@ -280,6 +280,42 @@ def test_a_switch_to_a_damaged_pack_leaves_the_previous_task_served(bundle3, tmp
     assert np.array_equal(rt.run(0, x), y0)
 
 
+def test_a_switch_writes_one_layer_at_a_time_and_a_failed_write_frees_its_buffer(bundle3, monkeypatch):
+    """A switch computes each dense tensor and writes it before computing the next (its temporaries are one
+    layer's weights, not a second dense model): the buffers it writes are bit for bit those of the
+    all-at-once fill. A write that fails half way leaves no task held in the half-written buffer: the next
+    run of that task writes it again and gives the logits it gave before."""
+    import nwsconvert.export.runtime as runtime_module
+    from nwsconvert.export.densify import dense_tensors
+
+    _, bundle = bundle3
+    x = np.random.default_rng(5).standard_normal((2, 1, 16, 16)).astype(np.float32)
+    rt = Runtime(bundle, device="cpu", ready=1)
+    y1 = rt.run(1, x)
+    streamed = rt._slots[0].buffer.copy()
+    whole = np.zeros_like(streamed)
+    rt._graph.fill(whole, dense_tensors(rt._recipe, rt._pool_arrays, rt._values(1)))
+    assert np.array_equal(streamed, whole)
+    alive = []
+    real = runtime_module.iter_dense_tensors
+
+    def failing(*args):
+        for i, pair in enumerate(real(*args)):
+            alive.append(i)
+            if i == 3:
+                raise MemoryError("stand-in for a failure half way through the write")
+            yield pair
+
+    monkeypatch.setattr(runtime_module, "iter_dense_tensors", failing)
+    with pytest.raises(MemoryError):
+        rt.run(0, x)
+    assert alive == [0, 1, 2, 3] and rt.info()["ready_tasks"] == []  # task 1's buffer was half overwritten
+    monkeypatch.setattr(runtime_module, "iter_dense_tensors", real)
+    assert np.array_equal(rt.run(1, x), y1)
+    with pytest.raises(KeyError, match="no tensor"):
+        rt._graph.fill(whole, [])
+
+
 def test_the_graph_fill_onnxruntime_runs_on_a_gpu_writes_what_numpy_writes(bundle3):
     """On CUDA a switch computes a task's tensors with an onnxruntime graph whose outputs are the bound
     buffers (no copy through the host). The same code on the CPU provider (``fill="onnxruntime"``, the

@@ -17,7 +17,8 @@ Measured:
   task (:func:`nwsconvert.export.timing.switch_costs`; median and quartiles): switch mode keeping every
   task's indices (the default) or only its pack, session mode with its default 4 cached sessions;
 * memory, each in a fresh process (RSS growth from the libraries imported to every task run twice, the
-  steady state: ``benchmarks/runtime_memory.py``): the dense model's session; switch mode with the
+  steady state: ``benchmarks/runtime_memory.py``): the dense model's session, and two of them sharing
+  one arena (what onnxruntime itself costs per added session); switch mode with the
   bundle's first N tasks (N = 1, 5, 20 where the run has them), beside what each task keeps
   (``Runtime.info()``); every task held ready (``ready=N``: a buffer each); session mode with one and
   with every task cached (what each further cached task adds, against its dense weights);
@@ -139,6 +140,9 @@ def measure(run: Path, bundle: Path, dense: Path, device: str, threads: int | No
     out: dict = {"tasks": ntasks}
     # Memory, each configuration in a fresh process.
     out["memory"] = {"dense": _child(bundle, {"kind": "dense", "path": str(dense)}, device, threads)}
+    out["memory"]["dense_two_sessions"] = _child(
+        bundle, {"kind": "dense", "path": str(dense), "sessions": 2}, device, threads
+    )
     counts = sorted({n for n in (1, 5, 20) if n <= ntasks} | {ntasks})
     for n in counts:
         sub = _first_tasks(run, bundle, n, bundle.parent / f"first_{n}")
@@ -319,6 +323,12 @@ def report(name: str, args, r: dict) -> None:
             f"  memory, session mode: one cached {mem['session_one_cached']['rss'] / 1e6:.1f} MB; each further cached "
             f"task adds {added / 1e6:.1f} MB ({added / sizes['dense_weights']:.2f}x its {sizes['dense_weights'] / 1e6:.1f} MB "
             "of dense weights)"
+        )
+    if "dense_two_sessions" in mem:
+        added = mem["dense_two_sessions"]["rss"] - dense_rss
+        print(
+            f"  memory, a second session of the dense model (one arena shared, as the session mode's) adds "
+            f"{added / 1e6:.1f} MB ({added / sizes['dense_weights']:.2f}x its weights)"
         )
     print(
         f"  files: per task .onnx {sizes['onnx_per_task'] / 1e6:.2f} MB, .nwspack {sizes['pack_per_task'] / 1e6:.3f} MB; "

@@ -70,14 +70,25 @@ def measure(bundle: Path, config: dict, device: str, threads: int | None) -> dic
     start = rss()
     tic = time.perf_counter()
     if config["kind"] == "dense":
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
+        # "sessions": N > 1 sessions of the dense model sharing one CPU arena, as the Runtime's session
+        # mode shares one among its cached task sessions: what a dense session costs beside another.
+        shared = config.get("sessions", 1) > 1 and device == "cpu"
+        if shared:
+            from nwsconvert.export.runtime import _shared_cpu_arena
+
+            shared = _shared_cpu_arena(ort)
         cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})  # as the Runtime's default
         providers = [cuda, "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-        sess = ort.InferenceSession(config["path"], opts, providers=providers)
-        for _ in range(RUNS):
-            sess.run(None, {"input": x})
+        sessions = []
+        for _ in range(config.get("sessions", 1)):
+            opts = ort.SessionOptions()
+            if threads:
+                opts.intra_op_num_threads = threads
+            if shared:
+                opts.add_session_config_entry("session.use_env_allocators", "1")
+            sessions.append(ort.InferenceSession(config["path"], opts, providers=providers))
+            for _ in range(RUNS):
+                sessions[-1].run(None, {"input": x})
         return {"rss": rss() - start, "gpu": gpu_memory() if device == "cuda" else None}
     rt = Runtime(
         bundle,

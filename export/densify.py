@@ -17,9 +17,9 @@ the graph holds no task. The recipe, one row per tensor (:func:`dense_template`'
 into ``bundle.json``. The runtime's switch mode turns those initializers into graph inputs, laid out
 for the machine (:mod:`nwsconvert.export.layout`), and fills them at each switch from a task's values
 (:func:`task_values`: its indices, and its BatchNorm folds computed once from its pack): with NumPy
-(:func:`iter_dense_tensors`: one gather per layer, times the fold's scale, each written before the next), or on the session's device
-with onnxruntime (:func:`recipe_graph`: the same computation as a graph whose outputs are the bound
-buffers).
+(:func:`iter_dense_tensors`: one gather per layer, times the fold's scale, each written before the
+next is computed), or on the session's device with onnxruntime (:func:`recipe_graph`: the same
+computation as a graph whose outputs are the bound buffers).
 
 Imported by the runtime for :func:`task_values` and :func:`iter_dense_tensors` (NumPy, no onnx, no torch);
 :func:`recipe_graph` and the export half import ``onnx`` inside the functions that build graphs.

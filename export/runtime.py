@@ -520,6 +520,8 @@ class Runtime:
             except BaseException:  # a buffer half written holds no task
                 self._held.pop(task, None)
                 slot.task = None
+                if self._selected not in self._held:  # its buffer was the one overwritten
+                    self._selected = None
                 raise
         self.last_switch_seconds = time.perf_counter() - tic
         self.switches += 1

@@ -743,3 +743,21 @@ def test_task_starts_reuse_the_first_search_and_write_the_same_packs(tmp_path, m
     assert len(searched) - per_run == 2 * (layers - 1)  # tasks 1 and 2: every layer but the resized head
     packs = [[t.sha256 for t in RunDir(tmp_path / name).read().tasks] for name in ("cached", "fresh")]
     assert packs[0] == packs[1] and len(packs[0]) == 3
+
+
+def test_pool_usage_is_the_mean_share_of_entries_some_kernel_selects():
+    """``pool_usage``: per NWS layer, the distinct selected entries over the pool size, averaged; counted
+    per entry (no sort), exactly what the distinct-values count gives, with indices set by hand."""
+    from nwsconvert.train.evaluation import pool_usage
+
+    model = tiny_model(pool_size=32)
+    layers = nws_layers(model)
+    want = []
+    for i, layer in enumerate(layers):
+        idx = layer.nws.indices
+        idx.copy_(
+            torch.arange(idx.numel(), dtype=idx.dtype) % (i + 1)
+        )  # entries 0..i, when there are that many kernels
+        want.append(torch.unique(idx).numel() / layer.nws.pool_size)
+    assert pool_usage(model) == sum(want) / len(want)
+    assert len(set(want)) > 1  # the layers differ: a mean, not one layer's figure

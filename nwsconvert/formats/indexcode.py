@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bitpack import pack_bits, unpack_bits
-from .entropy import ans_decode, ans_encode, decode_table, encode_table
+from .bitpack import pack_bits, packed_size, unpack_bits
+from .entropy import ans_decode, ans_encode, decode_table, encode_table, entropy_bits
 
-__all__ = ["CODINGS", "EncodedLayer", "encode_indices", "decode_indices"]
+__all__ = ["ANS_SLACK_BYTES", "CODINGS", "EncodedLayer", "encode_indices", "decode_indices"]
 
 CODINGS = ("bits", "ans", "delta+bits", "delta+ans")
 
@@ -86,8 +86,20 @@ def _changes(count: int, k: int) -> np.ndarray:
     return np.array([count - k, k], dtype=np.int64)
 
 
+#: Bytes by which a rANS stream may come in under its data's order-0 entropy (the coder's initial state
+#: carries a few bits for free); :func:`encode_indices` skips ``ans`` only when even its entropy, less this,
+#: is larger than a coding it already has.
+ANS_SLACK_BYTES = 16
+
+
 def encode_indices(indices, pool_size: int, bits: int, base=None, codings=CODINGS) -> EncodedLayer:
     """The smallest coding of one layer's indices.
+
+    Only codings that can win are built: ``bits`` has an exact size before packing (built when it is
+    not beaten), and ``ans`` is skipped when the stream's order-0 entropy less :data:`ANS_SLACK_BYTES`
+    exceeds the smallest coding at hand (no static code beats its data's entropy by more than the
+    coder's state). A task's delta codings are usually 30x below either, so a task pack encodes only
+    what changed.
 
     Args:
         indices: ``(N,)`` integers (array or CPU tensor), values in ``[0, pool_size)``.
@@ -104,10 +116,6 @@ def encode_indices(indices, pool_size: int, bits: int, base=None, codings=CODING
     if values.size and (values.min() < 0 or values.max() >= pool_size):
         raise ValueError(f"indices must lie in [0, {pool_size}), got [{values.min()}, {values.max()}]")
     candidates = []
-    if "bits" in codings:
-        candidates.append(EncodedLayer("bits", _stream(values, pool_size, bits, False)))
-    if "ans" in codings and values.size:
-        candidates.append(EncodedLayer("ans", _stream(values, pool_size, bits, True)))
     ref = _ints(base) if base is not None else None
     if ref is not None and ref.size == values.size and values.size:
         changed = values != ref
@@ -127,6 +135,14 @@ def encode_indices(indices, pool_size: int, bits: int, base=None, codings=CODING
                         changes=k,
                     )
                 )
+    best = min((e.nbytes for e in candidates), default=None)
+    if "bits" in codings and (best is None or packed_size(values.size, bits) <= best):  # ties go to bits
+        candidates.append(EncodedLayer("bits", _stream(values, pool_size, bits, False)))
+        best = packed_size(values.size, bits)
+    if "ans" in codings and values.size:
+        floor = entropy_bits(values, pool_size) / 8 - ANS_SLACK_BYTES
+        if best is None or floor <= best:
+            candidates.append(EncodedLayer("ans", _stream(values, pool_size, bits, True)))
     if not candidates:
         raise ValueError(f"no coding in {codings} applies")
     return min(candidates, key=lambda e: (e.nbytes, CODINGS.index(e.coding)))

@@ -44,3 +44,19 @@ def test_scalar_assignment_is_exact():
     assert torch.equal(dist, (x[:, 0] - c[idx, 0]).square())
     centres = kmeans(torch.randn(50000, 1, generator=g), 32, generator=g)
     assert centres.shape == (32, 1) and torch.isfinite(centres).all() and centres.unique().numel() == 32
+
+
+def test_assign_takes_each_rows_first_nearest_centre_as_torch_min_does():
+    """``assign`` finds each row's smallest distance with NumPy's ``argmin`` on a CPU: the same value and the
+    same column as ``torch.min(dim=1)``, the first one on ties (duplicated centres make every row tie)."""
+    from nwsconvert.core.kmeans import assign
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(10_000, 9, generator=gen)
+    centres = torch.randn(64, 9, generator=gen)
+    centres = torch.cat([centres, centres])  # entry j + 64 equals entry j: the nearest is always tied
+    idx, dist = assign(x, centres, chunk=1000)
+    d = torch.addmm((centres * centres).sum(1), x, centres.t(), alpha=-2.0)
+    v, want = d.min(dim=1)
+    assert torch.equal(idx, want) and bool((idx < 64).all())
+    assert torch.equal(dist, (v + (x * x).sum(1)).clamp_min(0))

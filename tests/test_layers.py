@@ -103,6 +103,44 @@ def test_distillation_loss_moves_only_selected_pool_entries():
     assert not any(n.endswith(".pool") for n, _ in model.named_parameters())
 
 
+def test_distillation_after_a_forward_reuses_its_kernels_and_gives_the_gathered_gradients(monkeypatch):
+    """Pool learning's step: cross-entropy-like loss plus ``beta`` times the distillation. After the training
+    forward, the distillation takes that forward's K (no second gather) and every gradient, pools' and
+    temporary weights', is bit for bit what gathering K again gives; the pool then changes, and the next
+    distillation (no forward between) gathers again."""
+    import nwsconvert.core.layers as layers_module
+
+    torch.manual_seed(5)
+    base = nc.set_mode(nc.convert(_small_net(), pool_size=64, init="random"), "pool").train()
+    x = torch.randn(2, 3, 8, 8)
+    fused = []
+    real = layers_module._DistillFromK.apply
+    monkeypatch.setattr(layers_module._DistillFromK, "apply", lambda *a: (fused.append(1), real(*a))[1])
+
+    def step(model, reuse: bool):
+        out = model(x).square().mean()
+        if not reuse:
+            for layer in nc.nws_layers(model):
+                layer.nws._last = None  # as if no forward had gathered K
+        # K alive after the forward: the convolutions' (the Linear keeps only a transposed view of its K)
+        alive = sum(1 for layer in nc.nws_layers(model) if layer.nws._last and layer.nws._last[1]() is not None)
+        (out + 0.5 * nc.distillation_loss(model)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, alive
+
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    got, alive = step(a, True)
+    assert len(fused) == alive == 3
+    fused.clear()
+    want, _ = step(b, False)
+    assert not fused and got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in got)
+    with torch.no_grad():
+        for layer in nc.nws_layers(a):
+            layer.nws.pool.add_(0.01)
+    nc.distillation_loss(a).backward()  # the pool moved since the forward: K gathered again
+    assert not fused
+
+
 def test_eval_cache_is_reused_and_invalidated():
     model = nc.convert(_small_net(), pool_size=32, init="random").eval()
     layer = nc.nws_layers(model)[0]

@@ -129,6 +129,25 @@ class _GatherSTE(torch.autograd.Function):
         return out, None, None
 
 
+class _DistillFromK(torch.autograd.Function):
+    """``mse_loss(pool[index], W)`` given ``K = pool[index]`` already gathered: the forward gathers nothing;
+    the backward is what autograd runs for the gathered form (``mse_loss_backward``, then ``index_select``'s
+    backward: a zero pool gradient with ``index_add_``), so the gradient is the same bit for bit."""
+
+    @staticmethod
+    def forward(ctx, pool: torch.Tensor, k: torch.Tensor, target: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(k, target, index)
+        ctx.pool_shape = pool.shape
+        return F.mse_loss(k, target)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        k, target, index = ctx.saved_tensors
+        grad_k = torch.ops.aten.mse_loss_backward(grad, k, target, 1)  # 1: reduction "mean"
+        grad_pool = grad_k.new_zeros(ctx.pool_shape).index_add_(0, index, grad_k.reshape(-1, ctx.pool_shape[1]))
+        return grad_pool, None, None, None
+
+
 class NWSWeight(nn.Module):
     """Weight parametrization ``W -> M[nearest(W)]`` with a lazy exact search.
 
@@ -547,11 +566,20 @@ class NWSWeight(nn.Module):
         return F.mse_loss(weight, k.to(weight.dtype))
 
     def distillation_loss(self, weight: torch.Tensor) -> torch.Tensor:
-        """``||sg[W] - K||^2`` (mean squared error), differentiable in the pool (paper Eq. 4)."""
+        """``||sg[W] - K||^2`` (mean squared error), differentiable in the pool (paper Eq. 4).
+
+        After a training forward with the same pool and indices, K is that forward's (``pool[indices]``
+        already gathered): no second gather; the value and the pool's gradient are bit for bit those of
+        gathering again (:class:`_DistillFromK` runs autograd's own backward ops)."""
         if self.mode != "pool":
             raise RuntimeError("distillation_loss needs pool-learning mode: call nwsconvert.set_mode(model, 'pool')")
-        k = self.pool.index_select(0, _scatter_index(self.indices)).view(self.weight_shape)
-        return F.mse_loss(k, weight.detach().to(k.dtype))
+        index = _scatter_index(self.indices)
+        k = self._last[1]() if self._last is not None and self._last[0] == self._key() else None
+        if k is None or k.dtype != self.pool.dtype or not torch.is_grad_enabled():
+            k = self.pool.index_select(0, index).view(self.weight_shape)
+            return F.mse_loss(k, weight.detach().to(k.dtype))
+        # Handed out: the cache it views is copied, not rewritten, while the autograd graph holds it.
+        return _DistillFromK.apply(self.pool, self._hand_out(k.detach()), weight.detach().to(k.dtype), index)
 
     # ------------------------------------------------------------ pool modes
     def set_mode(self, mode: str) -> None:

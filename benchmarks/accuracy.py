@@ -55,11 +55,12 @@ from nwsconvert.train.specs import build_model
 from nwsconvert.zoo import get_suite
 
 
-def pretrained_model(job: dict, seed: int) -> torch.nn.Module:
+def pretrained_model(job: dict, seed: int, suite=None) -> torch.nn.Module:
     """The dense model every baseline starts from: built as the NWS run's, pretrained on the suite's
-    pretraining split with the pool-learning recipe (the NWS run learns its pools on the same data)."""
+    pretraining split with the pool-learning recipe (the NWS run learns its pools on the same data).
+    ``suite``: the job's suite when the caller has loaded it already."""
     cfg = train_config({**job, "seed": seed})
-    suite = get_suite(job["suite"], **job["suite_options"])
+    suite = suite if suite is not None else get_suite(job["suite"], **job["suite_options"])
     kwargs = dict(job["model_kwargs"])
     if job["model"].startswith("timm:") and suite.channels != 3:
         kwargs.setdefault("in_chans", suite.channels)

@@ -10,6 +10,11 @@ that do them:
   model rebuilt from the pack scores what the trained one does (rebuild + both evaluations);
 * dense: pretraining, and per task training (recalibration included), storing and evaluating.
 
+Both run in this process, NWS first: the model's library (timm) is imported before either is timed, so
+that neither pays its import (before 2026-11-27 the NWS job paid it, about 2 s, and dense, run after
+it, did not). The whole jobs as separate processes, imports and all, are timed side by side by
+``nws-train suite=...`` against ``benchmarks/dense_job.py --suite ...`` (``benchmarks/RESULTS.md``).
+
     python benchmarks/task_time.py --suite long-mixed-20 --tasks 6 --json benchmarks/results/task_time.json
     python benchmarks/task_time.py checkpoint_interval=0 --tasks 6   (a checkpoint after every epoch, as before)
 
@@ -112,6 +117,8 @@ def main(argv=None) -> int:
     job = resolve_job(
         [f"suite={args.suite}", "progress=false", f"tasks={args.tasks}", f"seed={args.seed}", *args.items]
     )
+    if job["model"].startswith("timm:"):
+        import timm  # noqa: F401  (imported for both sides: see the module docstring)
     with tempfile.TemporaryDirectory() as tmp:
         nws = nws_phases(job, f"{tmp}/run")
         tic = time.perf_counter()

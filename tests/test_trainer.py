@@ -761,3 +761,59 @@ def test_pool_usage_is_the_mean_share_of_entries_some_kernel_selects():
         want.append(torch.unique(idx).numel() / layer.nws.pool_size)
     assert pool_usage(model) == sum(want) / len(want)
     assert len(set(want)) > 1  # the layers differ: a mean, not one layer's figure
+
+
+def test_a_tasks_last_validation_is_of_the_stored_state_and_the_check_evaluates_only_the_rebuilt_model(
+    tmp_path, monkeypatch
+):
+    """A task's last epoch rounds its state to what the pack stores (float16 by default) before validating
+    it, so that validation is the stored task's: the trainer's check then evaluates only the model rebuilt
+    from the pack (one evaluation a task, not two), records the last epoch's figures as ``val_acc``, and
+    the rebuilt model scores them exactly. The packs are those of evaluating again (every pack byte equal)."""
+    from nwsconvert.train import stage as stage_mod
+    from nwsconvert.train import trainer as trainer_mod
+
+    calls = {"stage": [], "trainer": 0}
+    real = stage_mod.evaluate
+
+    def in_stage(model, *a, **k):
+        bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+        calls["stage"].append(bn.running_var.clone())  # the state this validation saw
+        return real(model, *a, **k)
+
+    def in_trainer(*a, **k):
+        calls["trainer"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(stage_mod, "evaluate", in_stage)
+    monkeypatch.setattr(trainer_mod, "evaluate", in_trainer)
+    trainer = train_run(tmp_path / "run", tasks=(3, 2))  # one epoch a task: its last
+    assert calls["trainer"] == 2  # the rebuilt model of each task, nothing else
+    run = RunDir(tmp_path / "run")
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for t in (0, 1):
+        last = [r for r in logged if r.get("stage") == f"task:{t}" and r.get("epoch") == 1]
+        metrics = trainer.manifest.task(t).metrics
+        assert last and metrics["val_acc"] == last[-1]["val_acc"] == metrics["rebuilt_acc"]
+        assert metrics["val_correct"] == last[-1]["val_correct"]
+    seen = calls["stage"][-1]  # task 1's last validation
+    assert torch.equal(seen, seen.half().float())  # float16 values: the rounded state
+    pack = TaskPack.load(run.task_path(run.read(), 1))
+    key = next(k for k in pack.state if k.endswith("running_var"))
+    assert torch.equal(pack.state[key].float(), seen)
+    # Without the rounding before the last validation, and the reuse, the packs are the same bytes.
+    monkeypatch.setattr(stage_mod, "round_state_", lambda model, dtype: model)
+    real_finish = trainer_mod.Trainer._finish_task
+
+    def finish_evaluating(self, task, val, num_classes, meta, record, seconds):
+        record = {k: v for k, v in record.items() if k != "val_correct"}  # as a record written before the reuse
+        return real_finish(self, task, val, num_classes, meta, record, seconds)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "_finish_task", finish_evaluating)
+    other = train_run(tmp_path / "again", tasks=(3, 2))
+    again = RunDir(tmp_path / "again")
+    for t in (0, 1):
+        a = TaskPack.load(run.task_path(run.read(), t))
+        b = TaskPack.load(again.task_path(again.read(), t))
+        assert a.content_sha256() == b.content_sha256()
+    assert other.manifest.task(1).metrics["val_correct"] == trainer.manifest.task(1).metrics["val_correct"]

@@ -23,6 +23,7 @@ from torch.utils.data import DistributedSampler
 
 from ..core.engine import search_engine
 from ..core.nwsmodel import commitment_loss, nws_layers, reseed_unused, set_commitment
+from ..formats.packs import round_state_
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, lr_factor
 from .distributed import DistInfo, average_buffers
@@ -102,7 +103,8 @@ def run_stage(
 
     Returns:
         The last epoch's record: ``stage, epoch, lr, train_loss, train_acc, searched, commitment,
-        pool_usage, seconds`` and ``val_acc, val_loss`` with ``val``.
+        pool_usage, seconds`` and ``val_acc, val_loss, val_correct, val_total`` with ``val`` (a task's
+        last epoch validates its state rounded to the pack's ``state_dtype``).
     """
     start = _restore(ctx, ckpt) if ckpt is not None else 0
     ctx.last_checkpoint = time.perf_counter()
@@ -215,9 +217,14 @@ def _end_epoch(ctx: StageContext, stage: str, epoch: int, record: dict, val, cfg
     if pool and cfg.reseed_every and (epoch + 1) % cfg.reseed_every == 0 and epoch + 1 < cfg.epochs:
         record["reseeded"] = reseed_unused(model)
     average_buffers(model, ctx.dist, _nws_buffer_names(model))
+    if not pool and epoch + 1 == cfg.epochs:
+        # The task's last epoch: its state rounded to what the pack stores before it is validated (and
+        # checkpointed), so this validation is the stored task's and the trainer's check needs to
+        # evaluate only the model rebuilt from the pack (Trainer._finish_task).
+        round_state_(model, cfg.state_dtype)
     if val is not None:
         ev = evaluate(model, ctx.loader(val, cfg, False, 0), device=ctx.device, amp=cfg.amp)
-        record.update(val_acc=ev["acc"], val_loss=ev["loss"])
+        record.update(val_acc=ev["acc"], val_loss=ev["loss"], val_correct=ev["correct"], val_total=ev["total"])
     selected = (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs
     if ctx.dist.is_main and selected and time.perf_counter() - ctx.last_checkpoint >= cfg.checkpoint_interval:
         save_checkpoint(

@@ -131,7 +131,16 @@ def _first_tasks(run: Path, bundle: Path, n: int, out: Path) -> Path:
     return out
 
 
-def measure(run: Path, bundle: Path, dense: Path, device: str, threads: int | None, rounds: int, cycles: int) -> dict:
+def measure(
+    run: Path,
+    bundle: Path,
+    dense: Path,
+    device: str,
+    threads: int | None,
+    rounds: int,
+    cycles: int,
+    memory: str = "all",
+) -> dict:
     from nwsconvert.export.timing import summary, switch_costs
 
     x1 = _input(bundle, 1)
@@ -140,9 +149,10 @@ def measure(run: Path, bundle: Path, dense: Path, device: str, threads: int | No
     out: dict = {"tasks": ntasks}
     # Memory, each configuration in a fresh process.
     out["memory"] = {"dense": _child(bundle, {"kind": "dense", "path": str(dense)}, device, threads)}
-    out["memory"]["dense_two_sessions"] = _child(
-        bundle, {"kind": "dense", "path": str(dense), "sessions": 2}, device, threads
-    )
+    if memory == "all":
+        out["memory"]["dense_two_sessions"] = _child(
+            bundle, {"kind": "dense", "path": str(dense), "sessions": 2}, device, threads
+        )
     counts = sorted({n for n in (1, 5, 20) if n <= ntasks} | {ntasks})
     for n in counts:
         sub = _first_tasks(run, bundle, n, bundle.parent / f"first_{n}")
@@ -153,11 +163,11 @@ def measure(run: Path, bundle: Path, dense: Path, device: str, threads: int | No
     out["memory"]["session_all_cached"] = _child(
         bundle, {"kind": "runtime", "mode": "session", "max_sessions": ntasks}, device, threads
     )
-    if ntasks > 1:  # every task held ready (a buffer each) against one: what each further one adds
+    if ntasks > 1 and memory == "all":  # every task held ready (a buffer each) against one: what each further one adds
         out["memory"]["switch_all_ready"] = _child(
             bundle, {"kind": "runtime", "mode": "switch", "ready": ntasks}, device, threads
         )
-    if ntasks > 1:  # one cached session: what each further one adds is the difference
+    if ntasks > 1 and memory == "all":  # one cached session: what each further one adds is the difference
         one = _first_tasks(run, bundle, 1, bundle.parent / "first_1")
         out["memory"]["session_one_cached"] = _child(
             one, {"kind": "runtime", "mode": "session", "max_sessions": 1}, device, threads
@@ -214,6 +224,14 @@ def main() -> None:
         help="measure this trained run directory (every task exported as nws-export --task all --onnx does) "
         "instead of training short runs of --models",
     )
+    p.add_argument(
+        "--memory",
+        choices=["all", "core"],
+        default="all",
+        help="core: the dense session, the switch mode with N tasks and with packs only, the session mode with "
+        "every task cached (three fresh processes fewer a bundle: a GPU lease's budget); all: also every task "
+        "held ready, one cached session and a second dense session (what each further one costs)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     import onnxruntime as ort
@@ -262,7 +280,7 @@ def main() -> None:
                 ),
             }
             built = time.perf_counter() - tic
-            r = measure(run, bundle, d / "dense.onnx", args.device, args.threads, args.rounds, args.cycles)
+            r = measure(run, bundle, d / "dense.onnx", args.device, args.threads, args.rounds, args.cycles, args.memory)
         r["files"] = sizes
         r["build_seconds"] = built
         results["models"][name] = r

@@ -7,9 +7,12 @@
 # and long-mixed-20's runs at 28x28 (trained there with nws-train's defaults). PARTS picks what runs
 # (tests models demo long20) to split it over two calls. The device image lacks Debian's Fashion-MNIST:
 # copy /usr/share/datasets/fashion-mnist to .dev/fashion here and carry it for long20 (FASHION=.dev/fashion).
+# MEMORY=core (default) measures deploy_modes.py's core memory rows only (three processes fewer a bundle);
+# MEMORY=all adds what each further ready task, cached session and dense session costs.
 set -u
 OUT=${OUT:-/tmp/gpu_runtime}
 PARTS=${PARTS:-"tests models demo long20"}
+MEMORY=${MEMORY:-core}
 PY=${PY:-$(command -v python || command -v python3)}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
@@ -26,17 +29,17 @@ for part in $PARTS; do
         $PY -m pytest -q tests/test_export.py tests/test_layout.py tests/test_demo.py > "$OUT/pytest_runtime.log" 2>&1
         echo "pytest rc=$?" >> "$OUT/pytest_runtime.log" ;;
     models)
-        $PY benchmarks/deploy_modes.py --device cuda --models resnet18 mobilenetv2_100 efficientnet_b0 --size 224 \
+        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --models resnet18 mobilenetv2_100 efficientnet_b0 --size 224 \
             --tasks 6 --json "$OUT/deploy_cuda_224.json" > "$OUT/deploy_cuda_224.log" 2>&1 ;;
     demo)  # DEMO_RUN: a demo run already trained on this machine (gpu_checks.sh's make demo writes runs/demo)
         run=${DEMO_RUN:-/tmp/gpu_demo}
         [ -f "$run/manifest.json" ] || $PY -m nwsconvert.cli.demo out="$run" progress=false > "$OUT/demo_train.log" 2>&1
-        $PY benchmarks/deploy_modes.py --device cuda --run "$run" --json "$OUT/deploy_cuda_demo.json" \
+        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --run "$run" --json "$OUT/deploy_cuda_demo.json" \
             > "$OUT/deploy_cuda_demo.log" 2>&1 ;;
     long20)
         $PY -m nwsconvert.cli.train suite=long-mixed-20 "suite.fashion_root=${FASHION:-.dev/fashion}" out=/tmp/gpu_long20 \
             progress=false > "$OUT/long20_train.log" 2>&1
-        $PY benchmarks/deploy_modes.py --device cuda --run /tmp/gpu_long20 --json "$OUT/deploy_cuda_long20.json" \
+        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --run /tmp/gpu_long20 --json "$OUT/deploy_cuda_long20.json" \
             > "$OUT/deploy_cuda_long20.log" 2>&1 ;;
     esac
 done

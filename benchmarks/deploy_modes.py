@@ -345,7 +345,7 @@ def report(name: str, args, r: dict) -> None:
     if "dense_two_sessions" in mem:
         added = mem["dense_two_sessions"]["rss"] - dense_rss
         print(
-            f"  memory, a second session of the dense model (one arena shared, as the session mode's) adds "
+            f"  memory, a second session of the dense model (on a CPU one arena shared, as the session mode's) adds "
             f"{added / 1e6:.1f} MB ({added / sizes['dense_weights']:.2f}x its weights)"
         )
     print(

@@ -218,7 +218,7 @@ def iter_dense_tensors(recipe: list[dict], pools: dict[str, np.ndarray], values:
     shape, times the fold's scale per output channel; the folded biases and state as prepared.
 
     A switch writes each into its buffer before the next is computed, so its temporaries are one layer's
-    weights, never a whole dense model's beside the buffers.
+    weights (and their float32 copy where the pool is float16), never a whole dense model's beside the buffers.
 
     Yields:
         ``(tensor name, C-contiguous float32 array of the recipe's shape)``, in recipe order.
@@ -237,6 +237,7 @@ def iter_dense_tensors(recipe: list[dict], pools: dict[str, np.ndarray], values:
             np.multiply(weight, scale.reshape(-1, *[1] * (len(shape) - 1)), out=weight)  # in place
             yield row["bias_name"], values[row["bias_name"]]
         yield row["name"], weight
+        del weight  # written by the caller: not alive while the next layer is gathered
 
 
 def dense_tensors(

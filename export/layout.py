@@ -145,6 +145,7 @@ class MachineGraph:
         for name, tensor in pairs:
             for p in by_source.pop(name, ()):
                 p.write(buffer[p.offset : p.offset + p.size].reshape(p.shape), tensor)
+            del tensor  # not alive while the next one is computed
         if by_source:
             raise KeyError(f"no tensor {next(iter(by_source))!r} for the switch graph's inputs")
 

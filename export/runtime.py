@@ -508,21 +508,20 @@ class Runtime:
         self._row(task)
         tic = time.perf_counter()
         values = self._values(task)
-        if self.fill == "onnxruntime":
-            device = self._device_values(task, values)
-            slot = self._take_slot(task)
-            self._run_filler(slot, device)
-        else:
-            slot = self._take_slot(task)
-            assert slot.buffer is not None
-            try:
+        device = self._device_values(task, values) if self.fill == "onnxruntime" else None
+        slot = self._take_slot(task)
+        try:
+            if device is not None:
+                self._run_filler(slot, device)
+            else:
+                assert slot.buffer is not None
                 self._graph.fill(slot.buffer, iter_dense_tensors(self._recipe, self._pool_arrays, values))
-            except BaseException:  # a buffer half written holds no task
-                self._held.pop(task, None)
-                slot.task = None
-                if self._selected not in self._held:  # its buffer was the one overwritten
-                    self._selected = None
-                raise
+        except BaseException:  # a buffer half written holds no task
+            self._held.pop(task, None)
+            slot.task = None
+            if self._selected not in self._held:  # its buffer was the one overwritten
+                self._selected = None
+            raise
         self.last_switch_seconds = time.perf_counter() - tic
         self.switches += 1
         self._selected = task

@@ -298,14 +298,30 @@ def test_a_switch_writes_one_layer_at_a_time_and_a_failed_write_frees_its_buffer
     assert np.array_equal(streamed, whole)
     alive = []
     real = runtime_module.iter_dense_tensors
+    task0 = np.zeros_like(streamed)
+    rt._graph.fill(task0, dense_tensors(rt._recipe, rt._pool_arrays, rt._values(0)))
 
     def failing(*args):
         for i, pair in enumerate(real(*args)):
             alive.append(i)
             if i == 3:
+                # one layer at a time: the three tensors before this one are in the buffer already
+                for p in rt._graph.placements:
+                    region = slice(p.offset, p.offset + p.size)
+                    if p.source in written:
+                        assert np.array_equal(rt._slots[0].buffer[region], task0[region])
+                assert any(
+                    not np.array_equal(
+                        task0[slice(p.offset, p.offset + p.size)], whole[slice(p.offset, p.offset + p.size)]
+                    )
+                    for p in rt._graph.placements
+                    if p.source in written
+                )
                 raise MemoryError("stand-in for a failure half way through the write")
+            written.add(pair[0])
             yield pair
 
+    written: set = set()
     monkeypatch.setattr(runtime_module, "iter_dense_tensors", failing)
     with pytest.raises(MemoryError):
         rt.run(0, x)

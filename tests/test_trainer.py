@@ -293,7 +293,11 @@ def _killed_when_epoch_2_is_logged(monkeypatch, out, cfg, train, val) -> None:
 
 def test_a_stage_killed_after_its_last_checkpoint_keeps_its_metrics(tmp_path, monkeypatch):
     """A kill between a stage's last checkpoint and its pack: the resumed stage runs no epoch and must
-    still report the trained epoch's metrics, equal to an uninterrupted run's."""
+    still report the trained epoch's metrics, equal to an uninterrupted run's. The killed process's
+    validation counts are not reused (its settings may differ from this one's): the trainer evaluates the
+    restored model itself, then the rebuilt one."""
+    from nwsconvert.train import trainer as trainer_module
+
     cfg = tiny_config(epochs=2)
     train, val = blobs(32, 2, 1), blobs(16, 2, 2)
     ref = Trainer(tiny_model(), tmp_path / "ref", cfg, model_spec=SPEC, model_kwargs=KWARGS, progress=False).fit_task(
@@ -303,9 +307,13 @@ def test_a_stage_killed_after_its_last_checkpoint_keeps_its_metrics(tmp_path, mo
     _killed_when_epoch_2_is_logged(monkeypatch, tmp_path / "r", cfg, train, val)  # its checkpoint is on disk
     assert load_checkpoint(RunDir(tmp_path / "r").checkpoint_path)[0]["epoch"] == 2
     t2 = Trainer(tiny_model(seed=5), tmp_path / "r", resume=True, progress=False)
+    evaluated = []
+    real_evaluate = trainer_module.evaluate
+    monkeypatch.setattr(trainer_module, "evaluate", lambda *a, **k: (evaluated.append(1), real_evaluate(*a, **k))[1])
     m = t2.fit_task(0, train, val, 2)
+    assert len(evaluated) == 2  # the restored model, then the rebuilt one
     assert m["train_acc"] is not None
-    for key in ("val_acc", "train_acc", "train_loss", "pool_usage"):
+    for key in ("val_acc", "val_correct", "train_acc", "train_loss", "pool_usage"):
         assert m[key] == ref[key], key
     assert RunDir(tmp_path / "r").read().tasks[0].sha256 == RunDir(tmp_path / "ref").read().tasks[0].sha256
 

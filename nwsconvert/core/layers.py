@@ -132,7 +132,9 @@ class _GatherSTE(torch.autograd.Function):
 class _DistillFromK(torch.autograd.Function):
     """``mse_loss(pool[index], W)`` given ``K = pool[index]`` already gathered: the forward gathers nothing;
     the backward is what autograd runs for the gathered form (``mse_loss_backward``, then ``index_select``'s
-    backward: a zero pool gradient with ``index_add_``), so the gradient is the same bit for bit."""
+    backward: a zero pool gradient with ``index_add_``), so the gradient has the same bits wherever the
+    gathered form's are reproducible (on a CPU; on CUDA with ``deterministic=true``, ``index_add_`` adding
+    with atomics otherwise)."""
 
     @staticmethod
     def forward(ctx, pool: torch.Tensor, k: torch.Tensor, target: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -129,6 +129,10 @@ def run_stage(
         record = (
             dict(saved) if isinstance(saved, dict) and saved.get("epoch") == start else {"stage": stage, "epoch": start}
         )
+        # Its validation ran in the killed process, under that process's settings (amp, device): the trainer
+        # evaluates again rather than reuse its counts (Trainer._finish_task).
+        record.pop("val_correct", None)
+        record.pop("val_total", None)
     return record
 
 

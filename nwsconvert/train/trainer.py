@@ -264,10 +264,10 @@ class Trainer:
         model = round_state_(self.model, cfg.state_dtype)  # what the pack stores (the last epoch rounded it already)
         val_loader = self.stages.loader(val, cfg, False, 0)  # sequential: both evaluations see the same batches
         if record.get("epoch") == cfg.epochs and record.get("val_correct") is not None:
-            # The last epoch validated this model as it is now (its state rounded, nothing trained since;
-            # after a kill, the checkpoint of that moment), with this loader: its figures, not a second pass.
+            # This process's last epoch validated this model as it is now (its state rounded, nothing trained
+            # since), with this loader and these settings: its figures, not a second pass.
             ev = {"acc": record["val_acc"], "correct": record["val_correct"], "total": record["val_total"]}
-        else:  # a record without them (a checkpoint written before they were recorded)
+        else:  # a record restored from a checkpoint (run_stage drops its counts): evaluated here
             ev = evaluate(model, val_loader, device=self.device, amp=cfg.amp)
         pack, path, sha = self.store.write_pack(model, task, meta, state_dtype=cfg.state_dtype, pack_base=cfg.pack_base)
         trusted = self.manifest.model.spec == self._own_spec

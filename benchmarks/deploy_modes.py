@@ -44,6 +44,7 @@ from torch.utils.data import TensorDataset
 import nwsconvert
 from nwsconvert import TrainConfig, Trainer
 from nwsconvert.export import Runtime, export_bundle
+from nwsconvert.export.runtime import session_providers
 from nwsconvert.export.switch import SWITCH_FILE
 
 
@@ -98,9 +99,7 @@ class _Dense:
         if threads:
             opts.intra_op_num_threads = threads
         # TF32 off, as the Runtime's default: like with like (onnxruntime's own default rounds to TF32).
-        cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})
-        providers = [cuda, "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-        self.sess = ort.InferenceSession(str(path), opts, providers=providers)
+        self.sess = ort.InferenceSession(str(path), opts, providers=session_providers(device == "cuda"))
 
     def run(self, task: int, x: np.ndarray) -> np.ndarray:
         return self.sess.run(None, {"input": x})[0]

@@ -72,13 +72,10 @@ def measure(bundle: Path, config: dict, device: str, threads: int | None) -> dic
     if config["kind"] == "dense":
         # "sessions": N > 1 sessions of the dense model sharing one CPU arena, as the Runtime's session
         # mode shares one among its cached task sessions: what a dense session costs beside another.
-        shared = config.get("sessions", 1) > 1 and device == "cpu"
-        if shared:
-            from nwsconvert.export.runtime import _shared_cpu_arena
+        from nwsconvert.export.runtime import _shared_cpu_arena, session_providers
 
-            shared = _shared_cpu_arena(ort)
-        cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})  # as the Runtime's default
-        providers = [cuda, "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        shared = config.get("sessions", 1) > 1 and device == "cpu" and _shared_cpu_arena(ort)
+        providers = session_providers(device == "cuda")  # TF32 off, as the Runtime's default
         sessions = []
         for _ in range(config.get("sessions", 1)):
             opts = ort.SessionOptions()

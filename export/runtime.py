@@ -64,10 +64,19 @@ from .layout import aligned_empty, prepare
 #: the largest logit. Running a bundle's graphs with your own session: pass the same.
 DISABLED_OPTIMIZERS = ["Pad_Fusion"]
 
-__all__ = ["DISABLED_OPTIMIZERS", "Runtime"]
+__all__ = ["DISABLED_OPTIMIZERS", "Runtime", "session_providers"]
 
 #: Pool-file dtypes the graphs gather from (``pool_dtype``), as NumPy views of the mapped file.
 _POOL_NUMPY = {"F32": np.float32, "F16": np.float16}
+
+
+def session_providers(cuda: bool, tf32: bool = False) -> list:
+    """The ``providers`` a session is built with: the CUDA provider first when ``cuda``, with TF32 as asked
+    (onnxruntime's own default rounds to TF32), then the CPU's. What :class:`Runtime` and a dense baseline
+    meant to match it pass to ``InferenceSession``."""
+    if not cuda:
+        return ["CPUExecutionProvider"]
+    return [("CUDAExecutionProvider", {"use_tf32": "1" if tf32 else "0"}), "CPUExecutionProvider"]
 
 
 def _gpu_present() -> bool:
@@ -204,11 +213,7 @@ class Runtime:
         self.cuda = gpu
         self.providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if gpu else ["CPUExecutionProvider"]
         self.tf32 = bool(tf32)
-        # What sessions are built with: the names, the CUDA provider with its TF32 setting.
-        self._provider_args = [
-            ("CUDAExecutionProvider", {"use_tf32": "1" if self.tf32 else "0"}) if p == "CUDAExecutionProvider" else p
-            for p in self.providers
-        ]
+        self._provider_args = session_providers(gpu, self.tf32)  # what sessions are built with
         self.threads = threads
         self.max_sessions = max_sessions
         self.ready, self.keep, self.layout_request = ready, keep, layout

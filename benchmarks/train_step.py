@@ -205,6 +205,13 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=5,
+        help="steps of each model before timing (default 5: the steps just after conversion, whose "
+        "searches are the most; 100: the steady state of a longer training)",
+    )
     ap.add_argument("--pool-size", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -252,7 +259,9 @@ def main():
 
         runners = {name: GraphedStep(run) for name, run in runners.items()}
     data = batches(args)
-    for _ in range(5):  # warm-up (with --cuda-graph: 3 eager steps, a capture, a replay)
+    if args.cuda_graph and args.warmup < 5:
+        ap.error("--cuda-graph needs --warmup 5 or more (3 eager steps, a capture, a replay)")
+    for _ in range(args.warmup):  # warm-up (with --cuda-graph: 3 eager steps, a capture, a replay, ...)
         x, y = next(data)
         for run in runners.values():
             run(x, y)
@@ -320,7 +329,7 @@ def main():
     paired = statistics.median(n / d for n, d in zip(times["nws"], times["dense"]))
     print(
         f"step time   dense {td * 1e3:8.1f} ms   NWS {tn * 1e3:8.1f} ms   ratio {tn / td:.2f}x "
-        f"(median of {args.rounds}, interleaved; median of per-round ratios {paired:.2f}x)"
+        f"(median of {args.rounds} after {args.warmup} warm-up steps, interleaved; median of per-round ratios {paired:.2f}x)"
     )
     print(f"commitment: {'autograd MSE (--unfused)' if args.unfused else 'fused into the backward'}")
     print(f"kernels re-searched per step: median {statistics.median(searched) * 100:.2f} %")

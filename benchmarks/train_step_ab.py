@@ -1,13 +1,14 @@
 """NWS training step of this checkout against an earlier commit, interleaved in one process.
 
-    python benchmarks/train_step_ab.py --baseline 0b77e96 [--rounds 80] [--model resnet18]
+    python benchmarks/train_step_ab.py --baseline 0b77e96 [--rounds 80] [--model resnet18 | torchvision:resnet18]
 
 Single runs of ``train_step.py`` drift by more than most optimisations gain,
 so a change to the step is measured here: the dense model, the NWS model built
 with the ``nwsconvert`` of ``--baseline`` (extracted with ``git archive`` into a
 temporary folder and imported under another name) and the NWS model of this
 checkout take turns, in alternating order, for ``--rounds`` rounds after
-warm-up. Same step as ``train_step.py`` (fused commitment, SGD momentum 0.9).
+warm-up. Same step and data as ``train_step.py`` (fused commitment, SGD momentum 0.9; ``--data``:
+real split-mnist digits, a new batch each round that every variant takes, or one random batch).
 Prints each median and the median of the per-round current / baseline ratios.
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import step  # noqa: E402  (the same step as the main benchmark)
+from train_step import batches, step  # noqa: E402  (the same step and data as the main benchmark)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +47,12 @@ def build(args, lib):
     import timm
 
     torch.manual_seed(0)
-    model = timm.create_model(args.model, num_classes=10)
+    if args.model.startswith("torchvision:"):  # a user's own loop, as train_step.py builds it
+        import torchvision
+
+        model = torchvision.models.get_model(args.model.split(":", 1)[1], weights=None, num_classes=10)
+    else:
+        model = timm.create_model(args.model.removeprefix("timm:"), num_classes=10)
     if lib is not None:
         lib.convert(model, pool_size=args.pool_size, init="kmeans")
         lib.set_commitment(model, 1.0)
@@ -63,20 +69,24 @@ def main():
     ap.add_argument("--rounds", type=int, default=80)
     ap.add_argument("--pool-size", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--data", choices=["split-mnist", "random"], default="split-mnist", help="as train_step.py's")
+    ap.add_argument("--warmup", type=int, default=3, help="steps of each variant before timing (as train_step.py's)")
     args = ap.parse_args()
+    args.device = "cpu"
     torch.set_num_threads(args.threads)
     import nwsconvert
 
     with tempfile.TemporaryDirectory() as tmp:
         baseline = load_baseline(args.baseline, Path(tmp))
         variants = {"dense": build(args, None), "baseline": build(args, baseline), "current": build(args, nwsconvert)}
-        x = torch.randn(args.batch, 3, args.size, args.size)
-        y = torch.randint(0, 10, (args.batch,))
-        for _ in range(3):
+        data = batches(args)
+        for _ in range(args.warmup):
+            x, y = next(data)
             for model, opt, nws in variants.values():
                 step(model, opt, x, y, nws)
         times = {name: [] for name in variants}
         for r in range(args.rounds):
+            x, y = next(data)
             order = list(variants.items()) if r % 2 else list(variants.items())[::-1]
             for name, (model, opt, nws) in order:
                 t0 = time.perf_counter()
@@ -85,7 +95,7 @@ def main():
     dense = statistics.median(times["dense"])
     print(
         f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, "
-        f"baseline {args.baseline}, median of {args.rounds} rounds"
+        f"data {args.data}, baseline {args.baseline}, median of {args.rounds} rounds"
     )
     for name, ts in times.items():
         med = statistics.median(ts)

@@ -248,6 +248,10 @@ def main():
 
     if args.cuda_graph and not args.device.startswith("cuda"):
         ap.error("--cuda-graph needs --device cuda")
+    if args.warmup < (5 if args.cuda_graph else 0):
+        ap.error(
+            f"--warmup {args.warmup}: at least {5 if args.cuda_graph else 0} (with --cuda-graph: 3 eager steps, a capture, a replay)"
+        )
     dense, dopt = build(args, False)
     nws, nopt = build(args, True)
     runners = {
@@ -259,8 +263,6 @@ def main():
 
         runners = {name: GraphedStep(run) for name, run in runners.items()}
     data = batches(args)
-    if args.cuda_graph and args.warmup < 5:
-        ap.error("--cuda-graph needs --warmup 5 or more (3 eager steps, a capture, a replay)")
     for _ in range(args.warmup):  # warm-up (with --cuda-graph: 3 eager steps, a capture, a replay, ...)
         x, y = next(data)
         for run in runners.values():

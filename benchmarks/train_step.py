@@ -53,21 +53,23 @@ import torch
 import torch.nn.functional as F
 
 
-def build(args, nws: bool):
+def make_model(args):
+    """``--model`` with 10 classes, seeded: ``torchvision:NAME`` as a user's own loop builds it, else timm's."""
     import timm
 
-    import nwsconvert
-
     torch.manual_seed(0)
-    if args.model.startswith("torchvision:"):  # as a user's own loop builds it
+    kwargs = json.loads(getattr(args, "model_kwargs", "{}"))
+    if args.model.startswith("torchvision:"):
         import torchvision
 
-        model = torchvision.models.get_model(
-            args.model.split(":", 1)[1], weights=None, num_classes=10, **json.loads(args.model_kwargs)
-        )
-    else:
-        model = timm.create_model(args.model.removeprefix("timm:"), num_classes=10, **json.loads(args.model_kwargs))
-    model = model.to(args.device)
+        return torchvision.models.get_model(args.model.split(":", 1)[1], weights=None, num_classes=10, **kwargs)
+    return timm.create_model(args.model.removeprefix("timm:"), num_classes=10, **kwargs)
+
+
+def build(args, nws: bool):
+    import nwsconvert
+
+    model = make_model(args).to(args.device)
     if nws:
         from nwsconvert.core.engine import search_engine
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import batches, step  # noqa: E402  (the same step and data as the main benchmark)
+from train_step import batches, make_model, step  # noqa: E402  (the same step and data as the main benchmark)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,15 +44,7 @@ def load_baseline(ref: str, into: Path):
 
 
 def build(args, lib):
-    import timm
-
-    torch.manual_seed(0)
-    if args.model.startswith("torchvision:"):  # a user's own loop, as train_step.py builds it
-        import torchvision
-
-        model = torchvision.models.get_model(args.model.split(":", 1)[1], weights=None, num_classes=10)
-    else:
-        model = timm.create_model(args.model.removeprefix("timm:"), num_classes=10)
+    model = make_model(args)  # as train_step.py builds it (torchvision:NAME: a user's own loop)
     if lib is not None:
         lib.convert(model, pool_size=args.pool_size, init="kmeans")
         lib.set_commitment(model, 1.0)

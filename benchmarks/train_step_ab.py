@@ -1,6 +1,7 @@
 """NWS training step of this checkout against an earlier commit, interleaved in one process.
 
     python benchmarks/train_step_ab.py --baseline 0b77e96 [--rounds 80] [--model resnet18 | torchvision:resnet18]
+    python benchmarks/train_step_ab.py --baseline 0b77e96 --pools      # pool learning's step
 
 Single runs of ``train_step.py`` drift by more than most optimisations gain,
 so a change to the step is measured here: the dense model, the NWS model built
@@ -10,6 +11,10 @@ checkout take turns, in alternating order, for ``--rounds`` rounds after
 warm-up. Same step and data as ``train_step.py`` (fused commitment, SGD momentum 0.9; ``--data``:
 real split-mnist digits, a new batch each round that every variant takes, or one random batch).
 Prints each median and the median of the per-round current / baseline ratios.
+
+``--pools``: pool learning's step instead (``set_mode(model, "pool")``: the pools are parameters, the loss
+adds ``beta * distillation_loss`` with ``nws-train``'s default ``beta=0.5``), against the dense model's
+plain step, which is what dense pretraining takes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_step import batches, make_model, step  # noqa: E402  (the same step and data as the main benchmark)
@@ -48,8 +54,28 @@ def build(args, lib):
     if lib is not None:
         lib.convert(model, pool_size=args.pool_size, init="kmeans")
         lib.set_commitment(model, 1.0)
+        if args.pools:
+            lib.set_mode(model, "pool")  # before the optimiser: the pools become its parameters
     model.train()
-    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5), lib is not None
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5), lib
+
+
+def pool_step(model, opt, x, y, lib):
+    """Pool learning's step (``nws-train``'s, in float32): cross-entropy + 0.5 x distillation; the dense
+    model (``lib`` None) takes the plain step."""
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    if lib is not None:
+        loss = loss + 0.5 * lib.distillation_loss(model)
+    loss.backward()
+    opt.step()
+
+
+def take(args, model, opt, x, y, lib):
+    if args.pools:
+        pool_step(model, opt, x, y, lib)
+    else:
+        step(model, opt, x, y, lib is not None)
 
 
 def main():
@@ -63,6 +89,7 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--data", choices=["split-mnist", "random"], default="split-mnist", help="as train_step.py's")
     ap.add_argument("--warmup", type=int, default=3, help="steps of each variant before timing (as train_step.py's)")
+    ap.add_argument("--pools", action="store_true", help="time pool learning's step (see above)")
     args = ap.parse_args()
     args.device = "cpu"
     torch.set_num_threads(args.threads)
@@ -74,20 +101,21 @@ def main():
         data = batches(args)
         for _ in range(args.warmup):
             x, y = next(data)
-            for model, opt, nws in variants.values():
-                step(model, opt, x, y, nws)
+            for model, opt, lib in variants.values():
+                take(args, model, opt, x, y, lib)
         times = {name: [] for name in variants}
         for r in range(args.rounds):
             x, y = next(data)
             order = list(variants.items()) if r % 2 else list(variants.items())[::-1]
-            for name, (model, opt, nws) in order:
+            for name, (model, opt, lib) in order:
                 t0 = time.perf_counter()
-                step(model, opt, x, y, nws)
+                take(args, model, opt, x, y, lib)
                 times[name].append(time.perf_counter() - t0)
     dense = statistics.median(times["dense"])
     print(
         f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, "
         f"data {args.data}, baseline {args.baseline}, median of {args.rounds} rounds"
+        + (", pool learning's step" if args.pools else "")
     )
     for name, ts in times.items():
         med = statistics.median(ts)

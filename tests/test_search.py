@@ -9,6 +9,7 @@ from torch import nn
 
 import nwsconvert as nc
 from nwsconvert.core.layers import NWSWeight, _rows_not_below
+from nwsconvert.core.rounding import shifted_drift_sq
 from nwsconvert.core.search import (
     FLOAT64_ROWS,
     brute_force,
@@ -249,3 +250,44 @@ def test_pool_edits_through_data_are_seen():
             nws.pool.data.add_(torch.randn(nws.pool.shape, generator=g) * 0.03)
             nws(w)
             assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool)), dim
+
+
+def test_shifted_drift_is_never_below_the_exact_value_and_barely_above():
+    """The drift a row is tested with under a pool shift: at least ``(sqrt(d) + s)^2`` for the float32
+    ``d`` (else a row could keep a stale index), at most ``2^-19`` above it (else the budget is wasted)."""
+    g = torch.Generator().manual_seed(11)
+    d = torch.exp(torch.empty(200_000).uniform_(-70, 7, generator=g)).float()  # 4e-31 .. 1e3
+    d[:4] = torch.tensor([0.0, 1e-45, 2.0**-126, 1.0])  # zero, the smallest subnormal, the smallest normal
+    for s in (2.0**-70, 1e-12, 3e-7, 1e-3, 0.37, 5.0):
+        got = shifted_drift_sq(d.clone(), s).double()
+        exact = (d.double().sqrt() + max(s, 2.0**-60)) ** 2
+        assert bool((got >= exact).all()), s
+        assert bool((got <= exact * (1 + 2.0**-19)).all()), s
+
+
+def test_a_moving_pool_is_one_shift_and_every_index_stays_exact():
+    """Pool learning: the pool's movement is kept as one number per layer (not taken off every row's
+    budget at every step) until SHIFT_STEPS changes or the pool stops; the indices equal brute force at
+    every step, with the lazy path (not full searches) doing the work under a shift."""
+    g = torch.Generator().manual_seed(12)
+    w, nws = _layer(torch.randn(4096, 9, generator=g) * 0.1, 9, 64)
+    nws.set_mode("pool")
+    opt = torch.optim.SGD([w, nws.pool], lr=1.0)
+    lazy_under_shift, settled = 0, 0
+    for step in range(80):
+        shift_before = nws._shift
+        nws(w)
+        assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool)), step
+        lazy_under_shift += nws._shift > 0 and 0 < nws.stats["searched"] < nws.num_vectors
+        settled += shift_before > 0 and nws._shift == 0 and nws.stats["searched"] < nws.num_vectors
+        assert nws._shift_steps < NWSWeight.SHIFT_STEPS
+        # Small pool moves (the pool learns slowly) and weight steps of two sizes.
+        nws.pool.grad = torch.randn(nws.pool.shape, generator=g) * 2e-5
+        w.grad = torch.randn(w.shape, generator=g) * (2e-5 if step % 3 else 2e-3)
+        opt.step()
+    assert lazy_under_shift > 40 and settled >= 2  # settled every SHIFT_STEPS changes
+    nws.set_mode("task")  # the pool stops moving (after the last step's move): the shift is settled
+    for step in range(5):
+        nws(w)
+        assert (step == 0 or nws._shift == 0) and torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool))
+        w.data.add_(torch.randn(w.shape, generator=g) * 2e-4)

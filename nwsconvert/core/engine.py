@@ -212,6 +212,7 @@ class _Group:
         seen = []  # the pools each layer's budgets were measured against
         for layer, (off, count) in zip(layers, self.rows):
             nws = layer.nws
+            nws._settle_shift()  # the engine keeps budgets per row only
             prep = nws._prep
             state = nws._ref is not None and nws._budget_sq is not None and nws._ref.shape[0] == count
             ok = state and prep is not None and prep.pool.shape == nws.pool.shape and prep.pool.device == device
@@ -379,6 +380,7 @@ class _Group:
                 continue
             nws._ref = self.ref[off : off + count].clone()
             nws._budget_sq = self.budget[off : off + count].clone()
+            nws._shift, nws._shift_steps = 0.0, 0
             nws._prep = PreparedPool(self.seen[poff : poff + size].to(nws.pool.dtype))
 
 

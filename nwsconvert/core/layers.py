@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rounding import budget_sq, full_precision, round_down_f32
+from .rounding import budget_sq, full_precision, round_down_f32, shifted_drift_sq
 from .search import DEFAULT_CHUNK, PreparedPool, flat_nonzero, nearest_scalar, nearest_two
 
 if TYPE_CHECKING:
@@ -203,6 +203,10 @@ class NWSWeight(nn.Module):
         # after a device move the next update searches everything.
         self._ref: torch.Tensor | None = None
         self._budget_sq: torch.Tensor | None = None
+        # Pool movement not yet taken off the rows' budgets (float64, rounded up), and over how many
+        # pool changes it was gathered: see _track_pool and rounding.shifted_drift_sq.
+        self._shift = 0.0
+        self._shift_steps = 0
         self._ones_vec: torch.Tensor | None = None
         self._scalar_ready = False
         self._cache: torch.Tensor | None = None  # M[indices] in W's shape, kept across forwards (see _gathered)
@@ -284,6 +288,7 @@ class NWSWeight(nn.Module):
             self.indices.copy_(res.index)
             self._ref = vec.to(REF_DTYPE, copy=True)  # never an alias of W
             self._budget_sq = budget_sq(res.radius, vec, self._ref)
+            self._shift, self._shift_steps = 0.0, 0
             exact_rows = res.exact_rows
         self.stats = {"searched": self.num_vectors, "total": self.num_vectors, "exact_rows": exact_rows}
 
@@ -311,6 +316,7 @@ class NWSWeight(nn.Module):
         """A copy of what the lazy search knows: ``(pool, indices, reference, budgets, scalar intervals
         ready)``; :meth:`restore_search` puts it back, as if the search that made it ran again."""
         copy = lambda t: None if t is None else t.clone()  # noqa: E731
+        self._settle_shift()
         return (
             self.pool.detach().clone(),
             self.indices.clone(),
@@ -333,6 +339,7 @@ class NWSWeight(nn.Module):
         self.indices.copy_(indices)
         self._ref = None if ref is None else ref.clone()
         self._budget_sq = None if budget is None else budget.clone()
+        self._shift, self._shift_steps = 0.0, 0
         self._scalar_ready = ready
         self._touched = None
 
@@ -340,6 +347,7 @@ class NWSWeight(nn.Module):
         """Forget the lazy-search state: the next training forward searches every kernel."""
         self._ref = None
         self._budget_sq = None
+        self._shift, self._shift_steps = 0.0, 0
         self._scalar_ready = False
 
     @torch.no_grad()
@@ -360,12 +368,20 @@ class NWSWeight(nn.Module):
             self._set_indices(rows, nearest_scalar(x.index_select(0, rows), prep))
         self.stats = {"searched": rows.numel(), "total": self.num_vectors, "exact_rows": 0}
 
+    #: Pool changes a layer's shift gathers before it is taken off every row's budget (one pass over
+    #: the rows): the shift costs a row's drift test 4 passes, and a large shift beside a small budget
+    #: loses float32 digits of that budget.
+    SHIFT_STEPS = 32
+
     @torch.no_grad()
     def _track_pool(self) -> PreparedPool | None:
-        """Take the largest pool-entry movement since the last look off every row's budget.
+        """Account for the largest pool-entry movement since the last look.
 
         Measured by value at every update (n x D floats), so pool edits of any
-        kind, ``.data`` included, are accounted for.
+        kind, ``.data`` included, are accounted for. The movement is added to the
+        layer's shift (one number, see :func:`~nwsconvert.core.rounding.shifted_drift_sq`),
+        which is taken off every row's budget only every :attr:`SHIFT_STEPS` changes
+        and once the pool stops moving.
 
         Returns:
             The search tables of the current pool, or ``None`` when the lazy-search
@@ -377,18 +393,32 @@ class NWSWeight(nn.Module):
             self.reset_search()  # the next update searches everything against the new pool
             return None
         if torch.equal(seen.pool, pool.float()):  # the usual case in task mode
+            self._settle_shift()  # the pool stopped moving: the drift test goes back to one compare
             return seen
-        # The pool changed (a norm that underflows to 0 still counts; NaN drops
-        # every budget): every row's budget shrinks by the largest entry movement
-        # (1e-5 relative slack covers the float32 norm), computed in float64 and
-        # rounded down, and the search tables follow the new pool.
+        # The pool changed (a norm that underflows to 0 still counts; NaN drops every budget): the
+        # largest entry movement (1e-5 relative slack covers the float32 norm), rounded up, joins the
+        # shift, and the search tables follow the new pool.
         move = float((pool.float() - seen.pool).norm(dim=1).max())
-        assert self._budget_sq is not None  # set and reset together with _ref, which is not None here
-        left = self._budget_sq.double().clamp_min(0).sqrt() - move * (1 + 1e-5)
-        left = torch.where(self._budget_sq > 0, left.clamp_min(0), 0.0)  # none left stays none
-        self._budget_sq = round_down_f32(left.square())
+        if math.isnan(move):
+            self.reset_search()
+            return None
+        self._shift = math.nextafter(self._shift + move * (1 + 1e-5), math.inf)
+        self._shift_steps += 1
+        if self._shift_steps >= self.SHIFT_STEPS:
+            self._settle_shift()
         self._prep = PreparedPool(pool)
         return self._prep
+
+    @torch.no_grad()
+    def _settle_shift(self) -> None:
+        """Take the shift off every row's budget (float64, rounded down; none left stays none)."""
+        if not self._shift:
+            return
+        assert self._budget_sq is not None  # a shift is only gathered while the budgets exist
+        left = self._budget_sq.double().clamp_min(0).sqrt() - self._shift
+        left = torch.where(self._budget_sq > 0, left.clamp_min(0), 0.0)
+        self._budget_sq = round_down_f32(left.square())
+        self._shift, self._shift_steps = 0.0, 0
 
     @torch.no_grad()
     @full_precision
@@ -422,6 +452,8 @@ class NWSWeight(nn.Module):
         # Squared drift per row: a matrix-vector product sums rows of D far faster
         # than a reduction over a short inner dimension on CPU.
         drift_sq = torch.mv(diff.square_(), self._ones(diff))
+        if self._shift:
+            drift_sq = shifted_drift_sq(drift_sq, self._shift)
         rows = _rows_not_below(drift_sq, self._budget_sq)  # NaN counts as drifted
         count = rows.numel()
         if count == 0:
@@ -434,7 +466,7 @@ class NWSWeight(nn.Module):
         res = nearest_two(sub, prep, self.chunk)
         ref = sub.to(REF_DTYPE)
         self._set_indices(rows, res.index)
-        self._budget_sq.index_copy_(0, rows, budget_sq(res.radius, sub, ref))
+        self._budget_sq.index_copy_(0, rows, budget_sq(res.radius, sub, ref, self._shift))
         self._ref.index_copy_(0, rows, ref)
         self.stats = {"searched": count, "total": self.num_vectors, "exact_rows": res.exact_rows}
 

@@ -10,9 +10,19 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
-__all__ = ["U32", "RADIUS_SHRINK", "round_f32", "round_down_f32", "budget_sq", "full_precision"]
+__all__ = [
+    "U32",
+    "RADIUS_SHRINK",
+    "round_f32",
+    "round_down_f32",
+    "round_up_f32",
+    "budget_sq",
+    "shifted_drift_sq",
+    "full_precision",
+]
 
 #: Unit roundoff of float32.
 U32 = 2.0**-24
@@ -43,19 +53,52 @@ def round_down_f32(x: torch.Tensor) -> torch.Tensor:
     return (x * (1.0 - 2.0**-22) - 2.0**-149).float()
 
 
-def budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+def budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
     """Squared movement budget per row, float32, never rounded up; <= 0 (or NaN) where none is left.
 
     Args:
         radius: ``(b,)`` float64 safe radii from the search. vec: ``(b, D)`` the
             searched rows. ref: ``(b, D)`` their stored copies (drift is measured
             from ``ref``, so any rounding of the copy is spent here).
+        shift: the layer's pool movement not yet taken off its rows' budgets (see
+            :func:`shifted_drift_sq`); ``(radius + shift)^2`` is stored, so that the shift
+            at the next test, less this one, is what the pools moved since this search.
     """
     if ref.dtype == vec.dtype:  # an exact copy: no rounding to spend
         left = radius
     else:
         left = radius - torch.linalg.vector_norm(vec.double() - ref.double(), dim=1) * (1 + 1e-6)
-    return round_down_f32(left.clamp_min(0).square())
+    left = left.clamp_min(0)
+    return round_down_f32((left + shift).square() if shift else left.square())
+
+
+def round_up_f32(x: float) -> float:
+    """The smallest float32 value ``>= x`` (a Python float), for ``x >= 0``."""
+    r = float(np.float32(x))
+    return r if r >= x else float(np.nextafter(np.float32(x), np.float32(np.inf)))
+
+
+#: Drift factor of :func:`shifted_drift_sq`: covers its four float32 roundings (see there).
+_SHIFT_SLACK = 1.0 + 2.0**-21
+
+
+def shifted_drift_sq(drift_sq: torch.Tensor, shift: float) -> torch.Tensor:
+    """``(sqrt(drift_sq) + shift)^2`` in place, never rounded down: what a row's budget from
+    :func:`budget_sq` (given the shift at its search) is compared with.
+
+    A layer whose pool moves keeps the movement as one number (the shift, rounded up) instead of
+    taking it off every row's budget at every step: a row searched when the shift was ``s0`` may
+    move ``radius`` less what the pools moved since, so ``drift + shift < radius + s0``.
+
+    float32 ``sqrt``, ``+ shift`` (a float32 value: rounded up here), square and the product with
+    ``1 + 2^-21`` each lose at most a factor ``1 - 2^-24``; ``(1 - 2^-24)^6 (1 + 2^-21) > 1``, so
+    the result is at least the exact value of the computed ``drift_sq``.
+
+    Args:
+        drift_sq: ``(b,)`` float32 squared drifts, overwritten. shift: ``> 0``.
+    """
+    # A shift of at least 2^-60 keeps every intermediate a normal float32 (the bound above is relative).
+    return drift_sq.sqrt_().add_(round_up_f32(max(shift, 2.0**-60))).square_().mul_(_SHIFT_SLACK)
 
 
 def full_precision(fn):

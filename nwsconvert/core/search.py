@@ -22,6 +22,7 @@ can become its nearest, so it need not be searched again. The lazy update of
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,7 @@ DEFAULT_CHUNK = 2048
 
 
 class PreparedPool:
-    """What the searches derive from a pool: built once, reused until the pool's values change.
+    """What the searches derive from a pool: each table built on first use, reused until the pool's values change.
 
     Args:
         pool: ``(n, D)``.
@@ -63,30 +64,65 @@ class PreparedPool:
 
     def __init__(self, pool: torch.Tensor):
         self.pool = pool.detach().to(torch.float32, copy=True)  # a snapshot, never an alias
-        self.pool_t = self.pool.t().contiguous()
-        self.pool_sq = (self.pool * self.pool).sum(dim=1)
-        self.max_pool_sq = float(self.pool_sq.max())
-        self.pool64_t = np.ascontiguousarray(self.pool.double().cpu().numpy().T)  # (D, n), for the float64 fallback
-        self.pool64_tt = torch.from_numpy(self.pool64_t)  # the same memory, as a CPU tensor
-        self.pool64_sq = (self.pool64_tt * self.pool64_tt).sum(dim=0)
-        self.max_pool64_sq = float(self.pool64_sq.max())
-        if self.pool.shape[1] == 1:
-            p = self.pool.reshape(-1).double()
-            order = torch.argsort(p, stable=True)  # equal values keep index order
-            sp = p[order]
-            first = torch.ones_like(sp, dtype=torch.bool)
-            first[1:] = sp[1:] != sp[:-1]
-            self.uniq, self.rep = sp[first], order[first]
-            inf = torch.full((1,), float("inf"), dtype=torch.float64, device=p.device)
-            mids = (self.uniq[1:] + self.uniq[:-1]) * 0.5  # exact for float32 neighbours
-            self.lo = torch.full_like(p, float("inf"))
-            self.hi = torch.full_like(p, float("-inf"))
-            self.lo[self.rep] = torch.cat([-inf, mids])
-            self.hi[self.rep] = torch.cat([mids, inf])
-            # The same cells for float32 values: x > lo iff x > lo rounded down to
-            # float32, x < hi iff x < hi rounded up (x itself being a float32).
-            self.lo32 = round_f32(self.lo, up=False)
-            self.hi32 = round_f32(self.hi, up=True)
+        # The tables below are built on first use: a lazy update that searches nothing in a layer, or only a
+        # few rows (float64 tables) or many (float32 tables), builds only what it reads. In pool learning a
+        # layer's tables are rebuilt at every step (its pool moves), so what is never read is never built.
+
+    @functools.cached_property
+    def pool_t(self) -> torch.Tensor:
+        return self.pool.t().contiguous()
+
+    @functools.cached_property
+    def pool_sq(self) -> torch.Tensor:
+        return (self.pool * self.pool).sum(dim=1)
+
+    @functools.cached_property
+    def max_pool_sq(self) -> float:
+        return float(self.pool_sq.max())
+
+    @functools.cached_property
+    def pool64_t(self) -> np.ndarray:
+        return np.ascontiguousarray(self.pool.double().cpu().numpy().T)  # (D, n), for the float64 fallback
+
+    @functools.cached_property
+    def pool64_tt(self) -> torch.Tensor:
+        return torch.from_numpy(self.pool64_t)  # the same memory, as a CPU tensor
+
+    @functools.cached_property
+    def pool64_sq(self) -> torch.Tensor:
+        return (self.pool64_tt * self.pool64_tt).sum(dim=0)
+
+    @functools.cached_property
+    def max_pool64_sq(self) -> float:
+        return float(self.pool64_sq.max())
+
+    @functools.cached_property
+    def _cells(self) -> tuple[torch.Tensor, ...]:
+        """D = 1: ``(uniq, rep, lo, hi, lo32, hi32)``."""
+        if self.pool.shape[1] != 1:
+            raise AttributeError("scalar cells exist for pools of vector size 1 only")
+        p = self.pool.reshape(-1).double()
+        order = torch.argsort(p, stable=True)  # equal values keep index order
+        sp = p[order]
+        first = torch.ones_like(sp, dtype=torch.bool)
+        first[1:] = sp[1:] != sp[:-1]
+        uniq, rep = sp[first], order[first]
+        inf = torch.full((1,), float("inf"), dtype=torch.float64, device=p.device)
+        mids = (uniq[1:] + uniq[:-1]) * 0.5  # exact for float32 neighbours
+        lo = torch.full_like(p, float("inf"))
+        hi = torch.full_like(p, float("-inf"))
+        lo[rep] = torch.cat([-inf, mids])
+        hi[rep] = torch.cat([mids, inf])
+        # The same cells for float32 values: x > lo iff x > lo rounded down to
+        # float32, x < hi iff x < hi rounded up (x itself being a float32).
+        return uniq, rep, lo, hi, round_f32(lo, up=False), round_f32(hi, up=True)
+
+    uniq = property(lambda self: self._cells[0])
+    rep = property(lambda self: self._cells[1])
+    lo = property(lambda self: self._cells[2])
+    hi = property(lambda self: self._cells[3])
+    lo32 = property(lambda self: self._cells[4])
+    hi32 = property(lambda self: self._cells[5])
 
 
 def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:

@@ -136,10 +136,12 @@ def _infer(argv: list[str] | None) -> int:
         prog="nws-infer", description="Classify images with a bundle's task on onnxruntime (CUDA when present)."
     )
     p.add_argument("--bundle", required=True, help="bundle folder written by nws-export --onnx")
-    p.add_argument("--task", type=int, required=True)
+    p.add_argument("--task", type=int, required=True, help="the task to run (a number nws-export wrote a graph for)")
     p.add_argument("images", nargs="*", help="image files (resized and normalised as the bundle's metadata says)")
-    p.add_argument("-k", type=int, default=3, help="top-k classes to print")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("-k", type=int, default=3, help="top-k classes to print (default: 3)")
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto (default): CUDA when present"
+    )
     p.add_argument(
         "--tf32",
         action="store_true",
@@ -157,9 +159,12 @@ def _infer(argv: list[str] | None) -> int:
     p.add_argument("--bench", action="store_true", help="print latency and the task-switch cost")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = p.parse_args(argv)
+    if args.k < 1:
+        raise UsageError(f"-k {args.k}: give how many classes to print, at least 1")
     missing = [path for path in args.images if not Path(path).is_file()]
     if missing:
-        raise UsageError(f"{missing[0]}: no such image file")
+        what = "a folder, not an image file" if Path(missing[0]).is_dir() else "no such image file"
+        raise UsageError(f"{missing[0]}: {what}")
 
     from nwsconvert.devices import check_device
 

@@ -157,3 +157,39 @@ def test_resume_keeps_the_training_options_the_run_started_with(tmp_path, monkey
     assert train_main(["--resume", f"out={out}", "tasks=3", "task_init=random"]) == 0
     assert calls == ["random"] and run.read().finished == [0, 1, 2]
     assert recalibrated == [1]  # tasks 1 and 2 ran as the run started: without recalibration
+
+
+def test_an_empty_out_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default run directory would be runs/<suite>-<model> here
+    assert train_main([*FAST, "out="]) == 2
+    assert "out= in argument 'out=' is empty: give the run directory" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resume_announces_changed_options_and_refuses_another_suite_model_or_pools(tmp_path, capsys):
+    """--resume's command line wins for training options: said on stderr and in metrics.jsonl, not silently.
+    Another suite, model or pool size would mix two runs in one directory: refused in one line, exit 2,
+    before anything runs."""
+    out = tmp_path / "r"
+    assert train_main([*FAST, "epochs=1", "tasks=1", f"out={out}"]) == 0
+    capsys.readouterr()
+    run = RunDir(out)
+    before = run.log_path.read_text()
+    for items, said in (
+        (["suite.classes_per_task=5"], "suite.classes_per_task=5 (the run's: no suite.X)"),
+        (["model=timm:resnet18"], 'model="timm:resnet18" (the run\'s: model="timm:test_resnet")'),
+        (["pool_size=64", "lr=0.5"], "pool_size=64 (the run's: pool_size=32)"),
+    ):
+        assert train_main(["--resume", f"out={out}", "tasks=2", *items]) == 2, items
+        err = capsys.readouterr().err
+        assert said in err and "keeps the tasks, model and pools" in err and "out=OTHER_DIR" in err, err
+        assert len(err.strip().splitlines()) == 1 and run.log_path.read_text() == before  # nothing ran
+    assert run.read().finished == [0]
+    # An option given again with the value it has is no change; a new one is announced and logged.
+    assert train_main(["--resume", f"out={out}", "tasks=2", "epochs=1", "progress=false"]) == 0
+    assert "resuming" not in capsys.readouterr().err
+    assert train_main(["--resume", f"out={out}", "tasks=3", "lr=0.05"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming" in err and "lr=0.05 (the run's: " in err and "finished stages keep theirs" in err
+    logged = [line for line in run.log_path.read_text().splitlines() if "changed options" in line]
+    assert len(logged) == 1 and "lr=0.05" in logged[0] and run.read().finished == [0, 1, 2]

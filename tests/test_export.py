@@ -137,6 +137,13 @@ def test_stale_bundle_and_cli_errors(run, tmp_path, capsys):
         lat = re.search(r"latency \(batch 1\): median ([\d.]+) ms \(IQR ([\d.]+)-([\d.]+)\) over 50 runs", out)
         assert lat and 0 < float(lat[2]) <= float(lat[1]) <= float(lat[3]), out
         assert "the bundle holds one task, nothing to switch to" in out
+    # -k below 1 and a folder given as an image: one line each, exit 2, before the bundle is read.
+    for argv, said in (
+        (["-k", "0"], "-k 0: give how many classes to print, at least 1"),
+        ([str(tmp_path)], f"{tmp_path}: a folder, not an image file"),
+    ):
+        assert infer_main(["--bundle", str(tmp_path / "d"), "--task", "1", *argv]) == 2
+        assert capsys.readouterr().err.strip() == f"nws-infer: {said}"
     # A bundle written without --onnx: the one line says how to get graphs.
     assert infer_main(["--bundle", str(tmp_path / "e"), "--task", "1"]) == 2
     assert "holds no ONNX graphs (exported without --onnx): export it again with nws-export" in capsys.readouterr().err

@@ -218,6 +218,16 @@ def test_cli(hand_run, tmp_path, capsys):
         capsys.readouterr().err.strip()
         == f"nws-report: --tasks 7: run {hand_run} has no finished task 7; finished tasks: [0, 1]"
     )
+    # A run with no finished task yet (killed in pool learning): one line, exit 2, as nws-export says it.
+    RunDir(tmp_path / "young").write(Manifest(ModelEntry("hand:made"), data={"suite": "hand"}))
+    assert report_main([str(tmp_path / "young")]) == 2
+    assert "has no finished tasks yet: nothing to report" in capsys.readouterr().err
+    # --out naming a file: refused before the analysis runs, in one line (as nws-export refuses it).
+    (tmp_path / "a_file.png").write_bytes(b"x")
+    assert report_main([str(hand_run), "--out", str(tmp_path / "a_file.png")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"nws-report: --out {tmp_path / 'a_file.png'} is a file, not a folder: give a folder for the report"
+    )
 
 
 def test_real_model_pack(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..errors import UsageError
 from ..train.rundir import RunDir
@@ -53,11 +54,15 @@ def _report(argv: list[str] | None) -> int:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = parser.parse_args(argv)
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a file, not a folder: give a folder for the report")
     try:
         manifest = RunDir(args.run).read()
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
     done = manifest.finished
+    if not done:
+        raise UsageError(f"run {args.run} has no finished tasks yet: nothing to report (nws-train --resume finishes it)")
     missing = [t for t in args.tasks or () if t not in done]
     if missing:
         raise UsageError(

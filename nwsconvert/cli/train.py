@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import UntrustedCodeError, UsageError
 from ..train.config import TrainConfig
-from ..train.job import JOB_FILE, is_main_process, launch, recorded_job, resolve_job, validate_job
+from ..train.job import JOB_FILE, is_main_process, launch, recorded_job, resolve_job, resume_changes, validate_job
 from ..train.rundir import RunDir
 from ..train.specs import is_registry_spec
 from .common import run_cli
@@ -129,6 +129,15 @@ def _train(argv: list[str] | None) -> int:
                 resume = False
         job = resolve_job(args.items, base)
         validate_job(job)
+        if resume and base is not None and source == "manifest":
+            changes = resume_changes(base, job, str(RunDir(out).manifest_path))
+            if changes and is_main_process():
+                print(
+                    f"nws-train: resuming {out} with {', '.join(changes)}: for what the run has left to train "
+                    "(finished stages keep theirs; metrics.jsonl records the change)",
+                    file=sys.stderr,
+                )
+                RunDir(out).log({"event": "resumed with changed options", "changed": changes})
         trusted = True
         if base is not None and "model" not in _user_keys(args.items) and not is_registry_spec(job["model"]):
             trusted = args.trust_code  # the spec comes from the run directory, not from this command line

@@ -33,6 +33,7 @@ __all__ = [
     "train_config",
     "default_out",
     "recorded_job",
+    "resume_changes",
     "launch",
     "run_job",
     "convert_job",
@@ -91,6 +92,8 @@ def _apply(job: dict, key: str, value, source: str) -> None:
         job["suite_options"] = {**job["suite_options"], key[6:]: value}
     elif key.startswith("model."):
         job["model_kwargs"] = {**job["model_kwargs"], key[6:]: value}
+    elif key == "out" and (value is None or str(value).strip() == ""):
+        raise UsageError(f"out= in {source} is empty: give the run directory, e.g. out=runs/a (or leave the key out)")
     elif key in DEFAULT_JOB or key in train_fields:
         job[key] = value
     else:
@@ -401,6 +404,69 @@ def recorded_job(out: Path) -> tuple[dict | None, str]:
             raise FormatError(f"{path}: expected a JSON object of job keys")
         return job, JOB_FILE
     return None, "none"
+
+
+#: Job keys that say what a run trains (its tasks, its model and its pools): the finished stages were
+#: trained with them, so ``--resume`` refuses another value.
+FIXED_ON_RESUME = (
+    "suite",
+    "suite_options",
+    "model",
+    "model_kwargs",
+    "pool_size",
+    "group_size",
+    "preset",
+    "init",
+    "learn_pools",
+)
+#: Job keys that say how and where the run goes on, not what it trains: free on ``--resume``, unannounced
+#: (``weights``: the file may have moved; the run checks its SHA-256).
+_HOW_IT_RUNS = (
+    "out",
+    "progress",
+    "device",
+    "tasks",
+    "num_workers",
+    "checkpoint_every",
+    "checkpoint_interval",
+    "weights",
+)
+
+
+def _spelled(key: str, value) -> str:
+    """``value`` as the command line gives ``key``: ``lr=0.5``; the dict keys as ``suite.X=V`` items."""
+    if key in ("suite_options", "model_kwargs") and isinstance(value, dict):
+        prefix = key.split("_")[0]
+        return " ".join(f"{prefix}.{k}={json.dumps(v)}" for k, v in sorted(value.items())) or f"no {prefix}.X"
+    return f"{key}={json.dumps(value)}"
+
+
+def resume_changes(recorded: dict, job: dict, where: str) -> list[str]:
+    """What ``--resume``'s command line changes in a run's recorded job.
+
+    Args:
+        recorded: the run's job (:func:`recorded_job`). job: it with the command line's items
+            (:func:`resolve_job`). where: the file that recorded it, for the message.
+
+    Returns:
+        ``key=new (the run's: old)`` for every training option given another value: they apply to what
+        the run has left to train (an option on the command line wins, as it always did).
+
+    Raises:
+        UsageError: a key of :data:`FIXED_ON_RESUME` changed: the tasks, model or pools the run's finished
+            stages were trained with; resuming with another would mix two runs in one directory.
+    """
+    changed = [k for k in job if k not in _HOW_IT_RUNS and job[k] != recorded.get(k, DEFAULT_JOB.get(k))]
+    fixed = [k for k in changed if k in FIXED_ON_RESUME]
+    if fixed:
+        given = ", ".join(
+            f"{_spelled(k, job[k])} (the run's: {_spelled(k, recorded.get(k, DEFAULT_JOB.get(k)))})" for k in fixed
+        )
+        raise UsageError(
+            f"--resume: {given}: a run keeps the tasks, model and pools it started with ({where}); "
+            "drop these items, or start a new run with out=OTHER_DIR"
+        )
+    return [f"{_spelled(k, job[k])} (the run's: {json.dumps(recorded.get(k))})" for k in changed]
 
 
 def launch(job: dict, resume: bool = False, trust_code: bool = True) -> str:

@@ -159,11 +159,19 @@ def test_resume_keeps_the_training_options_the_run_started_with(tmp_path, monkey
     assert recalibrated == [1]  # tasks 1 and 2 ran as the run started: without recalibration
 
 
-def test_an_empty_out_is_a_usage_error(tmp_path, capsys, monkeypatch):
+def test_an_empty_out_and_more_tasks_than_the_suite_are_usage_errors_that_leave_no_job(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default run directory would be runs/<suite>-<model> here
     assert train_main([*FAST, "out="]) == 2
     assert "out= in argument 'out=' is empty: give the run directory" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+    # Found once the suite is loaded (after job.json is written): the job is taken back, so --resume
+    # does not start the bad job again.
+    assert train_main([*FAST, "tasks=99", f"out={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err
+    assert err == "nws-train: tasks=99: suite split-mnist has 5 tasks; give at most that\n"
+    assert not (tmp_path / "r" / "job.json").exists()
+    assert train_main(["--resume", f"out={tmp_path / 'r'}"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
 
 
 def test_resume_announces_changed_options_and_refuses_another_suite_model_or_pools(tmp_path, capsys):

@@ -222,6 +222,14 @@ def test_cli(hand_run, tmp_path, capsys):
     RunDir(tmp_path / "young").write(Manifest(ModelEntry("hand:made"), data={"suite": "hand"}))
     assert report_main([str(tmp_path / "young")]) == 2
     assert "has no finished tasks yet: nothing to report" in capsys.readouterr().err
+    from nwsconvert.analysis.summary import format_summary, run_summary  # nws-info's table of the same run
+
+    table = format_summary(run_summary(tmp_path / "young"))
+    assert (
+        f"pool set: not written yet (pool learning has not finished: nws-train --resume out={tmp_path / 'young'})"
+        in table
+    )
+    assert table.endswith("no finished tasks yet") and "0 B" not in table
     # --out naming a file: refused before the analysis runs, in one line (as nws-export refuses it).
     (tmp_path / "a_file.png").write_bytes(b"x")
     assert report_main([str(hand_run), "--out", str(tmp_path / "a_file.png")]) == 2

@@ -145,10 +145,13 @@ def format_summary(s: dict) -> str:
     ]
     out += [line(r) for r in rows]
     out.append("")
-    out.append(
-        f"pool set (shared)        {format_bytes(s['pools_bytes'])}   (file {format_bytes(s.get('pools_file_bytes', 0))} with its header"
-        + (f"; {s['pools_dtype']})" if s.get("pools_dtype") else ")")
-    )
+    if not s["pools_bytes"]:  # killed before its pool file was recorded
+        out.append(f"pool set: not written yet (pool learning has not finished: nws-train --resume out={s['run']})")
+    else:
+        out.append(
+            f"pool set (shared)        {format_bytes(s['pools_bytes'])}   (file {format_bytes(s.get('pools_file_bytes', 0))} with its header"
+            + (f"; {s['pools_dtype']})" if s.get("pools_dtype") else ")")
+        )
     if s.get("base_bytes"):
         out.append(
             f"base pack (shared)       {format_bytes(s['base_bytes'])}   (file {format_bytes(s.get('base_file_bytes', 0))}; "

@@ -62,7 +62,9 @@ def _report(argv: list[str] | None) -> int:
         raise UsageError(str(e)) from None
     done = manifest.finished
     if not done:
-        raise UsageError(f"run {args.run} has no finished tasks yet: nothing to report (nws-train --resume finishes it)")
+        raise UsageError(
+            f"run {args.run} has no finished tasks yet: nothing to report (nws-train --resume finishes it)"
+        )
     missing = [t for t in args.tasks or () if t not in done]
     if missing:
         raise UsageError(

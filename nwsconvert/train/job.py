@@ -310,6 +310,8 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
         suite = get_suite(job["suite"], **job["suite_options"])
     except (KeyError, TypeError, ValueError) as e:
         raise UsageError(e.args[0] if e.args else str(e)) from None
+    if job["tasks"] and int(job["tasks"]) > len(suite.tasks):
+        raise UsageError(f"tasks={job['tasks']}: suite {job['suite']} has {len(suite.tasks)} tasks; give at most that")
     out = default_out(job)
     run = RunDir(out)
     if run.exists() and not resume:
@@ -487,9 +489,17 @@ def launch(job: dict, resume: bool = False, trust_code: bool = True) -> str:
         run = RunDir(job["out"])
         if main_rank and not resume and run.exists():
             raise UsageError(f"{job['out']!r} already holds a run: add --resume to continue it, or out=OTHER_DIR")
-        if main_rank and not run.exists():
+        wrote = main_rank and not run.exists()
+        if wrote:
             atomic_write_bytes(run.path / JOB_FILE, (json.dumps(job, indent=2) + "\n").encode())
-        return run_job(job, resume=resume, trust_code=trust_code)
+        try:
+            return run_job(job, resume=resume, trust_code=trust_code)
+        except UsageError:
+            # A bad job found once torch is loaded (a model keyword, the suite's channels): nothing started,
+            # so nothing is left for --resume to start again from.
+            if wrote and not run.exists():
+                (run.path / JOB_FILE).unlink(missing_ok=True)
+            raise
     finally:
         if lock is not None:
             lock.release()

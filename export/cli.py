@@ -172,7 +172,13 @@ def _infer(argv: list[str] | None) -> int:
     from .runtime import Runtime
 
     if args.device == "cuda" and check_device("cuda") is not None:
-        raise UsageError(check_device("cuda"))
+        # check_device speaks nws-train's key=value; this command takes --device.
+        why = (
+            str(check_device("cuda"))
+            .replace("device=cuda", "--device cuda")
+            .replace("use device=cpu", "use --device cpu")
+        )
+        raise UsageError(why)
     try:
         desc = read_bundle(args.bundle)
     except FileNotFoundError as e:

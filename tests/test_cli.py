@@ -45,6 +45,10 @@ def test_help_lists_every_key(capsys):
         "torchrun",
     ):
         assert key in out
+    from nwsconvert.zoo import list_recipes, list_suites
+
+    help_text = " ".join(out.split())  # wrapped lines joined
+    assert all(name in help_text for name in [*list_suites(), *list_recipes()]), help_text
     with pytest.raises(SystemExit):
         info_main(["--help"])
     assert "--json" in capsys.readouterr().out

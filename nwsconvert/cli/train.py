@@ -25,7 +25,7 @@ __all__ = ["train_main"]
 _HELP_KEYS = """\
 keys (key=value; values are YAML: 3, 0.01, true, [50, 80], {{a: 1}}):
   suite=NAME              task suite: split-mnist (default, embedded), split-fashion-mnist,
-                          mixed-domain, split-cifar100, image-folders
+                          mixed-domain, long-mixed-20, long-mixed-50, split-cifar100, image-folders
   suite.OPTION=VALUE      suite option, e.g. suite.path=~/cifar-100-python.tar.gz,
                           suite.folders=[~/cub, ~/cars], suite.root=/usr/share/datasets/fashion-mnist,
                           suite.pairs=hard, suite.classes_per_task=5, suite.train_per_class=50

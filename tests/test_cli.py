@@ -199,7 +199,11 @@ def test_resume_announces_changed_options_and_refuses_another_suite_model_or_poo
     assert run.read().finished == [0]
     # An option given again with the value it has is no change; a new one is announced and logged.
     assert train_main(["--resume", f"out={out}", "tasks=2", "epochs=1", "progress=false"]) == 0
-    assert "resuming" not in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "resuming" not in said.err
+    # What the resumed run had finished before is said so: its figures are the recorded ones.
+    lines = [line for line in said.out.splitlines() if re.match(r"pools:|task \d+ \(", line)]
+    assert [line.endswith("(finished before this --resume)") for line in lines] == [True, True, False], lines
     assert train_main(["--resume", f"out={out}", "tasks=3", "lr=0.05"]) == 0
     err = capsys.readouterr().err
     assert "resuming" in err and "lr=0.05 (the run's: " in err and "finished stages keep theirs" in err

@@ -361,21 +361,26 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
     )
     with trainer:
         main = trainer.dist.is_main
+        earlier = " (finished before this --resume)"  # a stage the run had already finished: its recorded figures
         if job["learn_pools"] and suite.pretrain is not None:
+            done = trainer.manifest.pools is not None
             m = trainer.fit_pools(suite.pretrain, suite.pretrain_test, num_classes=suite.pretrain_classes)
             if main and m:
                 print(
-                    f"pools: val acc {100 * m.get('val_acc', 0):.2f}%  pool usage {100 * m.get('pool_usage', 0):.1f}%",
+                    f"pools: val acc {100 * m.get('val_acc', 0):.2f}%  pool usage {100 * m.get('pool_usage', 0):.1f}%"
+                    + (earlier if done else ""),
                     flush=True,
                 )
         tasks = suite.tasks[: job["tasks"]] if job["tasks"] else suite.tasks
         for t, task in enumerate(tasks):
+            done = t in trainer.manifest.finished
             m = trainer.fit_task(
                 t, task.train, task.test, task.num_classes, name=task.name, class_names=task.class_names
             )
             if main:
                 print(
-                    f"task {t} ({task.name}): acc {100 * m['val_acc']:.2f}%  rebuilt from pack {100 * m['rebuilt_acc']:.2f}%",
+                    f"task {t} ({task.name}): acc {100 * m['val_acc']:.2f}%  rebuilt from pack {100 * m['rebuilt_acc']:.2f}%"
+                    + (earlier if done else ""),
                     flush=True,
                 )
     return out

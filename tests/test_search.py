@@ -291,3 +291,24 @@ def test_a_moving_pool_is_one_shift_and_every_index_stays_exact():
         nws(w)
         assert (step == 0 or nws._shift == 0) and torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool))
         w.data.add_(torch.randn(w.shape, generator=g) * 2e-4)
+
+
+def test_a_restored_search_state_goes_on_exactly_and_is_not_changed_by_what_follows():
+    """Task starts restore the search state the first one took (``search_state`` / ``restore_search``):
+    written into the layer's own buffers, so training after a restore leaves the saved state as it was,
+    and a second restore goes on exactly as the first."""
+    g = torch.Generator().manual_seed(13)
+    w, nws = _layer(torch.randn(2048, 9, generator=g) * 0.1, 9, 64)
+    start = w.detach().clone()
+    state = nws.search_state()
+    saved = [t.clone() if isinstance(t, torch.Tensor) else t for t in state]
+    for _ in range(2):  # two "tasks", each from the same start
+        w.data.copy_(start)
+        nws.restore_search(state)
+        for step in range(6):
+            nws(w)
+            assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool)), step
+            w.data.add_(torch.randn(w.shape, generator=g) * 3e-3)
+        assert 0 < nws.stats["searched"] < nws.num_vectors  # the restored budgets did the work
+    for kept, before in zip(state, saved):
+        assert kept == before if not isinstance(kept, torch.Tensor) else torch.equal(kept, before)

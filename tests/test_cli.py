@@ -49,6 +49,12 @@ def test_help_lists_every_key(capsys):
 
     help_text = " ".join(out.split())  # wrapped lines joined
     assert all(name in help_text for name in [*list_suites(), *list_recipes()]), help_text
+    from nwsconvert.zoo import get_recipe
+
+    for name in list_recipes():  # the help's summary of each recipe is the recipe's own numbers
+        cfg = get_recipe(name)
+        line = re.search(rf"{name}( \(default\))?: ([^;]*)", help_text)
+        assert line and f"{cfg.optimizer} lr {cfg.lr}" in line[2] and f"{cfg.epochs} epochs" in line[2], name
     with pytest.raises(SystemExit):
         info_main(["--help"])
     assert "--json" in capsys.readouterr().out

@@ -42,7 +42,11 @@ keys (key=value; values are YAML: 3, 0.01, true, [50, 80], {{a: 1}}):
                           another size is left fresh; with learn_pools=false the tasks start from
                           them as the pools quantise them, without pool learning; the run
                           records the file's SHA-256 and --resume refuses a changed file
-  recipe=NAME             demo (default), split-cifar100, cub-to-sketches, paper-adam
+  recipe=NAME             training options by name (any of them can be overridden):
+                          demo (default): sgd lr 0.02, 3 epochs a task, 6 pool epochs, batch 64, cosine;
+                          split-cifar100: sgd lr 0.01, 100 epochs, lr/10 at [50, 80], batch 32 (paper);
+                          cub-to-sketches: sgd lr 0.001, 100 epochs, lr/10 at [50, 80], beta 0.1 (paper);
+                          paper-adam: adam lr 0.01, 100 epochs, lr/10 at [50], batch 32 (paper)
   learn_pools=true|false  learn pools on the suite's pretraining data first
   tasks=N                 train only the first N tasks
   device=cuda|cpu         default: CUDA when present

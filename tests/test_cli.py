@@ -169,6 +169,42 @@ def test_resume_keeps_the_training_options_the_run_started_with(tmp_path, monkey
     assert recalibrated == [1]  # tasks 1 and 2 ran as the run started: without recalibration
 
 
+def test_resume_compares_what_a_run_trains_not_where_its_files_lie(tmp_path, monkeypatch):
+    from nwsconvert.train.job import resume_changes
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    from nwsconvert.zoo import get_recipe
+
+    recorded = {  # as recorded_job reads a manifest: the recipe's options, then the job
+        **get_recipe("demo").to_dict(),
+        **resolve_job(["suite=split-fashion-mnist", "suite.root=/data/a", f"init={tmp_path}/p.safetensors"]),
+    }
+    same = resolve_job(["suite.root=/mnt/moved", "init=~/p.safetensors", "preset=none"], recorded)
+    assert resume_changes(recorded, same, "m.json") == []  # data moved, a path spelled otherwise, none as null
+    changed = resolve_job(["suite.classes_per_task=5", "lr=0.5"], recorded)
+    with pytest.raises(
+        UsageError, match=r"--resume: suite.classes_per_task=5 \(the run's: suite.classes_per_task unset\)"
+    ):
+        resume_changes(recorded, changed, "m.json")
+    assert resume_changes(recorded, resolve_job(["lr=0.5", "out=/x"], recorded), "m.json") == [
+        "lr=0.5 (the run's: 0.02)"
+    ]
+
+
+def test_a_bad_item_when_restarting_a_run_stopped_before_its_manifest_keeps_its_job(tmp_path, capsys):
+    """--resume of a run stopped before its manifest starts it again from job.json; an item that turns out
+    bad once torch is loaded (more tasks than the suite has) leaves job.json as the run recorded it."""
+    import json
+
+    out = tmp_path / "r"
+    out.mkdir()
+    recorded = (json.dumps(resolve_job([*FAST, "epochs=1", f"out={out}"]), indent=2) + "\n").encode()
+    (out / "job.json").write_bytes(recorded)
+    assert train_main(["--resume", f"out={out}", "tasks=99"]) == 2
+    assert "tasks=99: suite split-mnist has 5 tasks" in capsys.readouterr().err
+    assert (out / "job.json").read_bytes() == recorded and not (out / "manifest.json").exists()
+
+
 def test_an_empty_out_and_more_tasks_than_the_suite_are_usage_errors_that_leave_no_job(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default run directory would be runs/<suite>-<model> here
     assert train_main([*FAST, "out="]) == 2
@@ -194,17 +230,20 @@ def test_resume_announces_changed_options_and_refuses_another_suite_model_or_poo
     run = RunDir(out)
     before = run.log_path.read_text()
     for items, said in (
-        (["suite.classes_per_task=5"], "suite.classes_per_task=5 (the run's: no suite.X)"),
+        (["suite.classes_per_task=5"], "suite.classes_per_task=5 (the run's: suite.classes_per_task unset)"),
         (["model=timm:resnet18"], 'model="timm:resnet18" (the run\'s: model="timm:test_resnet")'),
         (["pool_size=64", "lr=0.5"], "pool_size=64 (the run's: pool_size=32)"),
+        (["recipe=paper-adam"], 'recipe="paper-adam" (the run\'s: recipe="demo")'),  # its options are the run's
     ):
         assert train_main(["--resume", f"out={out}", "tasks=2", *items]) == 2, items
         err = capsys.readouterr().err
-        assert said in err and "keeps the tasks, model and pools" in err and "out=OTHER_DIR" in err, err
+        assert said in err and "keeps the tasks, model, pools and recipe" in err and "out=OTHER_DIR" in err, err
         assert len(err.strip().splitlines()) == 1 and run.log_path.read_text() == before  # nothing ran
     assert run.read().finished == [0]
     # An option given again with the value it has is no change; a new one is announced and logged.
-    assert train_main(["--resume", f"out={out}", "tasks=2", "epochs=1", "progress=false"]) == 0
+    # How a preset's absence is spelled is no change either (more such cases: the test below).
+    items = ["tasks=2", "epochs=1", "progress=false", "preset=none"]
+    assert train_main(["--resume", f"out={out}", *items]) == 0
     said = capsys.readouterr()
     assert "resuming" not in said.err
     # What the resumed run had finished before is said so: its figures are the recorded ones.

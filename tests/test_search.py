@@ -265,6 +265,20 @@ def test_shifted_drift_is_never_below_the_exact_value_and_barely_above():
         assert bool((got <= exact * (1 + 2.0**-19)).all()), s
 
 
+def test_a_budget_is_finite_whatever_its_radius_and_shift():
+    """Budgets beyond float32's range are clamped to its largest value, not +inf: a settled shift must be
+    able to take something off every finite budget."""
+    from nwsconvert.core.rounding import budget_sq
+
+    big = torch.tensor([1e19, 3e30, float("inf")], dtype=torch.float64)
+    rows = torch.zeros(3, 9)
+    top = torch.finfo(torch.float32).max
+    got = budget_sq(big, rows, rows, 0.0).tolist()
+    assert 0.99e38 < got[0] <= 1e38 and got[1:] == [top, top]  # 1e19 squared fits; the rest is clamped
+    assert budget_sq(big, rows, rows, 1e19).tolist() == [top] * 3  # (1e19 + 1e19)^2 would round to +inf
+    assert budget_sq(torch.tensor([float("nan")], dtype=torch.float64), rows[:1], rows[:1], 1.0).isnan().all()
+
+
 def test_a_moving_pool_is_one_shift_and_every_index_stays_exact():
     """Pool learning: the pool's movement is kept as one number per layer (not taken off every row's
     budget at every step) until SHIFT_STEPS changes or the pool stops; the indices equal brute force at

@@ -133,15 +133,9 @@ def _train(argv: list[str] | None) -> int:
                 resume = False
         job = resolve_job(args.items, base)
         validate_job(job)
+        changes = None
         if resume and base is not None and source == "manifest":
-            changes = resume_changes(base, job, str(RunDir(out).manifest_path))
-            if changes and is_main_process():
-                print(
-                    f"nws-train: resuming {out} with {', '.join(changes)}: for what the run has left to train "
-                    "(finished stages keep theirs; metrics.jsonl records the change)",
-                    file=sys.stderr,
-                )
-                RunDir(out).log({"event": "resumed with changed options", "changed": changes})
+            changes = resume_changes(base, job, str(RunDir(out).manifest_path))  # refused before torch loads
         trusted = True
         if base is not None and "model" not in _user_keys(args.items) and not is_registry_spec(job["model"]):
             trusted = args.trust_code  # the spec comes from the run directory, not from this command line
@@ -150,7 +144,7 @@ def _train(argv: list[str] | None) -> int:
                     f"the run's model spec {job['model']!r} would import and call code named by {out}: "
                     "add --trust-code if you trust who wrote it, or restate model=... yourself"
                 )
-        out = launch(job, resume=resume, trust_code=trusted)
+        out = launch(job, resume=resume, trust_code=trusted, changes=changes)
         print_summary(out)
     finally:
         if held is not None:

@@ -405,10 +405,10 @@ class NWSWeight(nn.Module):
         if torch.equal(seen.pool, pool.float()):  # the usual case in task mode
             self._settle_shift()  # the pool stopped moving: the drift test goes back to one compare
             return seen
-        # The pool changed (a norm that underflows to 0 still counts; NaN drops every budget): the
-        # largest entry movement (1e-5 relative slack covers the float32 norm), rounded up, joins the
-        # shift, and the search tables follow the new pool.
-        move = float((pool.float() - seen.pool).norm(dim=1).max())
+        # The pool changed (NaN drops every budget): the largest entry movement, in float64 (no float32
+        # norm underflows to 0; 1e-5 relative slack covers its rounding), rounded up, joins the shift,
+        # and the search tables follow the new pool.
+        move = float((pool.double() - seen.pool.double()).norm(dim=1).max())
         if math.isnan(move):
             self.reset_search()
             return None

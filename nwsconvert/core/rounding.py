@@ -69,7 +69,9 @@ def budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor, shift:
     else:
         left = radius - torch.linalg.vector_norm(vec.double() - ref.double(), dim=1) * (1 + 1e-6)
     left = left.clamp_min(0)
-    return round_down_f32((left + shift).square() if shift else left.square())
+    # Clamped to float32's largest value: a budget beyond it (a radius plus a shift above 1.8e19) would
+    # otherwise become +inf, which no later pool movement could shrink (inf - shift is inf).
+    return round_down_f32((left + shift).square() if shift else left.square()).clamp_(max=_F32_MAX)
 
 
 def round_up_f32(x: float) -> float:
@@ -77,6 +79,8 @@ def round_up_f32(x: float) -> float:
     r = float(np.float32(x))
     return r if r >= x else float(np.nextafter(np.float32(x), np.float32(np.inf)))
 
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 #: Drift factor of :func:`shifted_drift_sq`: covers its four float32 roundings (see there).
 _SHIFT_SLACK = 1.0 + 2.0**-21

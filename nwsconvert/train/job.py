@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from ..devices import check_device
@@ -289,12 +290,13 @@ def check_pool_file(path: Path) -> None:
         raise UsageError(f"init={str(path)!r} is {what}; init takes a pool file (pools.safetensors of a run)")
 
 
-def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
+def run_job(job: dict, resume: bool = False, trust_code: bool = False, changes: list[str] | None = None) -> str:
     """Run a resolved, validated job (see :data:`DEFAULT_JOB`, :func:`validate_job`); returns the run directory.
 
     Args:
         trust_code: let a ``package.module:factory`` model spec import its code (the
             command line trusts specs the user typed; ``--trust-code`` one read from a run).
+        changes: the options ``--resume`` changes (:func:`resume_changes`), said once the run is open.
     """
     import torch
 
@@ -361,6 +363,14 @@ def run_job(job: dict, resume: bool = False, trust_code: bool = False) -> str:
     )
     with trainer:
         main = trainer.dist.is_main
+        if changes and main:
+            print(
+                f"nws-train: resuming {out} with {', '.join(changes)}: for what the run has left to train "
+                "(finished stages keep theirs; metrics.jsonl records the change)",
+                file=sys.stderr,
+                flush=True,
+            )
+            trainer.stages.log({"event": "resumed with changed options", "changed": changes})
         earlier = " (finished before this --resume)"  # a stage the run had already finished: its recorded figures
         if job["learn_pools"] and suite.pretrain is not None:
             done = trainer.manifest.pools is not None
@@ -425,7 +435,10 @@ FIXED_ON_RESUME = (
     "preset",
     "init",
     "learn_pools",
+    "recipe",  # its options are the run's recorded ones on --resume: another name would change nothing
 )
+#: Suite options that say where the data is, not what it is: free on ``--resume`` (the data may have moved).
+_SUITE_LOCATIONS = ("path", "root", "fashion_root", "folders")
 #: Job keys that say how and where the run goes on, not what it trains: free on ``--resume``, unannounced
 #: (``weights``: the file may have moved; the run checks its SHA-256).
 _HOW_IT_RUNS = (
@@ -440,12 +453,26 @@ _HOW_IT_RUNS = (
 )
 
 
-def _spelled(key: str, value) -> str:
-    """``value`` as the command line gives ``key``: ``lr=0.5``; the dict keys as ``suite.X=V`` items."""
+def _spelled(key: str, value, other=None) -> str:
+    """``value`` as the command line gives ``key``: ``lr=0.5``; of the dict keys (``suite.X=V`` items) only
+    the entries that differ from ``other``'s, ``suite.X unset`` where ``value`` has none."""
     if key in ("suite_options", "model_kwargs") and isinstance(value, dict):
-        prefix = key.split("_")[0]
-        return " ".join(f"{prefix}.{k}={json.dumps(v)}" for k, v in sorted(value.items())) or f"no {prefix}.X"
+        prefix, other = key.split("_")[0], other if isinstance(other, dict) else {}
+        names = sorted(k for k in {*value, *other} if value.get(k, other) != other.get(k, value))
+        return " ".join(f"{prefix}.{k}={json.dumps(value[k])}" if k in value else f"{prefix}.{k} unset" for k in names)
     return f"{key}={json.dumps(value)}"
+
+
+def _comparable(key: str, value):
+    """``value`` as ``--resume`` compares it with the run's: where data lies and how a path is spelled
+    do not count (``suite.root=~/d`` is ``suite.root=/home/u/d``), nor ``preset=none`` against none."""
+    if key == "suite_options" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in _SUITE_LOCATIONS}
+    if key == "init" and isinstance(value, str) and value not in ("kmeans", "random"):
+        return str(Path(value).expanduser().resolve())
+    if key == "preset" and value in (None, "none"):
+        return None
+    return value
 
 
 def resume_changes(recorded: dict, job: dict, where: str) -> list[str]:
@@ -463,21 +490,23 @@ def resume_changes(recorded: dict, job: dict, where: str) -> list[str]:
         UsageError: a key of :data:`FIXED_ON_RESUME` changed: the tasks, model or pools the run's finished
             stages were trained with; resuming with another would mix two runs in one directory.
     """
-    changed = [k for k in job if k not in _HOW_IT_RUNS and job[k] != recorded.get(k, DEFAULT_JOB.get(k))]
+    defaults = {**TrainConfig().to_dict(), **DEFAULT_JOB}  # for keys a run recorded before they existed
+    was = {k: recorded.get(k, defaults.get(k)) for k in job}
+    changed = [k for k in job if k not in _HOW_IT_RUNS and _comparable(k, job[k]) != _comparable(k, was[k])]
     fixed = [k for k in changed if k in FIXED_ON_RESUME]
     if fixed:
-        given = ", ".join(
-            f"{_spelled(k, job[k])} (the run's: {_spelled(k, recorded.get(k, DEFAULT_JOB.get(k)))})" for k in fixed
-        )
+        given = ", ".join(f"{_spelled(k, job[k], was[k])} (the run's: {_spelled(k, was[k], job[k])})" for k in fixed)
         raise UsageError(
-            f"--resume: {given}: a run keeps the tasks, model and pools it started with ({where}); "
+            f"--resume: {given}: a run keeps the tasks, model, pools and recipe it started with ({where}); "
             "drop these items, or start a new run with out=OTHER_DIR"
         )
-    return [f"{_spelled(k, job[k])} (the run's: {json.dumps(recorded.get(k))})" for k in changed]
+    return [f"{_spelled(k, job[k])} (the run's: {json.dumps(was[k])})" for k in changed]
 
 
-def launch(job: dict, resume: bool = False, trust_code: bool = True) -> str:
+def launch(job: dict, resume: bool = False, trust_code: bool = True, changes: list[str] | None = None) -> str:
     """Lock the run directory, record the job in it, then :func:`run_job` (the job already validated).
+
+    ``changes``: :func:`resume_changes`' list, said (stderr, ``metrics.jsonl``) once the run is open.
 
     Raises:
         RunLockedError: another process writes the run. UsageError: ``out`` holds a run and ``resume`` is false.
@@ -495,15 +524,20 @@ def launch(job: dict, resume: bool = False, trust_code: bool = True) -> str:
         if main_rank and not resume and run.exists():
             raise UsageError(f"{job['out']!r} already holds a run: add --resume to continue it, or out=OTHER_DIR")
         wrote = main_rank and not run.exists()
+        job_file = run.path / JOB_FILE
+        before = job_file.read_bytes() if wrote and job_file.is_file() else None  # a run stopped before its manifest
         if wrote:
-            atomic_write_bytes(run.path / JOB_FILE, (json.dumps(job, indent=2) + "\n").encode())
+            atomic_write_bytes(job_file, (json.dumps(job, indent=2) + "\n").encode())
         try:
-            return run_job(job, resume=resume, trust_code=trust_code)
+            return run_job(job, resume=resume, trust_code=trust_code, changes=changes)
         except UsageError:
-            # A bad job found once torch is loaded (a model keyword, the suite's channels): nothing started,
-            # so nothing is left for --resume to start again from.
+            # A bad job found once torch is loaded (a model keyword, the suite's channels): nothing started
+            # under it, so --resume finds what was there before: no job, or the job the run was started with.
             if wrote and not run.exists():
-                (run.path / JOB_FILE).unlink(missing_ok=True)
+                if before is None:
+                    job_file.unlink(missing_ok=True)
+                else:
+                    atomic_write_bytes(job_file, before)
             raise
     finally:
         if lock is not None:

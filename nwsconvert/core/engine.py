@@ -300,8 +300,9 @@ class _Group:
         if self.ref is None and stamp != self._cut_stamp:  # a scalar pool moved: its layer needs budgets
             self._start_tracking()
         now = torch.cat([p.detach().float() for p in pools])
-        # Budgets shrink by their layer's largest pool-entry movement (float64, 1e-5 slack, rounded down).
-        entry_move = (now - self.seen).norm(dim=1).double()
+        # Budgets shrink by their layer's largest pool-entry movement (float64, 1e-5 slack, rounded down),
+        # measured in float64: a float32 norm of a tiny move can underflow to 0, which shrinks nothing.
+        entry_move = (now.double() - self.seen.double()).norm(dim=1)
         self.move.copy_(self._per_layer(entry_move).amax(1))  # NaN stays NaN
         self.seen.copy_(now)  # in place: a CUDA graph replaying the step carries it over
         native = [p.detach() for p in pools]

@@ -423,7 +423,7 @@ def recorded_job(out: Path) -> tuple[dict | None, str]:
     return None, "none"
 
 
-#: Job keys that say what a run trains (its tasks, its model and its pools): the finished stages were
+#: Job keys that say what a run trains (its tasks, model, pools and recipe): the finished stages were
 #: trained with them, so ``--resume`` refuses another value.
 FIXED_ON_RESUME = (
     "suite",
@@ -487,8 +487,8 @@ def resume_changes(recorded: dict, job: dict, where: str) -> list[str]:
         the run has left to train (an option on the command line wins, as it always did).
 
     Raises:
-        UsageError: a key of :data:`FIXED_ON_RESUME` changed: the tasks, model or pools the run's finished
-            stages were trained with; resuming with another would mix two runs in one directory.
+        UsageError: a key of :data:`FIXED_ON_RESUME` changed: the tasks, model, pools or recipe the run's
+            finished stages were trained with; resuming with another would mix two runs in one directory.
     """
     defaults = {**TrainConfig().to_dict(), **DEFAULT_JOB}  # for keys a run recorded before they existed
     was = {k: recorded.get(k, defaults.get(k)) for k in job}

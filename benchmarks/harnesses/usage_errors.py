@@ -55,8 +55,10 @@ def _cases(tmp: Path, run: Path | None) -> list[tuple[str, list[str]]]:
         ["--resume"],
         ["--resume", f"out={tmp / 'never_started'}"],
         ["--resume", f"out={tmp}"],  # a folder that holds no run
-        ["model=timm:resnet_nope", out],  # these two import torch and timm to ask the registry
+        ["out="],
+        ["model=timm:resnet_nope", out],  # these three import torch and timm to ask the registry or the suite
         ["model.nope=1", out],
+        ["tasks=99", out],
     ]
     cases = [("nws-train", args) for args in train]
     cases += [
@@ -72,6 +74,9 @@ def _cases(tmp: Path, run: Path | None) -> list[tuple[str, list[str]]]:
             ("nws-infer", ["--bundle", bundle, "--task", "0", str(afile)]),
             ("nws-infer", ["--bundle", bundle, "--task", "0", str(tmp / "none.png")]),
             ("nws-infer", ["--bundle", bundle, "--task", "99"]),
+            ("nws-infer", ["--bundle", bundle, "--task", "0", "-k", "0"]),
+            ("nws-infer", ["--bundle", bundle, "--task", "0", str(tmp)]),  # a folder as an image
+            ("nws-report", [str(run), "--out", str(afile)]),
         ]
     return cases
 

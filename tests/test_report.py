@@ -230,6 +230,10 @@ def test_cli(hand_run, tmp_path, capsys):
         in table
     )
     assert table.endswith("no finished tasks yet") and "0 B" not in table
+    (tmp_path / "young" / "checkpoints").mkdir()
+    (tmp_path / "young" / "checkpoints" / "base_weights.safetensors").write_bytes(b"\0" * 3000)
+    table = format_summary(run_summary(tmp_path / "young"))
+    assert table.splitlines()[-1].startswith("also in the run: checkpoints/ 3.00 KB (training state"), table
     # --out naming a file: refused before the analysis runs, in one line (as nws-export refuses it).
     (tmp_path / "a_file.png").write_bytes(b"x")
     assert report_main([str(hand_run), "--out", str(tmp_path / "a_file.png")]) == 2

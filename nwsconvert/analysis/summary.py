@@ -102,6 +102,9 @@ def run_summary(run_dir: str | os.PathLike) -> dict:
         "base_bytes": base_bytes,
         "pools_file_bytes": _file_size(run.pool_path),
         "base_file_bytes": _file_size(run.base_path) if base_bytes else 0,
+        # Training state beside the packs (the weights every new task starts from, stage checkpoints):
+        # not part of what a task costs, but what the run directory holds.
+        "checkpoints_bytes": sum(_file_size(p) for p in (run.path / "checkpoints").glob("*")),
         "tasks": rows,
         "total": {
             "nws_bytes": nws_total,
@@ -167,4 +170,9 @@ def format_summary(s: dict) -> str:
         out.append(f"NWS is {t['ratio']:.1f}x smaller; average accuracy {avg}")
     else:
         out.append("no finished tasks yet")
+    if s.get("checkpoints_bytes"):
+        out.append(
+            f"also in the run: checkpoints/ {format_bytes(s['checkpoints_bytes'])} (training state: the weights "
+            "a new task starts from; not deployed, and needed only to add tasks or resume)"
+        )
     return "\n".join(out)

@@ -21,6 +21,7 @@ and inside a task, with and without a checkpoint to resume from.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -134,9 +135,14 @@ def test_killed_inside_pool_learning_and_inside_a_task_resumes_from_checkpoints(
     job = [*JOB, "checkpoint_interval=0", f"out={out}"]  # a checkpoint after every epoch
     _killed(_train("after-log:pools:1", *job))
     assert RunDir(out).read().pools is None
-    _killed(_train("after-log:task:0:1", "--resume", f"out={out}"))
+    first = _train("after-log:task:0:1", "--resume", f"out={out}")
+    _killed(first)
     assert RunDir(out).read().finished == []
-    _done(_train("none", "--resume", f"out={out}"))
+    second = _train("none", "--resume", f"out={out}")
+    _done(second)
+    # Each resumed process says where it picked up (stderr), as metrics.jsonl records it.
+    assert re.search(r"^pools: resumed from its checkpoint after epoch 1 of \d+$", first.stderr, re.M), first.stderr
+    assert re.search(r"^task:0: resumed from its checkpoint after epoch 1 of \d+$", second.stderr, re.M)
     log = RunDir(out).read_log()
     resumed = [(r["stage"], r["epoch"]) for r in log if r.get("event") == "resumed"]
     assert resumed == [("pools", 1), ("task:0", 1)]  # each continued from its checkpoint, not from its start

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -154,6 +155,10 @@ def _epochs(ctx: StageContext, stage, train, val, cfg: TrainConfig, pool: bool, 
     frozen = feature_weights(model) if not pool and cfg.head_epochs > start else []
     if start:
         ctx.log({"stage": stage, "event": "resumed", "epoch": start})
+        if ctx.dist.is_main:  # a resumed run says where it picked up, not only in metrics.jsonl
+            print(
+                f"{stage}: resumed from its checkpoint after epoch {start} of {cfg.epochs}", file=sys.stderr, flush=True
+            )
     record, phase = None, None
     try:
         for epoch in range(start, cfg.epochs):

@@ -171,13 +171,8 @@ def _infer(argv: list[str] | None) -> int:
     from .bundlefile import read_bundle
     from .runtime import Runtime
 
-    if args.device == "cuda" and check_device("cuda") is not None:
-        # check_device speaks nws-train's key=value; this command takes --device.
-        why = (
-            str(check_device("cuda"))
-            .replace("device=cuda", "--device cuda")
-            .replace("use device=cpu", "use --device cpu")
-        )
+    why = check_device("cuda", flag="--device ") if args.device == "cuda" else None
+    if why is not None:
         raise UsageError(why)
     try:
         desc = read_bundle(args.bundle)

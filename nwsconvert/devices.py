@@ -32,16 +32,19 @@ def cuda_device_count() -> int:
     return 0
 
 
-def check_device(device) -> str | None:
-    """Why ``device`` (``None``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``) cannot be used here, or ``None`` when it can."""
+def check_device(device, flag: str = "device=") -> str | None:
+    """Why ``device`` (``None``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``) cannot be used here, or ``None`` when it can.
+
+    ``flag``: how the command names the setting in the message (``device=`` for nws-train's key, ``--device ``
+    for an option)."""
     if device is None or device == "cpu":
         return None
     if not isinstance(device, str) or not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-        return f"device={device!r}: use cpu, cuda or cuda:N (or leave it out: CUDA when present)"
+        return f"{flag}{device!r}: use cpu, cuda or cuda:N (or leave it out: CUDA when present)"
     count = cuda_device_count()
     index = int(device[5:]) if ":" in device else 0
     if count == 0:
-        return f"device={device}: no CUDA GPU is visible here (driver missing, no GPU, or CUDA_VISIBLE_DEVICES empty); use device=cpu"
+        return f"{flag}{device}: no CUDA GPU is visible here (driver missing, no GPU, or CUDA_VISIBLE_DEVICES empty); use {flag}cpu"
     if index >= count:
-        return f"device={device}: only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})"
+        return f"{flag}{device}: only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})"
     return None

@@ -151,6 +151,17 @@ def test_stale_bundle_and_cli_errors(run, tmp_path, capsys):
         export_main(["--help"])
 
 
+def test_nws_infer_without_a_gpu_names_its_own_option(tmp_path, capsys, monkeypatch):
+    import nwsconvert.devices
+
+    monkeypatch.setattr(nwsconvert.devices, "cuda_device_count", lambda: 0)
+    assert infer_main(["--bundle", str(tmp_path), "--task", "0", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nws-infer: --device cuda: no CUDA GPU is visible here") and err.endswith(
+        "; use --device cpu\n"
+    )
+
+
 def test_a_session_cache_that_thrashes_warns_once(run, tmp_path):
     export_bundle(run, tmp_path / "b", "all", onnx=True)
     rt = Runtime(tmp_path / "b", device="cpu", max_sessions=1, mode="session")

@@ -54,7 +54,7 @@ from . import fused_search
 from .fused_search import row_blocks
 from .layers import writable_gradient
 from .nwsmodel import _require
-from .rounding import budget_sq, full_precision, round_down_f32
+from .rounding import budget_sq, full_precision, shrunk_budget_sq
 from .search import PreparedPool, flat_nonzero, nearest_two
 
 if TYPE_CHECKING:
@@ -336,9 +336,7 @@ class _Group:
         if ref is not None and budget is not None:
             if moved:
                 move = self.move.index_select(0, self.row_layer)
-                left = (budget.double().clamp_min(0).sqrt() - move * (1 + 1e-5)).clamp_min(0)
-                shrunk = torch.where(budget > 0, round_down_f32(left.square()), budget.clamp_max(0))
-                budget = torch.where(move != 0, shrunk, budget)  # NaN movement gives NaN: searched
+                budget = torch.where(move != 0, shrunk_budget_sq(budget, move * (1 + 1e-5)), budget)  # NaN: searched
             drift = torch.mv((x - ref).square_(), self.ones)
             need = ~(drift < budget)  # NaN counts as drifted
             if outside is not None:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rounding import budget_sq, full_precision, round_down_f32, shifted_drift_sq
+from .rounding import budget_sq, full_precision, shifted_drift_sq, shrunk_budget_sq
 from .search import DEFAULT_CHUNK, PreparedPool, flat_nonzero, nearest_scalar, nearest_two
 
 if TYPE_CHECKING:
@@ -425,9 +425,7 @@ class NWSWeight(nn.Module):
         if not self._shift:
             return
         assert self._budget_sq is not None  # a shift is only gathered while the budgets exist
-        left = self._budget_sq.double().clamp_min(0).sqrt() - self._shift
-        left = torch.where(self._budget_sq > 0, left.clamp_min(0), 0.0)
-        self._budget_sq = round_down_f32(left.square())
+        self._budget_sq = shrunk_budget_sq(self._budget_sq, self._shift)
         self._shift, self._shift_steps = 0.0, 0
 
     @torch.no_grad()

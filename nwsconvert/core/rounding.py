@@ -20,6 +20,7 @@ __all__ = [
     "round_down_f32",
     "round_up_f32",
     "budget_sq",
+    "shrunk_budget_sq",
     "shifted_drift_sq",
     "full_precision",
 ]
@@ -72,6 +73,13 @@ def budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor, shift:
     # Clamped to float32's largest value: a budget beyond it (a radius plus a shift above 1.8e19) would
     # otherwise become +inf, which no later pool movement could shrink (inf - shift is inf).
     return round_down_f32((left + shift).square() if shift else left.square()).clamp_(max=_F32_MAX)
+
+
+def shrunk_budget_sq(budget: torch.Tensor, by) -> torch.Tensor:
+    """Squared budgets ``budget`` (float32) less a movement ``by`` (a float or per-row float64 tensor, slack
+    already in it), in float64 and rounded down; a budget with none left (``<= 0`` or NaN) stays none."""
+    left = (budget.double().clamp_min(0).sqrt() - by).clamp_min(0)
+    return torch.where(budget > 0, round_down_f32(left.square()), budget.clamp_max(0))
 
 
 def round_up_f32(x: float) -> float:

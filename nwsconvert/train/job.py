@@ -458,7 +458,7 @@ def _spelled(key: str, value, other=None) -> str:
     the entries that differ from ``other``'s, ``suite.X unset`` where ``value`` has none."""
     if key in ("suite_options", "model_kwargs") and isinstance(value, dict):
         prefix, other = key.split("_")[0], other if isinstance(other, dict) else {}
-        names = sorted(k for k in {*value, *other} if value.get(k, other) != other.get(k, value))
+        names = sorted(k for k in {*value, *other} if k not in value or k not in other or value[k] != other[k])
         return " ".join(f"{prefix}.{k}={json.dumps(value[k])}" if k in value else f"{prefix}.{k} unset" for k in names)
     return f"{key}={json.dumps(value)}"
 

@@ -141,6 +141,73 @@ def test_distillation_after_a_forward_reuses_its_kernels_and_gives_the_gathered_
     assert not fused
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("pool_size", [512, 4096])
+def test_distillation_on_a_cpu_has_the_bits_of_the_gathered_form(threads, pool_size, monkeypatch):
+    """Layers with hundreds of kernels an entry (the CPU path sums the gradient transposed, in the shared
+    scratch): the distillation's value and every pool gradient are bit for bit those of gathering K
+    again and letting autograd differentiate ``mse_loss``, whatever the thread count."""
+    net = nn.Sequential(nn.Conv2d(64, 128, 3), nn.Conv2d(128, 96, 1), nn.Flatten(), nn.Linear(96 * 4, 10))
+    import nwsconvert.core.layers as layers_module
+
+    scratch = []
+    real = layers_module._scratch_form
+    monkeypatch.setattr(layers_module, "_scratch_form", lambda k, t: (scratch.append(real(k, t)), real(k, t))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(7)
+        model = nc.set_mode(nc.convert(net, pool_size=pool_size, init="random"), "pool").train()
+        out = model(torch.randn(2, 64, 4, 4)).square().mean()  # alive: the distillation reuses its K
+        fused = nc.distillation_loss(model)
+        (out + fused).backward()  # the pools' gradient is the distillation's alone
+        got = [layer.nws.pool.grad.clone() for layer in nc.nws_layers(model)]
+        model.zero_grad()
+        want = []
+        for layer in nc.nws_layers(model):
+            nws = layer.nws
+            k = nws.pool.index_select(0, nws.indices.long()).view(nws.weight_shape)
+            value = F.mse_loss(k, layer.weight.detach())
+            value.backward()
+            want.append((value.detach(), nws.pool.grad.clone()))
+    finally:
+        torch.set_num_threads(before)
+    assert [layer.nws.vector_size for layer in nc.nws_layers(model)] == [9, 1, 1]
+    # Forward and backward of both convolutions took the scratch form (the Linear keeps only a transposed
+    # view of its K, so its distillation gathers again).
+    assert scratch == [True] * 4
+    assert torch.equal(fused.detach(), sum(v for v, _ in want))
+    for g, (_, w) in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_pool_learning_gathers_into_the_same_buffer_and_never_edits_a_held_tensor():
+    """The pool moves at every pool-learning step, so every K is gathered again: into the memory of the
+    last one while nothing holds it; a K a caller holds keeps its values."""
+    torch.manual_seed(4)
+    model = nc.set_mode(nc.convert(_small_net(), pool_size=32, init="random"), "pool").train()
+    layer = nc.nws_layers(model)[0]
+    x = torch.randn(2, 3, 8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ptrs, pool = [], layer.nws.pool.detach().clone()
+    for _ in range(3):
+        opt.zero_grad()
+        (model(x).square().mean() + nc.distillation_loss(model)).backward()
+        opt.step()  # the pools move
+        k = layer.module.weight  # gathered from the moved pool
+        assert torch.equal(k, layer.nws.gather())
+        ptrs.append(k.data_ptr())
+        del k
+    assert not torch.equal(layer.nws.pool, pool) and len(set(ptrs)) == 1
+    held = layer.module.weight
+    kept = held.detach().clone()
+    with torch.no_grad():
+        layer.nws.pool.add_(0.1)
+    now = layer.module.weight
+    assert torch.equal(held, kept) and now.data_ptr() != held.data_ptr()
+    assert torch.equal(now, layer.nws.gather())
+
+
 def test_eval_cache_is_reused_and_invalidated():
     model = nc.convert(_small_net(), pool_size=32, init="random").eval()
     layer = nc.nws_layers(model)[0]

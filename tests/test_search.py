@@ -14,6 +14,7 @@ from nwsconvert.core.search import (
     FLOAT64_ROWS,
     brute_force,
     flat_nonzero,
+    index_sum,
     nearest_scalar,
     nearest_two,
     round_down_f32,
@@ -326,3 +327,24 @@ def test_a_restored_search_state_goes_on_exactly_and_is_not_changed_by_what_foll
         assert 0 < nws.stats["searched"] < nws.num_vectors  # the restored budgets did the work
     for kept, before in zip(state, saved):
         assert kept == before if not isinstance(kept, torch.Tensor) else torch.equal(kept, before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_index_sum_has_the_bits_of_index_add_along_dim_0(threads):
+    """The pool gradient's, the EMA update's and k-means' sums by index: equal bit for bit to
+    ``index_add_`` along dim 0 (each entry's rows added in ascending order), for scalar, 3x3 and 7x7 rows,
+    pools of 1 to 4096 entries, int32 and int64 indices, one or two threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        for rows, size, n in [(70_000, 9, 512), (50_000, 1, 512), (3_000, 49, 64), (20_000, 9, 4096), (100, 9, 1)]:
+            x = torch.randn(rows, size, generator=gen) * torch.logspace(-3, 3, rows)[:, None]  # magnitudes apart
+            index = torch.randint(0, n, (rows,), generator=gen)
+            want = torch.zeros(n, size).index_add_(0, index, x)
+            for idx in (index, index.int()):
+                got = index_sum(x, idx, n)
+                assert got.shape == (n, size) and got.is_contiguous()
+                assert torch.equal(got, want), (rows, size, n, idx.dtype)
+    finally:
+        torch.set_num_threads(before)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .search import nearest_scalar
+from .search import index_sum, nearest_scalar
 
 __all__ = ["kmeans", "assign"]
 
@@ -104,7 +104,7 @@ def kmeans(x: torch.Tensor, k: int, iters: int = 3, generator: torch.Generator |
     for _ in range(iters):
         idx, dist = assign(x, centers)
         counts = torch.bincount(idx, minlength=k)
-        sums = torch.zeros_like(centers).index_add_(0, idx, x)
+        sums = index_sum(x, idx, k)
         alive = counts > 0
         centers[alive] = sums[alive] / counts[alive, None].to(x.dtype)
         dead = (~alive).nonzero().squeeze(1)

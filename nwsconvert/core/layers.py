@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .rounding import budget_sq, full_precision, shifted_drift_sq, shrunk_budget_sq
-from .search import DEFAULT_CHUNK, PreparedPool, flat_nonzero, nearest_scalar, nearest_two
+from .search import DEFAULT_CHUNK, PreparedPool, flat_nonzero, index_sum, nearest_scalar, nearest_two
 
 if TYPE_CHECKING:
     from .engine import SearchEngine
@@ -148,10 +148,9 @@ class _DistillFromK(torch.autograd.Function):
 
     On a CPU both passes work in the shared scratch instead of new layer-sized tensors (whose page faults
     cost more than the arithmetic), with the same bits: the forward is ``mse_loss``'s own sequence (the
-    squared differences, then their mean), and the backward sums the gradient of K, seen as ``(D, N)``, into a
-    ``(D, n)`` pool gradient along dim 1: ``index_add_`` then runs one loop over the indices instead of an add
-    per row of D floats (2.3x faster with the gradient's pass on ResNet-18's largest layer), adding each
-    entry's rows in the same ascending order (``tests/test_layers.py`` compares the bits)."""
+    squared differences, then their mean), and the backward sums the gradient of K by index with
+    :func:`~nwsconvert.core.search.index_sum` (2.3x faster with the gradient's pass on ResNet-18's largest
+    layer; ``tests/test_layers.py`` compares the bits)."""
 
     @staticmethod
     def forward(ctx, pool: torch.Tensor, k: torch.Tensor, target: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -171,9 +170,8 @@ class _DistillFromK(torch.autograd.Function):
             return grad_pool, None, None, None
         grad_k = torch.ops.aten.mse_loss_backward.grad_input(
             grad, k, target, 1, grad_input=_scratch(k.numel(), grad).view_as(k)
-        ).view(-1, size)
-        grad_pool = grad.new_zeros(size, n).index_add_(1, index, grad_k.t()).t().contiguous()
-        return grad_pool, None, None, None
+        )
+        return index_sum(grad_k.view(-1, size), index, n), None, None, None
 
 
 def _scratch_form(k: torch.Tensor, target: torch.Tensor) -> bool:
@@ -679,7 +677,7 @@ class NWSWeight(nn.Module):
             self._ema = (torch.ones(self.pool_size, dtype=vec.dtype, device=vec.device), self.pool.detach().clone())
         count, total = self._ema
         count.mul_(decay).add_(torch.bincount(self.indices, minlength=self.pool_size).to(vec.dtype), alpha=1 - decay)
-        sums = torch.zeros_like(total).index_add_(0, _scatter_index(self.indices), vec)
+        sums = index_sum(vec, self.indices, self.pool_size)
         total.mul_(decay).add_(sums, alpha=1 - decay)
         self.pool.copy_(total / count.clamp_min(1e-12)[:, None])  # in place: bumps the version the search tracks
 

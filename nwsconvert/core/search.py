@@ -137,6 +137,19 @@ def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
     return mask.nonzero().squeeze(1)
 
 
+def index_sum(rows: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """``zeros(n, D).index_add_(0, index, rows)``: the rows of ``rows`` ``(N, D)`` summed by ``index`` ``(N,)``
+    into ``(n, D)``, with the same bits.
+
+    On a CPU the sum runs along dim 1 of the ``(D, N)`` view with an int64 index: ``index_add_`` then loops once
+    over the indices instead of adding a row of D floats per index (2-4x faster for D = 9, measured with torch
+    2.14), and every output still adds its rows in ascending order (``tests/test_search.py`` compares the bits).
+    """
+    if rows.device.type != "cpu":
+        return rows.new_zeros(n, rows.shape[1]).index_add_(0, index, rows)
+    return rows.new_zeros(rows.shape[1], n).index_add_(1, index.long(), rows.t()).t().contiguous()
+
+
 def _prepared(pool) -> PreparedPool:
     return pool if isinstance(pool, PreparedPool) else PreparedPool(pool)
 

@@ -16,6 +16,7 @@ from nwsconvert.core.search import (
     flat_nonzero,
     index_sum,
     nearest_scalar,
+    nearest_scalar_from,
     nearest_two,
     round_down_f32,
     scalar_cells,
@@ -134,6 +135,45 @@ def test_scalar_search_and_cells():
     # through idx); exact midpoints are ties and lie in no cell.
     assert inside[:20000].float().mean() > 0.9
     assert not inside[-mids.numel() :].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_scalar_walked_from_its_previous_entry_finds_the_nearest(dtype):
+    """The lazy update's scalar search walks cell by cell from each value's previous entry: values moved
+    0 to 12 cells (beyond the walk's steps), on borders and beside them, infinite or NaN, from their true
+    previous entry, from any entry, or from a duplicate's: the answer is always :func:`nearest_scalar`'s."""
+    g = torch.Generator().manual_seed(21)
+    pool = torch.cat([torch.randint(-300, 300, (200,), generator=g) / 1024, torch.randn(56, generator=g) * 0.3])
+    pool[::17] = pool[3]  # duplicates: the lowest index owns the cell
+    pool = pool.to(dtype)
+    sp = pool.double().unique()
+    rank_start = torch.randint(0, sp.numel(), (30_000,), generator=g)
+    moved = (rank_start + torch.randint(-12, 13, (30_000,), generator=g)).clamp(0, sp.numel() - 1)
+    mids = (sp[1:] + sp[:-1]) / 2
+    inf = torch.tensor(float("inf"), dtype=dtype)
+    values = torch.cat(
+        [
+            (sp[moved] + torch.randn(30_000, generator=g, dtype=torch.float64) * 1e-3).to(dtype),
+            mids.to(dtype),
+            torch.nextafter(mids.to(dtype), inf),
+            torch.nextafter(mids.to(dtype), -inf),
+            torch.tensor([float("inf"), float("-inf"), float("nan"), 5.0, -5.0], dtype=dtype),
+        ]
+    )
+    want = nearest_scalar(values, pool)
+    finite = values.isfinite()
+    assert torch.equal(want[finite], brute_force(values[finite, None], pool[:, None]))
+    previous = nearest_scalar(torch.cat([sp[rank_start].to(dtype), values[30_000:]]), pool)
+    starts = {
+        "previous": previous,
+        "any": torch.randint(0, pool.numel(), (values.numel(),), generator=g),
+        "a duplicate": torch.full((values.numel(),), 17),
+    }
+    for name, start in starts.items():
+        for idx in (start, start.int()):
+            got = nearest_scalar_from(values, idx, pool)
+            assert got.dtype == torch.int64 and torch.equal(got, want), name
+    assert nearest_scalar_from(values[:0], previous[:0], pool).numel() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -33,7 +33,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .rounding import budget_sq, full_precision, shifted_drift_sq, shrunk_budget_sq
-from .search import DEFAULT_CHUNK, PreparedPool, flat_nonzero, index_sum, nearest_scalar, nearest_two
+from .search import (
+    DEFAULT_CHUNK,
+    PreparedPool,
+    flat_nonzero,
+    index_sum,
+    nearest_scalar,
+    nearest_scalar_from,
+    nearest_two,
+)
 
 if TYPE_CHECKING:
     from .engine import SearchEngine
@@ -394,7 +402,8 @@ class NWSWeight(nn.Module):
         inside = (lo.index_select(0, self.indices) < x) & (x < hi.index_select(0, self.indices))
         rows = flat_nonzero(~inside)  # NaN counts as outside
         if rows.numel():
-            self._set_indices(rows, nearest_scalar(x.index_select(0, rows), prep))
+            start = self.indices.index_select(0, rows)
+            self._set_indices(rows, nearest_scalar_from(x.index_select(0, rows), start, prep))
         self.stats = {"searched": rows.numel(), "total": self.num_vectors, "exact_rows": 0}
 
     #: Pool changes a layer's shift gathers before it is taken off every row's budget (one pass over

@@ -117,6 +117,23 @@ class PreparedPool:
         # float32, x < hi iff x < hi rounded up (x itself being a float32).
         return uniq, rep, lo, hi, round_f32(lo, up=False), round_f32(hi, up=True)
 
+    @functools.cached_property
+    def _walk(self) -> tuple[np.ndarray, ...]:
+        """D = 1, for :func:`nearest_scalar_from`, as NumPy arrays: ``rank`` (each entry's position among the
+        distinct values, duplicates sharing their value's, plus :data:`WALK_STEPS`), and by that position
+        ``rep``, ``lo``, ``hi``, ``lo32``, ``hi32``, padded with :data:`WALK_STEPS` cells on each side that hold
+        nothing (``lo = +inf``, ``hi = -inf``): a walk never leaves the arrays and needs no clipping."""
+        uniq, rep, lo, hi, lo32, hi32 = self._cells
+        rank = torch.searchsorted(uniq, self.pool.reshape(-1).double()) + WALK_STEPS  # exact: uniq holds them all
+
+        def padded(t: torch.Tensor, fill: float) -> np.ndarray:
+            pad = torch.full((WALK_STEPS,), fill, dtype=t.dtype, device=t.device)
+            return torch.cat([pad, t[rep], pad]).cpu().numpy()
+
+        reps = torch.cat([rep[:1].expand(WALK_STEPS), rep, rep[:1].expand(WALK_STEPS)]).cpu().numpy()
+        inf = float("inf")
+        return rank.cpu().numpy(), reps, padded(lo, inf), padded(hi, -inf), padded(lo32, inf), padded(hi32, -inf)
+
     uniq = property(lambda self: self._cells[0])
     rep = property(lambda self: self._cells[1])
     lo = property(lambda self: self._cells[2])
@@ -429,6 +446,51 @@ def nearest_scalar(values: torch.Tensor, pool) -> torch.Tensor:
     il, ir = uidx.index_select(0, left), uidx.index_select(0, right)
     take_right = (dr < dl) | ((dr == dl) & (ir < il))
     return torch.where(take_right, ir, il)
+
+
+#: Cells a re-searched scalar walks from its previous entry's before a binary search takes over. Values that
+#: leave their cell in training mostly land in a neighbour: MobileNetV2 at 224², 40 steps into a task, moved
+#: 78 % of them one cell, 13 % two and 4 % three; 3 steps then cost 7.9 ms a step against 26-28 ms.
+WALK_STEPS = 3
+
+
+def nearest_scalar_from(values: torch.Tensor, start: torch.Tensor, pool) -> torch.Tensor:
+    """:func:`nearest_scalar` of values that were nearest to the entries ``start`` a moment ago, found by
+    walking from cell to cell.
+
+    Each step moves one cell toward the value and keeps the entry whose cell holds it strictly (the cell test
+    is exact); values still outside after :data:`WALK_STEPS` steps (farther moves, a value on a border, NaN)
+    take :func:`nearest_scalar`. The result equals it whatever ``start`` is.
+
+    Args:
+        values: ``(k,)`` float32 or float64 (the cells are taken in that precision).
+        start: ``(k,)`` integer entries, any of the pool's.
+        pool: ``(n,)`` / ``(n, 1)`` tensor, or its :class:`PreparedPool`.
+
+    Returns:
+        ``(k,)`` int64 on the values' device.
+    """
+    prep = _prepared(pool if isinstance(pool, PreparedPool) else pool.reshape(-1, 1))
+    if values.device.type != "cpu" or values.dtype not in (torch.float32, torch.float64) or not values.numel():
+        return nearest_scalar(values, prep)
+    rank, rep, lo64, hi64, lo32, hi32 = prep._walk
+    lo, hi = (lo32, hi32) if values.dtype == torch.float32 else (lo64, hi64)
+    v = values.numpy()
+    r = rank.take(start.cpu().numpy())
+    r += np.where(v < hi.take(r), -1, 1)  # one cell toward the value (NaN: up, into the padding at worst)
+    out = rep.take(r)  # right where the value is inside; the rest is walked on or searched below
+    todo = np.flatnonzero(~((lo.take(r) < v) & (v < hi.take(r))))
+    v, r = v[todo], r[todo]
+    for _ in range(WALK_STEPS - 1):
+        if not todo.size:
+            break
+        r += np.where(v < hi.take(r), -1, 1)
+        out[todo] = rep.take(r)
+        left = np.flatnonzero(~((lo.take(r) < v) & (v < hi.take(r))))
+        todo, v, r = todo[left], v[left], r[left]
+    if todo.size:
+        out[todo] = nearest_scalar(torch.from_numpy(v), prep).numpy()
+    return torch.from_numpy(out)
 
 
 def scalar_cells(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,7 +155,7 @@ class _DistillFromK(torch.autograd.Function):
     with atomics otherwise).
 
     On a CPU both passes work in the shared scratch instead of new layer-sized tensors (whose page faults
-    cost more than the arithmetic), with the same bits: the forward is ``mse_loss``'s own sequence (the
+    cost more than the arithmetic), with the same bits: the forward is ``mse_loss``'s own sequence (its
     squared differences, then their mean), and the backward sums the gradient of K by index with
     :func:`~nwsconvert.core.search.index_sum` (2.3x faster with the gradient's pass on ResNet-18's largest
     layer; ``tests/test_layers.py`` compares the bits)."""
@@ -166,7 +166,8 @@ class _DistillFromK(torch.autograd.Function):
         ctx.pool_shape = pool.shape
         if not _scratch_form(k, target):
             return F.mse_loss(k, target)
-        return torch.sub(k, target, out=_scratch(k.numel(), k).view_as(k)).square_().mean()
+        # mse_loss itself: its elementwise squares (reduction 0: none) into the scratch, then their mean
+        return torch.ops.aten.mse_loss.out(k, target, 0, out=_scratch(k.numel(), k).view_as(k)).mean()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

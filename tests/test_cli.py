@@ -215,7 +215,13 @@ def test_an_empty_out_and_more_tasks_than_the_suite_are_usage_errors_that_leave_
     assert train_main([*FAST, "tasks=99", f"out={tmp_path / 'r'}"]) == 2
     err = capsys.readouterr().err
     assert err == "nws-train: tasks=99: suite split-mnist has 5 tasks; give at most that\n"
-    assert not (tmp_path / "r" / "job.json").exists()
+    assert not (tmp_path / "r").exists()  # nor the folder this command made (its lock file included)
+    # A folder that was there before keeps what it holds.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    assert train_main([*FAST, "tasks=99", f"out={tmp_path / 'mine'}"]) == 2
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == [".lock", "notes.txt"]
     assert train_main(["--resume", f"out={tmp_path / 'r'}"]) == 2
     assert "nothing to resume" in capsys.readouterr().err
 

@@ -558,6 +558,26 @@ def test_one_writer_per_run_and_a_killed_holder_blocks_nothing(run_a, tmp_path, 
         lock.release()
 
 
+def test_a_lock_removed_with_its_folder_only_when_nothing_else_is_there(tmp_path):
+    """``release_and_remove`` (a command refused before anything started): the lock file and the folder go
+    when they are all the folder holds and this is the last hold; otherwise it is a plain release."""
+    alone = tmp_path / "alone"
+    RunLock.acquire(alone).release_and_remove()
+    assert not alone.exists()
+    busy = tmp_path / "busy"
+    lock = RunLock.acquire(busy)
+    (busy / "job.json").write_text("{}")
+    lock.release_and_remove()
+    assert sorted(p.name for p in busy.iterdir()) == [".lock", "job.json"]
+    nested = tmp_path / "nested"
+    outer = RunLock.acquire(nested)
+    RunLock.acquire(nested).release_and_remove()  # an inner hold: the outer one still needs its lock
+    assert (nested / ".lock").exists() and outer.fd is not None
+    outer.release_and_remove()
+    assert not nested.exists()
+    RunLock.acquire(nested).release()  # free again
+
+
 def test_resume_before_the_manifest_starts_the_run_and_cleans_temporaries(tmp_path, capsys):
     from nwsconvert.cli.train import train_main
     from nwsconvert.train.job import JOB_FILE, resolve_job

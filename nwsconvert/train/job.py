@@ -515,10 +515,13 @@ def launch(job: dict, resume: bool = False, trust_code: bool = True, changes: li
     train_config(job)  # the recipe with the job's options (head_epochs within its epochs): before anything is written
     main_rank = is_main_process()
     lock = None
+    made = False  # this command makes the run's folder: a usage error takes it back
     if main_rank:
         from .runlock import RunLock
 
+        made = not Path(job["out"]).exists()
         lock = RunLock.acquire(job["out"])
+    refused = False
     try:
         run = RunDir(job["out"])
         if main_rank and not resume and run.exists():
@@ -532,13 +535,18 @@ def launch(job: dict, resume: bool = False, trust_code: bool = True, changes: li
             return run_job(job, resume=resume, trust_code=trust_code, changes=changes)
         except UsageError:
             # A bad job found once torch is loaded (a model keyword, the suite's channels): nothing started
-            # under it, so --resume finds what was there before: no job, or the job the run was started with.
+            # under it, so --resume finds what was there before: no job, or the job the run was started with,
+            # and no folder where this command made one.
             if wrote and not run.exists():
                 if before is None:
                     job_file.unlink(missing_ok=True)
                 else:
                     atomic_write_bytes(job_file, before)
+            refused = True
             raise
     finally:
         if lock is not None:
-            lock.release()
+            if refused and made:
+                lock.release_and_remove()
+            else:
+                lock.release()

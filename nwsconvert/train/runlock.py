@@ -95,6 +95,24 @@ class RunLock:
         self.fd = None
         self._held.pop(str(self.path.parent.resolve()), None)
 
+    def release_and_remove(self) -> None:
+        """:meth:`release`, and remove what :meth:`acquire` made when nothing else is in the folder: the lock
+        file and the folder itself (a command refused before anything started leaves no trace). The file is
+        unlinked while still locked, so no other process can be holding it."""
+        if self.fd is None or self.depth > 1:
+            self.release()
+            return
+        folder = self.path.parent
+        alone = [p.name for p in folder.iterdir()] == [LOCK_FILE]
+        if alone:
+            self.path.unlink(missing_ok=True)
+        self.release()
+        if alone:
+            try:
+                folder.rmdir()  # fails, harmlessly, when another process has written there since
+            except OSError:
+                pass
+
     def __enter__(self) -> RunLock:
         return self
 

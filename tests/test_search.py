@@ -388,3 +388,63 @@ def test_index_sum_has_the_bits_of_index_add_along_dim_0(threads):
                 assert torch.equal(got, want), (rows, size, n, idx.dtype)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("moving_pool", [False, True])
+def test_rows_past_their_budget_are_settled_by_their_two_entries_exactly(moving_pool):
+    """A row past its budget is first settled by comparing its entry and its runner-up, with the bound the
+    last search left on every other entry. Rows sitting on the border of two entries (exact ties among
+    them, on a 1/64 grid) go back and forth, a few jump far: at every step every index equals brute force,
+    most rows past their budget are settled without a search, and the jumps are searched."""
+    g = torch.Generator().manual_seed(31)
+    pool = torch.randint(-40, 40, (64, 9), generator=g).float() / 64
+    pick = torch.randint(0, 64, (3000, 2), generator=g)
+    pick = pick[pick[:, 0] != pick[:, 1]]
+    mid = (pool[pick[:, 0]] + pool[pick[:, 1]]) / 2  # equidistant from two entries (exact: a 1/128 grid)
+    w = nn.Parameter(mid.clone())
+    nws = NWSWeight(w, 9, pool)
+    if moving_pool:
+        nws.set_mode("pool")
+    assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool))
+    side = pool[pick[:, 1]] - pool[pick[:, 0]]
+    settled = searched = 0
+    for step in range(40):
+        with torch.no_grad():
+            # Across the border and back: on it (a tie, the lower index wins), 1/256 of the gap to either side.
+            w.copy_(mid + side * ((step % 5) - 2) / 256)
+            w[step * 50 : step * 50 + 20] += torch.randn(20, 9, generator=g)  # a few rows jump far
+            if moving_pool:
+                nws.pool.add_(torch.randn(nws.pool.shape, generator=g) * 1e-6)
+        nws(w)
+        assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool)), step
+        settled += nws.stats["paired"]
+        searched += nws.stats["searched"] - nws.stats["paired"]
+    assert settled > 2 * searched > 0
+
+
+@pytest.mark.parametrize("rows", [300, 5000])  # the float64 path (up to FLOAT64_ROWS) and the float32 one
+@pytest.mark.parametrize("n", [1, 2, 3, 512])
+def test_a_pair_search_gives_the_runner_up_and_a_bound_on_every_other_entry(rows, n):
+    """``nearest_two(pair=True)``: the index and radius as without it; ``second`` is a nearest entry once
+    ``index`` is set aside, and ``third`` is at most the distance to every entry but those two (``inf``
+    when there is none)."""
+    g = torch.Generator().manual_seed(41)
+    pool = torch.randn(n, 9, generator=g)
+    x = torch.randn(rows, 9, generator=g)
+    x[:20] = pool[torch.arange(20) % n]  # on an entry
+    plain, res = nearest_two(x, pool), nearest_two(x, pool, pair=True)
+    assert torch.equal(res.index, plain.index) and torch.equal(res.radius, plain.radius)
+    dist = torch.cdist(x.double(), pool.double())
+    rows_at = torch.arange(rows)
+    rest = dist.clone()
+    rest[rows_at, res.index] = float("inf")
+    if n > 1:
+        assert torch.allclose(dist[rows_at, res.second], rest.min(1).values, rtol=1e-6, atol=1e-6)
+        rest[rows_at, res.second] = float("inf")
+    else:
+        assert torch.equal(res.second, res.index)
+    assert bool((res.third <= rest.min(1).values).all())
+    if n <= 2:
+        assert bool(res.third.isinf().all())
+    else:
+        assert bool((res.third > rest.min(1).values * (1 - 1e-4)).all())  # and barely below it (float32: 1e-5)

@@ -14,7 +14,9 @@ reads as ``self.weight`` changes:
 
 In training mode every forward brings ``indices`` up to date with W (exact
 nearest neighbour, re-searching only kernels that drifted past their safe
-radius, see ``search.py``) and passes the gradient of K straight through to W.
+radius, see ``search.py``; on a CPU such a kernel is first settled between its
+entry and its runner-up when the last search's bound on every other entry allows)
+and passes the gradient of K straight through to W.
 In eval mode ``indices`` are used as stored. In both modes the gathered weight
 is cached and only the rows whose index changed are gathered again, so
 inference costs what the dense layer costs and a training step does not
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rounding import budget_sq, full_precision, shifted_drift_sq, shrunk_budget_sq
+from .rounding import RADIUS_SHRINK, budget_sq, full_precision, round_f32, shifted_drift_sq, shrunk_budget_sq
 from .search import (
     DEFAULT_CHUNK,
     PreparedPool,
@@ -41,6 +43,7 @@ from .search import (
     nearest_scalar,
     nearest_scalar_from,
     nearest_two,
+    pair_sq_dist,
 )
 
 if TYPE_CHECKING:
@@ -241,6 +244,13 @@ class NWSWeight(nn.Module):
         # after a device move the next update searches everything.
         self._ref: torch.Tensor | None = None
         self._budget_sq: torch.Tensor | None = None
+        # What the last search of each row knew beyond its nearest entry (CPU): ``(the _budget_sq it goes
+        # with, others, other)``. ``other`` (int32) is the runner-up; every entry but the index and ``other``
+        # is at least ``others`` away from the row's reference (float32, rounded down; the shift at the time
+        # added, as budgets hold theirs). A row past its budget is first settled by comparing its index and
+        # ``other`` alone (see _settle_pairs). Valid only beside the very _budget_sq tensor it was made with
+        # (an engine writing budgets back drops it).
+        self._pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # Pool movement not yet taken off the rows' budgets (float64, rounded up), and over how many
         # pool changes it was gathered: see _track_pool and rounding.shifted_drift_sq.
         self._shift = 0.0
@@ -322,10 +332,13 @@ class NWSWeight(nn.Module):
             self.indices.copy_(nearest_scalar(vec, self._prepared()))
             self._scalar_ready = True
         else:
-            res = nearest_two(vec, self._prepared(), self.chunk)
+            res = nearest_two(vec, self._prepared(), self.chunk, pair=True)
             self.indices.copy_(res.index)
             self._ref = vec.to(REF_DTYPE, copy=True)  # never an alias of W
             self._budget_sq = budget_sq(res.radius, vec, self._ref)
+            self._pair = None
+            if res.second is not None and res.third is not None:
+                self._pair = (self._budget_sq, round_f32(res.third, up=False), res.second.to(torch.int32))
             self._shift, self._shift_steps = 0.0, 0
             exact_rows = res.exact_rows
         self.stats = {"searched": self.num_vectors, "total": self.num_vectors, "exact_rows": exact_rows}
@@ -355,12 +368,14 @@ class NWSWeight(nn.Module):
         ready)``; :meth:`restore_search` puts it back, as if the search that made it ran again."""
         copy = lambda t: None if t is None else t.clone()  # noqa: E731
         self._settle_shift()
+        pair = self._pair_region()
         return (
             self.pool.detach().clone(),
             self.indices.clone(),
             copy(self._ref),
             copy(self._budget_sq),
             self._scalar_ready,
+            None if pair is None else (pair[0].clone(), pair[1].clone()),
         )
 
     def restore_search(self, state: tuple) -> None:
@@ -370,13 +385,19 @@ class NWSWeight(nn.Module):
         Raises:
             ValueError: the state is of another pool or another number of kernels.
         """
-        pool, indices, ref, budget, ready = state
+        pool, indices, ref, budget, ready, pair = state
         if indices.shape != self.indices.shape or not torch.equal(pool, self.pool.detach()):
             raise ValueError("the search state is of another pool or another number of kernels")
         self._prepared()  # the pool's search tables, as the search that made the state left them
         self.indices.copy_(indices)
+        held = self._pair_region()
         self._ref = _copied_into(self._ref, ref)
         self._budget_sq = _copied_into(self._budget_sq, budget)
+        self._pair = None
+        if pair is not None and self._budget_sq is not None:
+            budget3, other = (_copied_into(h, p) for h, p in zip(held or (None, None), pair))
+            assert budget3 is not None and other is not None
+            self._pair = (self._budget_sq, budget3, other)
         self._shift, self._shift_steps = 0.0, 0
         self._scalar_ready = ready
         self._touched = None
@@ -385,6 +406,7 @@ class NWSWeight(nn.Module):
         """Forget the lazy-search state: the next training forward searches every kernel."""
         self._ref = None
         self._budget_sq = None
+        self._pair = None
         self._shift, self._shift_steps = 0.0, 0
         self._scalar_ready = False
 
@@ -454,7 +476,10 @@ class NWSWeight(nn.Module):
         if not self._shift:
             return
         assert self._budget_sq is not None  # a shift is only gathered while the budgets exist
+        pair = self._pair_region()
         self._budget_sq = shrunk_budget_sq(self._budget_sq, self._shift)
+        if pair is not None:
+            self._pair = (self._budget_sq, round_f32(pair[0].double() - self._shift, up=False), pair[1])
         self._shift, self._shift_steps = 0.0, 0
 
     @torch.no_grad()
@@ -494,18 +519,91 @@ class NWSWeight(nn.Module):
         rows = _rows_not_below(drift_sq, self._budget_sq)  # NaN counts as drifted
         count = rows.numel()
         if count == 0:
-            self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0}
+            self.stats = {"searched": 0, "total": self.num_vectors, "exact_rows": 0, "paired": 0}
             return
-        if count * 2 > self.num_vectors:
+        pair = self._pair_region()
+        changed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if pair is not None:
+            settled, rows = self._settle_pairs(rows, vec, drift_sq, prep, *pair)
+            changed.append(settled)
+        if rows.numel() * 2 > self.num_vectors:
             self.full_search(weight)
             return
-        sub = vec.index_select(0, rows)
-        res = nearest_two(sub, prep, self.chunk)
-        ref = sub.to(REF_DTYPE)
-        self._set_indices(rows, res.index)
-        self._budget_sq.index_copy_(0, rows, budget_sq(res.radius, sub, ref, self._shift))
-        self._ref.index_copy_(0, rows, ref)
-        self.stats = {"searched": count, "total": self.num_vectors, "exact_rows": res.exact_rows}
+        exact_rows: int | torch.Tensor = 0
+        if rows.numel():
+            sub = vec.index_select(0, rows)
+            res = nearest_two(sub, prep, self.chunk, pair=pair is not None)
+            ref = sub.to(REF_DTYPE)
+            changed.append((rows, res.index))
+            self._budget_sq.index_copy_(0, rows, budget_sq(res.radius, sub, ref, self._shift))
+            self._ref.index_copy_(0, rows, ref)
+            if pair is not None and res.second is not None and res.third is not None:
+                pair[0].index_copy_(0, rows, round_f32(res.third + self._shift, up=False))
+                pair[1].index_copy_(0, rows, res.second.to(pair[1].dtype))
+            exact_rows = res.exact_rows
+        if len(changed) > 1:  # one update of the indices: _gathered compares only these rows
+            changed = [(torch.cat([c[0] for c in changed]), torch.cat([c[1] for c in changed]))]
+        if changed and changed[0][0].numel():
+            self._set_indices(*changed[0])
+        paired = count - rows.numel()
+        self.stats = {"searched": count, "total": self.num_vectors, "exact_rows": exact_rows, "paired": paired}
+
+    def _pair_region(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(budget3_sq, other)`` while they go with the current budgets, else ``None``."""
+        pair = self._pair
+        return (pair[1], pair[2]) if pair is not None and pair[0] is self._budget_sq else None
+
+    def _settle_pairs(
+        self,
+        rows: torch.Tensor,
+        vec: torch.Tensor,
+        drift_sq: torch.Tensor,
+        prep: PreparedPool,
+        others: torch.Tensor,
+        other: torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Rows past their budget, settled without a search where their index and runner-up decide.
+
+        The two entries' float64 distances (``search._exact_sq_dist``'s arithmetic, so brute force's own
+        values) give the nearer one, the lower index on a tie. Every other entry is at least ``others``
+        less the row's drift (and the pool's shift) away. Where that bound stays above the nearer distance
+        with a margin of 1e-9 (float64 rounds ~1e-15), the nearer one is brute force's answer: the row
+        takes it, its reference moves to where it is now, its budget becomes half the gap to the farther
+        one or to the bound, and the bound is carried over. The rest need a search.
+
+        Args:
+            rows: ``(b,)`` rows past their budget. drift_sq: every row's tested drift (shift included).
+
+        Returns:
+            ``((settled rows, their index), rows still to search)``.
+        """
+        assert self._budget_sq is not None and self._ref is not None
+        at = rows.numpy()
+        cur = self.indices.numpy().take(at).astype(np.int64)
+        alt = other.numpy().take(at).astype(np.int64)
+        xs = vec.index_select(0, rows)
+        x = xs.double().numpy()
+        dist_cur, dist_alt = pair_sq_dist(x, prep.pool64, np.stack([cur, alt], axis=1)).T
+        take = (dist_alt < dist_cur) | ((dist_alt == dist_cur) & (alt < cur))
+        near = np.sqrt(np.where(take, dist_alt, dist_cur)) * (1 + 1e-12)
+        far = np.sqrt(np.where(take, dist_cur, dist_alt)) * (1 - 1e-12)
+        moved = np.sqrt(drift_sq.numpy().take(at).astype(np.float64)) * (1 + 1e-6)  # drift + shift, float32's
+        rest = others.numpy().take(at).astype(np.float64) - moved  # every other entry is at least this far
+        ok = np.flatnonzero(rest * (1 - 1e-9) > near)  # NaN: not settled
+        done = torch.from_numpy(at.take(ok))
+        win = torch.from_numpy(np.where(take, alt, cur).take(ok))
+        if ok.size:
+            pick = torch.from_numpy(ok)
+            radius = (np.minimum(far.take(ok), rest.take(ok)) - near.take(ok)) * (0.5 * RADIUS_SHRINK)
+            sub = xs.index_select(0, pick)
+            ref = sub.to(REF_DTYPE)
+            self._budget_sq.index_copy_(0, done, budget_sq(torch.from_numpy(radius), sub, ref, self._shift))
+            self._ref.index_copy_(0, done, ref)
+            others.index_copy_(0, done, round_f32(torch.from_numpy(rest.take(ok)) + self._shift, up=False))
+            other.index_copy_(0, done, torch.from_numpy(np.where(take, cur, alt).take(ok)).to(other.dtype))
+        left = np.ones(at.size, dtype=bool)
+        left[ok] = False
+        return (done, win), torch.from_numpy(at[left])
 
     def _set_indices(self, rows: torch.Tensor, new: torch.Tensor) -> None:
         """``indices[rows] = new``, remembered so that :meth:`_gathered` compares only these rows."""

@@ -139,7 +139,8 @@ def reseed_unused(model: nn.Module) -> int:
 
 
 def search_stats(model: nn.Module) -> dict:
-    """Kernels re-searched by the last training forward: ``{'searched', 'total', 'fraction', 'exact_rows'}``."""
+    """Kernels re-searched by the last training forward: ``{'searched', 'total', 'fraction', 'exact_rows',
+    'paired'}`` (``paired``: of those searched, how many their entry and runner-up settled, on a CPU)."""
     layers = _require(model)
     engine = layers[0].nws._engine() if layers[0].nws._engine is not None else None
     if engine is not None and engine.manages(layers):
@@ -147,7 +148,14 @@ def search_stats(model: nn.Module) -> dict:
     searched = sum(layer.nws.stats["searched"] for layer in layers)
     total = sum(layer.nws.stats["total"] for layer in layers)
     exact = int(sum(layer.nws.stats["exact_rows"] for layer in layers))  # a device count (fused search): one sync
-    return {"searched": searched, "total": total, "fraction": searched / max(total, 1), "exact_rows": exact}
+    paired = sum(int(layer.nws.stats.get("paired", 0)) for layer in layers)
+    return {
+        "searched": searched,
+        "total": total,
+        "fraction": searched / max(total, 1),
+        "exact_rows": exact,
+        "paired": paired,
+    }
 
 
 def pool_set(model: nn.Module) -> PoolSet:

@@ -85,6 +85,10 @@ class PreparedPool:
         return np.ascontiguousarray(self.pool.double().cpu().numpy().T)  # (D, n), for the float64 fallback
 
     @functools.cached_property
+    def pool64(self) -> np.ndarray:
+        return np.ascontiguousarray(self.pool64_t.T)  # (n, D), for search.pair_sq_dist
+
+    @functools.cached_property
     def pool64_tt(self) -> torch.Tensor:
         return torch.from_numpy(self.pool64_t)  # the same memory, as a CPU tensor
 
@@ -181,11 +185,16 @@ class SearchResult:
             any pool-entry movement, before its nearest entry can change. ``0`` on ties.
         exact_rows: how many rows needed the float64 fallback (near-ties); a 0-dim device
             tensor on the fused CUDA path, so that reading it is the caller's (one) sync.
+        second: with ``pair=True`` on a CPU, ``(N,)`` int64: the runner-up entry of each row.
+        third: with ``second``, ``(N,)`` float64: a lower bound on the distance from the row to every
+            entry but ``index`` and ``second`` (``inf`` when there is none).
     """
 
     index: torch.Tensor
     radius: torch.Tensor
     exact_rows: int | torch.Tensor = 0
+    second: torch.Tensor | None = None
+    third: torch.Tensor | None = None
 
 
 def _exact_sq_dist(x: torch.Tensor, pool) -> np.ndarray:
@@ -219,6 +228,24 @@ def _exact_sq_dist(x: torch.Tensor, pool) -> np.ndarray:
     return acc
 
 
+def pair_sq_dist(x: np.ndarray, pool: np.ndarray, entries: np.ndarray) -> np.ndarray:
+    """Each row's float64 squared distances to entries of its own, with :func:`_exact_sq_dist`'s arithmetic
+    (the same bits as those entries' columns there: each difference squared, summed over k in order).
+
+    Args:
+        x: ``(b, D)`` float64. pool: ``(n, D)`` float64 (``PreparedPool.pool64``). entries: ``(b, c)`` int.
+
+    Returns:
+        ``(b, c)`` float64.
+    """
+    sq = x[:, None, :] - pool.take(entries, axis=0)  # (b, c, D)
+    np.square(sq, out=sq)
+    acc = sq[:, :, 0].copy()
+    for k in range(1, x.shape[1]):
+        acc += sq[:, :, k]
+    return acc
+
+
 def brute_force(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """Reference nearest-neighbour search (the definition the fast path must equal).
 
@@ -236,23 +263,27 @@ def brute_force(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = 256) -> 
     return out
 
 
-def _exact_two(x: torch.Tensor, pool) -> tuple[torch.Tensor, torch.Tensor]:
+def _exact_two(x: torch.Tensor, pool, pair: bool = False) -> tuple[torch.Tensor, ...]:
     """Float64 search of a few rows: the definition itself, used where float32 cannot certify.
 
     Args:
         x: ``(b, D)``. pool: ``(n, D)`` tensor or ``PreparedPool.pool64_t``.
+        pair: also the runner-up and a lower bound on the distance to every other entry.
 
     Returns:
-        ``(index, radius)``: ``(b,)`` int64 nearest entries and ``(b,)`` float64 radii,
-        on ``x``'s device.
+        ``(index, radius)`` (with ``pair``: ``(index, radius, second, third)``): ``(b,)`` int64 nearest
+        entries and ``(b,)`` float64 radii, on ``x``'s device.
     """
-    d1, d2, idx = _two_smallest_np(_exact_sq_dist(x, pool))
+    d1, d2, d3, idx, second = _smallest_three_np(_exact_sq_dist(x, pool))
     r1, r2 = np.sqrt(d1), np.sqrt(d2)
     radius = (r2 - r1) * 0.5
     # Float64 rounding of the distances is ~1e-16 relative: below 1e-12 of the
     # distance scale we call it a tie and always re-search.
     radius = np.where(radius > 1e-12 * (r2 + 1e-30), radius * RADIUS_SHRINK, 0.0)
-    return torch.from_numpy(idx).to(x.device), torch.from_numpy(radius).to(x.device)
+    out = [torch.from_numpy(idx), torch.from_numpy(radius)]
+    if pair:  # the definition's own values: their rounding (~1e-15 relative) taken off
+        out += [torch.from_numpy(second), torch.from_numpy(np.sqrt(d3) * (1 - 1e-12))]
+    return tuple(t.to(x.device) for t in out)
 
 
 #: Up to this many rows (on CPU) the distances are computed in float64
@@ -290,6 +321,26 @@ def _two_smallest_np(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return v1, v2, idx.astype(np.int64, copy=False)
 
 
+def _smallest_three_np(a: np.ndarray) -> tuple[np.ndarray, ...]:
+    """:func:`_two_smallest_np` and the third smallest value, and the second one's column (``a`` is
+    overwritten; values ``inf`` and the column the winner's where a row has fewer columns).
+
+    Returns:
+        ``(v1, v2, v3, idx, second)``: ``(b,)`` values and ``(b,)`` int64 columns.
+    """
+    idx = a.argmin(axis=1)
+    rows = np.arange(a.shape[0])
+    v1 = a[rows, idx]
+    a[rows, idx] = np.inf
+    second = a.argmin(axis=1)
+    v2 = a[rows, second]
+    a[rows, second] = np.inf
+    v3 = a.min(axis=1)
+    if a.shape[1] < 2:
+        second = idx.copy()
+    return v1, v2, v3, idx.astype(np.int64, copy=False), second.astype(np.int64, copy=False)
+
+
 def _two_smallest(dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Smallest and second-smallest value of every row, and the smallest one's column.
 
@@ -318,7 +369,7 @@ def _radius(d1, d2, tol):
     return np.maximum((r2 - r1) * (0.5 * RADIUS_SHRINK), 0.0)
 
 
-def _nearest_two_f64(vectors: torch.Tensor, prep: PreparedPool) -> tuple[np.ndarray, np.ndarray, int]:
+def _nearest_two_f64(vectors: torch.Tensor, prep: PreparedPool, pair: bool = False) -> tuple:
     """:func:`nearest_two` of a small CPU batch: float64 distances, certified, in NumPy.
 
     The same certification as the float32 path with float64's unit roundoff, so
@@ -329,34 +380,47 @@ def _nearest_two_f64(vectors: torch.Tensor, prep: PreparedPool) -> tuple[np.ndar
 
     Args:
         vectors: ``(b, D)`` float32 CPU tensor, ``b >= 1``.
+        pair: also each row's runner-up and ``third`` (see :class:`SearchResult`).
 
     Returns:
         ``(index, radius, exact_rows)``: ``(b,)`` int64 and float64 arrays, and how
-        many rows needed the definition.
+        many rows needed the definition; with ``pair``, then ``second`` and ``third``.
     """
     xa = vectors.numpy().astype(np.float64)
     # ||m||^2 - 2 x.m through torch's BLAS (NumPy's would start its own threads).
     dist = torch.addmm(prep.pool64_sq, torch.from_numpy(xa), prep.pool64_tt, alpha=-2.0).numpy()
     x_sq = np.einsum("ij,ij->i", xa, xa)
     tol = ((xa.shape[1] + 4) * _U64 * 2.0) * (x_sq + prep.max_pool64_sq)
-    v1, v2, idx = _two_smallest_np(dist)
+    if pair:
+        v1, v2, v3, idx, second = _smallest_three_np(dist)
+    else:
+        v1, v2, idx = _two_smallest_np(dist)
     d1, d2 = v1 + x_sq, v2 + x_sq
     rad = _radius(d1, d2, tol)
+    third_lo = np.sqrt(np.maximum(v3 + x_sq - tol, 0.0)) if pair else None  # here: the third's bound
     unsure = np.flatnonzero(~((d2 - d1) > 2 * tol))
     if unsure.size:
-        ex_idx, ex_rad = _exact_two(torch.from_numpy(xa[unsure]), prep.pool64_t)
-        idx[unsure] = ex_idx.numpy()
-        rad[unsure] = ex_rad.numpy()
+        exact = _exact_two(torch.from_numpy(xa[unsure]), prep.pool64_t, pair)
+        idx[unsure] = exact[0].numpy()
+        rad[unsure] = exact[1].numpy()
+        if pair:
+            assert second is not None and third_lo is not None
+            second[unsure] = exact[2].numpy()
+            third_lo[unsure] = exact[3].numpy()
+    if pair:
+        return idx, rad, int(unsure.size), second, third_lo
     return idx, rad, int(unsure.size)
 
 
-def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> SearchResult:
+def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK, pair: bool = False) -> SearchResult:
     """Exact nearest pool entry of every row, with a safe re-search radius.
 
     Args:
         vectors: ``(N, D)`` float32 (other float dtypes are cast to float32).
         pool: ``(n, D)`` tensor on ``vectors``' device, or its :class:`PreparedPool`.
         chunk: rows per ``addmm`` block; memory is ``chunk x n`` floats.
+        pair: on a CPU, also each row's runner-up (``second``) and the bound ``third``: one more pass over
+            the distances (elsewhere they stay ``None``).
 
     Returns:
         :class:`SearchResult` whose ``index`` equals :func:`brute_force` exactly.
@@ -378,9 +442,14 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
     n, dim = pool.shape
     vectors = vectors.detach().float()
     num = vectors.shape[0]
-    if 0 < num <= FLOAT64_ROWS and vectors.device.type == "cpu":
-        idx_np, rad_np, exact_rows = _nearest_two_f64(vectors, prep)
-        return SearchResult(torch.from_numpy(idx_np), torch.from_numpy(rad_np), exact_rows)
+    on_cpu = vectors.device.type == "cpu"
+    pair = pair and on_cpu
+    if 0 < num <= FLOAT64_ROWS and on_cpu:
+        found = _nearest_two_f64(vectors, prep, pair)
+        res = SearchResult(torch.from_numpy(found[0]), torch.from_numpy(found[1]), found[2])
+        if pair:
+            res.second, res.third = torch.from_numpy(found[3]), torch.from_numpy(found[4])
+        return res
     if vectors.device.type == "cuda":
         from . import fused_search  # imports Triton's wrapper only when a CUDA search runs
 
@@ -390,8 +459,10 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
             return SearchResult(idx, rad, exact.sum())
     index = torch.empty(num, dtype=torch.int64, device=vectors.device)
     radius = torch.empty(num, dtype=torch.float64, device=vectors.device)
+    second = torch.empty_like(index) if pair else None
+    third = torch.empty_like(radius) if pair else None
     if num == 0:
-        return SearchResult(index, radius)
+        return SearchResult(index, radius, 0, second, third)
     pool_sq, pool_t, max_pool_sq = prep.pool_sq, prep.pool_t, prep.max_pool_sq
     err_scale = (dim + 4) * U32 * 2.0
     exact_rows = 0
@@ -400,7 +471,13 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
         dist = torch.addmm(pool_sq, x, pool_t, alpha=-2.0)  # ||m||^2 - 2 x.m, (b, n)
         x_sq = (x * x).sum(dim=1)
         tol = err_scale * (x_sq + max_pool_sq)
-        if n > 1:
+        if pair:  # on a CPU (n = 1 included: the runner-up is the winner, both further values inf)
+            v1, v2, v3, i1, i2 = (torch.from_numpy(a) for a in _smallest_three_np(dist.numpy()))
+            idx, d1, d2 = i1, v1 + x_sq, v2 + x_sq
+            assert second is not None and third is not None
+            second[s : s + x.shape[0]] = i2
+            d3_lo = (v3 + x_sq - tol).double().clamp_min(0).sqrt()
+        elif n > 1:
             v1, v2, idx = _two_smallest(dist)
             d1 = v1 + x_sq
             d2 = v2 + x_sq
@@ -414,13 +491,20 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK) -> Sear
         rad = ((d2_lo - d1_hi) * 0.5 * RADIUS_SHRINK).clamp_min(0)
         index[s : s + x.shape[0]] = idx
         radius[s : s + x.shape[0]] = rad
+        if pair:
+            assert third is not None
+            third[s : s + x.shape[0]] = d3_lo
         if not bool(certain.all()):
             rows = flat_nonzero(~certain)
-            ex_idx, ex_rad = _exact_two(x[rows], prep.pool64_t)
-            index[s + rows] = ex_idx
-            radius[s + rows] = ex_rad
+            found = _exact_two(x[rows], prep.pool64_t, pair)
+            index[s + rows] = found[0]
+            radius[s + rows] = found[1]
+            if pair:
+                assert second is not None and third is not None
+                second[s + rows] = found[2]
+                third[s + rows] = found[3]
             exact_rows += rows.numel()
-    return SearchResult(index, radius, exact_rows)
+    return SearchResult(index, radius, exact_rows, second, third)
 
 
 def nearest_scalar(values: torch.Tensor, pool) -> torch.Tensor:

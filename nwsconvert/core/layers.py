@@ -523,7 +523,7 @@ class NWSWeight(nn.Module):
             return
         pair = self._pair_region()
         changed: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if pair is not None:
+        if pair is not None and count >= self.PAIR_ROWS:
             settled, rows = self._settle_pairs(rows, vec, drift_sq, prep, *pair)
             changed.append(settled)
         if rows.numel() * 2 > self.num_vectors:
@@ -547,6 +547,10 @@ class NWSWeight(nn.Module):
             self._set_indices(*changed[0])
         paired = count - rows.numel()
         self.stats = {"searched": count, "total": self.num_vectors, "exact_rows": exact_rows, "paired": paired}
+
+    #: Rows past their budget from which a layer settles them by pairs first: below, the search's float64
+    #: path for a few rows costs less than the settling's fixed ~70 array operations.
+    PAIR_ROWS = 256
 
     def _pair_region(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(budget3_sq, other)`` while they go with the current budgets, else ``None``."""

@@ -422,6 +422,21 @@ def test_rows_past_their_budget_are_settled_by_their_two_entries_exactly(moving_
     assert settled > 2 * searched > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_weights_not_in_float32_are_searched_past_their_budget_without_pairs(dtype):
+    """Settling by pairs needs the float32 reference copy to be exact: other weight dtypes search every row
+    past its budget, as before (bfloat16, which NumPy lacks, included)."""
+    g = torch.Generator().manual_seed(5)
+    w = nn.Parameter((torch.randn(3000, 9, generator=g) * 0.1).to(dtype))
+    nws = NWSWeight(w, 9, (torch.randn(64, 9, generator=g) * 0.1).to(dtype))
+    assert nws._pair is None
+    for _ in range(3):
+        with torch.no_grad():
+            w.add_((torch.randn(3000, 9, generator=g) * 0.002).to(dtype))
+        nws(w)
+        assert nws.stats["searched"] >= NWSWeight.PAIR_ROWS and nws.stats["paired"] == 0
+
+
 @pytest.mark.parametrize("rows", [300, 5000])  # the float64 path (up to FLOAT64_ROWS) and the float32 one
 @pytest.mark.parametrize("n", [1, 2, 3, 512])
 def test_a_pair_search_gives_the_runner_up_and_a_bound_on_every_other_entry(rows, n):

@@ -144,7 +144,7 @@ def search_stats(model: nn.Module) -> dict:
     layers = _require(model)
     engine = layers[0].nws._engine() if layers[0].nws._engine is not None else None
     if engine is not None and engine.manages(layers):
-        return engine.stats()
+        return {**engine.stats(), "paired": 0}  # the engine searches every row past its budget
     searched = sum(layer.nws.stats["searched"] for layer in layers)
     total = sum(layer.nws.stats["total"] for layer in layers)
     exact = int(sum(layer.nws.stats["exact_rows"] for layer in layers))  # a device count (fused search): one sync

@@ -554,7 +554,7 @@ class NWSWeight(nn.Module):
     PAIR_ROWS = 256
 
     def _pair_region(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(budget3_sq, other)`` while they go with the current budgets, else ``None``."""
+        """``(others, other)`` while they go with the current budgets, else ``None``."""
         pair = self._pair
         return (pair[1], pair[2]) if pair is not None and pair[0] is self._budget_sq else None
 

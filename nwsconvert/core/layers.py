@@ -176,14 +176,12 @@ class _DistillFromK(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         k, target, index = ctx.saved_tensors
         n, size = ctx.pool_shape
-        if not _scratch_form(k, target):
+        if _scratch_form(k, target):
+            out = _scratch(k.numel(), grad).view_as(k)
+            grad_k = torch.ops.aten.mse_loss_backward.grad_input(grad, k, target, 1, grad_input=out)
+        else:
             grad_k = torch.ops.aten.mse_loss_backward(grad, k, target, 1)  # 1: reduction "mean"
-            grad_pool = grad_k.new_zeros(ctx.pool_shape).index_add_(0, index, grad_k.reshape(-1, size))
-            return grad_pool, None, None, None
-        grad_k = torch.ops.aten.mse_loss_backward.grad_input(
-            grad, k, target, 1, grad_input=_scratch(k.numel(), grad).view_as(k)
-        )
-        return index_sum(grad_k.view(-1, size), index, n), None, None, None
+        return index_sum(grad_k.reshape(-1, size), index, n), None, None, None
 
 
 def _scratch_form(k: torch.Tensor, target: torch.Tensor) -> bool:
@@ -637,14 +635,20 @@ class NWSWeight(nn.Module):
         """
         pool, idx = self.pool.detach(), self.indices
         cache = self._cache
-        if cache is None or not self._fits(cache, pool) or not self._same_pool(pool):
+        if (
+            cache is None
+            or cache.device != pool.device
+            or cache.dtype != pool.dtype
+            or tuple(cache.shape) != self.weight_shape
+            or not self._same_pool(pool)
+        ):
             # A new tensor, never the old one rewritten: a view of it (a Linear's graph keeps only K.t())
             # can outlive the tensors _handed_out tracks.
-            cache = self._cache = self.gather()
+            self._cache = self.gather()
             self._cache_key = (pool.clone(), id(self.pool), self.pool._version)
             self._cache_indices = (idx.clone(), id(idx), idx._version)
             self._handed_out = weakref.WeakSet()
-            return cache
+            return self._cache
         assert self._cache_indices is not None  # set and reset together with _cache
         seen, seen_id, seen_version = self._cache_indices
         if (seen_id, seen_version) == (id(idx), idx._version):
@@ -665,15 +669,6 @@ class NWSWeight(nn.Module):
             seen.index_copy_(0, rows, new)
         self._cache_indices = (seen, id(idx), idx._version)
         return cache
-
-    def _fits(self, cache: torch.Tensor, pool: torch.Tensor) -> bool:
-        """Whether ``cache`` can hold ``pool[indices]`` in W's shape as it is (device, dtype, shape, layout)."""
-        return (
-            cache.device == pool.device
-            and cache.dtype == pool.dtype
-            and tuple(cache.shape) == self.weight_shape
-            and cache.is_contiguous()
-        )
 
     def _same_pool(self, pool: torch.Tensor) -> bool:
         """Whether the cache was gathered from ``pool``: by value in training (a step costs far

@@ -9,7 +9,7 @@ from torch import nn
 
 import nwsconvert as nc
 from nwsconvert.core.layers import NWSWeight, _rows_not_below
-from nwsconvert.core.rounding import shifted_drift_sq
+from nwsconvert.core.rounding import round_f32, shifted_drift_sq
 from nwsconvert.core.search import (
     FLOAT64_ROWS,
     brute_force,
@@ -179,13 +179,19 @@ def test_a_scalar_walked_from_its_previous_entry_finds_the_nearest(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_scalar_lazy_update_at_cell_borders(dtype):
     """Values just inside, on and just outside every cell border keep or change their entry
-    exactly as brute force says (float32 weights use float32-rounded borders)."""
+    exactly as brute force says (float32 weights use float32-rounded borders). Float64 values beside a border
+    sit just outside the band where brute force's rounding decides (the test below has values inside it)."""
     g = torch.Generator().manual_seed(11)
     pool = torch.cat([torch.arange(8) / 64, torch.randn(56, generator=g) * 0.3])  # exact and inexact midpoints
     sp = pool.double().unique()
     mids = ((sp[1:] + sp[:-1]) / 2).to(dtype)  # float32: the border rounded to nearest
     inf = torch.tensor(float("inf"), dtype=dtype)
-    borders = torch.cat([mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf)])
+    if dtype == torch.float32:
+        beside = torch.nextafter(mids, inf), torch.nextafter(mids, -inf)
+    else:  # 2^-46 of the gap and of the midpoint away: past the band (2^-49 of the one, 2^-50 of the other)
+        away = ((sp[1:] - sp[:-1]) + mids.abs()) * 2.0**-46
+        beside = mids + away, mids - away
+    borders = torch.cat([mids, *beside])
     w = nn.Parameter(torch.randn(borders.numel(), 1, generator=g, dtype=dtype) * 0.3)
     nws = NWSWeight(w, 1, pool.to(dtype)[:, None])
     lo, hi = scalar_cells(pool.to(dtype))
@@ -463,3 +469,142 @@ def test_a_pair_search_gives_the_runner_up_and_a_bound_on_every_other_entry(rows
         assert bool(res.third.isinf().all())
     else:
         assert bool((res.third > rest.min(1).values * (1 - 1e-4)).all())  # and barely below it (float32: 1e-5)
+
+
+# --- every weight dtype: the lazy search equals brute force for float16, bfloat16 and float64 weights too
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1e-3, 1e-2])
+def test_lazy_updates_of_half_precision_weights_equal_brute_force(dtype, scale):
+    """The drift test runs in float32 for float16 and bfloat16 weights: in their own dtype the squared drift of
+    float16 weights of 1e-3 underflowed to 0 (the rows moved, no row was searched: 50-124 stale indices a step)."""
+    g = torch.Generator().manual_seed(2)
+    w = nn.Parameter((torch.randn(4000, 9, generator=g) * scale).to(dtype))
+    nws = NWSWeight(w, 9, (torch.randn(64, 9, generator=g) * scale).to(dtype))
+    searched = 0
+    for _ in range(6):
+        with torch.no_grad():
+            w.add_((torch.randn(4000, 9, generator=g) * scale / 100).to(dtype))
+        nws(w)
+        assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool))
+        assert 0 < nws.stats["searched"] < nws.num_vectors  # the lazy path decided, and it searched some rows
+        searched += nws.stats["searched"]
+    assert searched < 6 * nws.num_vectors // 4
+
+
+def _near_bisectors(pool: torch.Tensor, g: torch.Generator, count: int) -> torch.Tensor:
+    """``count`` float64 rows 1e-13 .. 1e-10 of a gap from the bisector of two random pool entries, on both
+    sides, and on it: the rows float32 rounding (of the rows or of the pool) puts on the wrong side."""
+    i = torch.randint(0, pool.shape[0], (count,), generator=g)
+    j = (i + torch.randint(1, pool.shape[0], (count,), generator=g)) % pool.shape[0]
+    eps = torch.tensor([0.0, 1e-13, -1e-13, 1e-10, -1e-10], dtype=torch.float64)[torch.arange(count) % 5]
+    return (pool[i] + pool[j]) / 2 + eps[:, None] * (pool[j] - pool[i])
+
+
+@pytest.mark.parametrize("rows", [300, FLOAT64_ROWS + 1000])  # one chunk, and more rows than the float32 search takes
+def test_float64_vectors_and_pools_are_searched_in_float64(rows):
+    """A float64 pool (values float32 cannot hold) or float64 vectors: the search runs in float64 only and equals
+    brute force, where a search in float32 puts rows near a bisector on the wrong side."""
+    g = torch.Generator().manual_seed(21)
+    pool = torch.randn(64, 9, generator=g, dtype=torch.float64)
+    x = _near_bisectors(pool, g, rows)
+    expect = brute_force(x, pool)
+    assert not torch.equal(brute_force(x.float(), pool.float()), expect)  # float32 would differ
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for chunk in (2048, 97):
+        res = nearest_two(x.to(device), pool.to(device), chunk=chunk, pair=True)
+        assert torch.equal(res.index.cpu(), expect) and res.index.device.type == device
+        assert res.exact_rows > 0 and (res.radius[expect.to(device) != res.index] == 0).all()
+    res = nearest_two(x, pool, pair=True)  # on a CPU: the runner-up too, and the bound on every other entry
+    dist = torch.cdist(x, pool)  # the runner-up is an entry at the second distance, the bound below the third
+    # (cdist's own rounding: 1e-9 relative; the rows on a bisector tie for the first two places)
+    near = dist.sort(dim=1).values
+    assert (dist.gather(1, res.second[:, None])[:, 0] <= near[:, 1] * (1 + 1e-9)).all()
+    assert (res.second != res.index).all() and (res.third <= near[:, 2] * (1 + 1e-9)).all()
+    # float32-exact pool values, float64 rows: still float64
+    assert torch.equal(nearest_two(x, pool.float().double()).index, brute_force(x, pool.float().double()))
+    assert nearest_two(x[:0], pool).index.shape == (0,)
+
+
+def test_a_float64_layer_follows_its_pool_below_float32_resolution():
+    """A float64 layer whose pool moves by less than float32 can see (1e-12): the move is tracked in float64, and
+    the rows it carries over a bisector are searched again (tracked in float32, the pool looked unchanged)."""
+    g = torch.Generator().manual_seed(22)
+    pool = torch.randn(32, 9, generator=g, dtype=torch.float64)
+    w = nn.Parameter(_near_bisectors(pool, g, 2000))
+    nws = NWSWeight(w, 9, pool)
+    nws(w)
+    assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool))
+    changed = 0
+    for step in range(4):
+        before = nws.indices.clone()
+        with torch.no_grad():
+            nws.pool.add_(torch.randn(32, 9, generator=g, dtype=torch.float64) * 1e-12)
+        nws(w)
+        assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool)), step
+        changed += int((nws.indices != before).sum())
+    assert changed > 0  # the moves carried rows over: the test sees a stale index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scalar_cells_hold_only_what_brute_force_picks(dtype):
+    """Inside its cell a value has the entry brute force picks, near a border too, where float64's rounding of
+    ``(x - m)^2`` ties or reorders entries (1e-17 between -1 and 1 is a tie there, picked by the lowest index);
+    the lazy update equals brute force on the values just inside each cell and in the band around each border."""
+    g = torch.Generator().manual_seed(23)
+    pool = torch.cat([
+        torch.tensor([1.0, -1.0, 3.0, -3.0, 1e6, 1e6 + 2.0**-29, 2.0**-140, -(2.0**-140)], dtype=torch.float64),
+        torch.randn(40, generator=g, dtype=torch.float64),
+    ]).to(dtype)  # fmt: skip
+    lo, hi = scalar_cells(pool)
+    ok = torch.isfinite(lo) & torch.isfinite(hi)
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    # float64 values: one ulp inside each bound; float32 values: the nearest float32 inside each bound
+    inside64 = torch.cat([torch.nextafter(lo[ok], inf), torch.nextafter(hi[ok], -inf)])
+    lo32, hi32 = round_f32(lo[ok], up=True), round_f32(hi[ok], up=False)
+    inf32 = inf.float()
+    inside32 = torch.cat([torch.where(lo32.double() > lo[ok], lo32, torch.nextafter(lo32, inf32)),
+                          torch.where(hi32.double() < hi[ok], hi32, torch.nextafter(hi32, -inf32))])  # fmt: skip
+    owner = torch.arange(pool.numel())[ok].repeat(2)
+    for x in (inside64, inside32.double()):
+        keep = (x > lo[owner]) & (x < hi[owner])
+        assert keep.all()
+        assert torch.equal(brute_force(x[:, None], pool[:, None]), owner)
+    # Values in the bands around the borders and tiny ones between the symmetric pairs, through the lazy update
+    sp = pool.double().unique()
+    mids = (sp[1:] + sp[:-1]) / 2
+    near = torch.cat([mids + k * (sp[1:] - sp[:-1]) * 2.0**-52 for k in range(-8, 9)])
+    tiny = torch.tensor([1e-17, -1e-17, 1e-20, 2.0**-200, 1e-9], dtype=torch.float64)
+    values = torch.cat([near, tiny, x]).to(dtype)
+    w = nn.Parameter(torch.zeros(values.numel(), 1, dtype=dtype))
+    nws = NWSWeight(w, 1, pool[:, None])
+    nws(w)
+    with torch.no_grad():
+        w.copy_(values[:, None])
+    nws(w)
+    assert 0 < nws.stats["searched"] < values.numel()
+    assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool))
+
+
+def test_the_engine_refuses_float64_weights_and_auto_search_leaves_them_to_the_layers():
+    from nwsconvert.core.engine import SearchEngine, search_engine
+
+    model = nc.convert(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)), pool_size=16).double()
+    with pytest.raises(ValueError, match="layer '0' holds float64 weights.*search='layer'"):
+        SearchEngine(model)
+    assert search_engine(model, "auto") is None and search_engine(model, "layer") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nearest_scalar_counts_entries_that_rounding_ties_beyond_the_neighbours(dtype):
+    """0.01 is nearer to 1e-20 than to 0, but float64 rounds both squared distances to the same value: brute
+    force then takes the lowest index (0), though 0 is not a neighbour of 0.01 in sorted order."""
+    pool = torch.tensor([0.0, 1e-20, 0.5, -0.5, 0.5 + 2.0**-23], dtype=dtype)
+    x = torch.tensor([0.01, -0.01, 0.3, 0.25, 0.5 + 2.0**-24, 1e-21, 7.0, -7.0], dtype=dtype)
+    expect = brute_force(x[:, None], pool[:, None])
+    assert expect[0] == 0 and expect[1] == 0
+    assert torch.equal(nearest_scalar(x, pool), expect)
+    assert torch.equal(nearest_scalar_from(x, torch.tensor([1, 0, 2, 3, 4, 1, 4, 3]), pool), expect)
+    lo, hi = scalar_cells(pool)
+    assert not (lo[1] < 0.01 < hi[1])  # 0.01 lies outside 1e-20's cell: it is searched

@@ -219,7 +219,7 @@ class _Group:
             if ok and self.ref is not None and self.budget is not None:
                 self.ref[off : off + count] = nws._ref.to(device=device, dtype=torch.float32)
                 self.budget[off : off + count] = nws._budget_sq.to(device)
-                seen.append(prep.pool)
+                seen.append(prep.pool.float())  # (a float64 model never reaches here: SearchEngine refuses it)
             else:
                 seen.append(nws.pool.detach().float())
         self.seen = torch.cat(seen)
@@ -396,10 +396,18 @@ class SearchEngine:
 
     Raises:
         RuntimeError: ``kernel='triton'`` where it cannot run.
+        ValueError: a layer holds float64 weights (the engine searches in float32; the layers' own search,
+            ``search='layer'``, is exact for them).
     """
 
     def __init__(self, model: nn.Module, kernel: str = "auto"):
         layers = _require(model)
+        wide = _float64_layer(layers)
+        if wide is not None:
+            raise ValueError(
+                f"layer {wide.name!r} holds float64 weights, which the search engine would round to float32: "
+                "train with search='layer' (exact in float64), or convert the model to float32 first"
+            )
         device = layers[0].weight.device
         if kernel == "auto":
             kernel = "triton" if device.type == "cuda" and fused_search.available(device) else "torch"
@@ -504,14 +512,22 @@ class SearchEngine:
                 layer.nws._engine = None
 
 
+def _float64_layer(layers: list):
+    """The first of ``layers`` whose weight is float64, or None."""
+    return next((layer for layer in layers if layer.weight.dtype == torch.float64), None)
+
+
 def search_engine(model: nn.Module, search: str = "auto") -> SearchEngine | None:
     """The engine a training stage runs with ``search`` (``TrainConfig.search``), or None for the layers' own search.
 
-    ``auto``: an engine on CUDA where Triton is installed; ``engine``: always (an error where the
-    fused search cannot run); ``layer``: never."""
+    ``auto``: an engine on CUDA where Triton is installed, for a model without float64 weights; ``engine``:
+    always (an error where the fused search cannot run, or on float64 weights); ``layer``: never."""
     if search == "layer":
         return None
-    device = _require(model)[0].weight.device
+    layers = _require(model)
+    device = layers[0].weight.device
     if search == "auto" and not (device.type == "cuda" and fused_search.available(device)):
         return None
+    if search == "auto" and _float64_layer(layers) is not None:
+        return None  # the layers' own search: exact in float64, where the engine's float32 would round
     return SearchEngine(model)  # its kernel: Triton on CUDA, the BLAS + NumPy search on CPU

@@ -311,7 +311,7 @@ class NWSWeight(nn.Module):
         """
         pool = self.pool.detach()
         prep = self._prep
-        if prep is None or prep.pool.device != pool.device or not torch.equal(prep.pool, pool.float()):
+        if prep is None or not prep.holds(pool):
             prep = self._prep = PreparedPool(pool)
         return prep
 
@@ -452,7 +452,7 @@ class NWSWeight(nn.Module):
         if self._ref is None or seen is None or seen.pool.shape != pool.shape or seen.pool.device != pool.device:
             self.reset_search()  # the next update searches everything against the new pool
             return None
-        if torch.equal(seen.pool, pool.float()):  # the usual case in task mode
+        if seen.holds(pool):  # the usual case in task mode
             self._settle_shift()  # the pool stopped moving: the drift test goes back to one compare
             return seen
         # The pool changed (NaN drops every budget): the largest entry movement, in float64 (no float32
@@ -509,7 +509,11 @@ class NWSWeight(nn.Module):
             return
         assert self._budget_sq is not None  # set and reset together with _ref
         vec = self._vectors(weight)
-        diff = torch.sub(vec, self._ref, out=_scratch(vec.numel(), vec).view_as(vec))
+        # The drift in float64 for float64 weights, else in float32 (the reference copy's dtype): float16 and
+        # bfloat16 differences and squares would round the drift down or underflow it to 0 (float16 weights
+        # of 1e-3 then kept stale indices), and the budgets certify float32 arithmetic.
+        like = vec if vec.dtype == torch.float64 else self._ref
+        diff = torch.sub(vec, self._ref, out=_scratch(vec.numel(), like).view_as(vec))
         # Squared drift per row: a matrix-vector product sums rows of D far faster
         # than a reduction over a short inner dimension on CPU.
         drift_sq = torch.mv(diff.square_(), self._ones(diff))

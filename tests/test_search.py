@@ -608,3 +608,93 @@ def test_nearest_scalar_counts_entries_that_rounding_ties_beyond_the_neighbours(
     assert torch.equal(nearest_scalar_from(x, torch.tensor([1, 0, 2, 3, 4, 1, 4, 3]), pool), expect)
     lo, hi = scalar_cells(pool)
     assert not (lo[1] < 0.01 < hi[1])  # 0.01 lies outside 1e-20's cell: it is searched
+
+
+# --- extreme magnitudes: squares that underflow to subnormals or overflow to inf
+
+
+_F64 = torch.float64
+
+
+@pytest.mark.parametrize(
+    "pool, value",
+    [
+        ([-2e154, 2e154], 1e150),  # both squares overflow: a tie, the lowest index
+        ([1e-160, 0.0], 0.5e-160 - 1e-166),  # both squares subnormal
+        ([0.0, 1e-170, 1e-160], 0.4e-160),
+        ([2e-170, -1e-170, 1.5e-170], 0.0),
+    ],
+)
+def test_scalar_searches_where_squares_underflow_or_overflow(pool, value):
+    """Brute force's float64 squares tie where they overflow or go subnormal: the scalar cells end before
+    either can happen, so the lazy update searches such values, and the search lets brute force decide."""
+    p, x = torch.tensor(pool, dtype=_F64), torch.tensor([value], dtype=_F64)
+    expect = brute_force(x[:, None], p[:, None])
+    assert torch.equal(nearest_scalar(x, p), expect)
+    for start in range(len(pool)):
+        assert torch.equal(nearest_scalar_from(x, torch.tensor([start]), p), expect), start
+    w = nn.Parameter(p[-1:, None].clone())
+    nws = NWSWeight(w, 1, p[:, None])
+    nws(w)
+    with torch.no_grad():
+        w.fill_(value)
+    nws(w)
+    assert torch.equal(nws.indices.long(), expect)
+
+
+@pytest.mark.parametrize("rows", [1, 1025])  # the float64 search, and float32 with its certification
+def test_nearest_two_at_subnormal_distances(rows):
+    """Distances near 1e-45 (float32) or 1e-323 (float64) round by an absolute amount the relative bound
+    misses: the bound has an absolute term, and such rows go to the definition."""
+    p32 = torch.tensor(
+        [[3.407226880358334e-23, -3.6806438612974023e-23], [2.1416542141116894e-24, 1.0140522157829322e-23]]
+    )
+    x32 = torch.tensor([[3.033567766471022e-23, -7.280381517066614e-24]]).repeat(rows, 1)
+    p64 = torch.tensor([[-4.843717639001652e-162, 1.3056821212338296e-162],
+                        [-1.5108219510238873e-162, 1.7598046208912367e-162]], dtype=_F64)  # fmt: skip
+    x64 = torch.tensor([[-3.0885058410843943e-162, 2.6544949216826032e-162]], dtype=_F64).repeat(rows, 1)
+    for x, p in ((x32, p32), (x64, p64)):
+        expect = brute_force(x, p)
+        assert (expect == 0).all()
+        assert torch.equal(nearest_two(x, p).index, expect)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drifts_near_1e_23_are_not_lost_to_underflow(dtype):
+    """A row's squared drift of 2.5e-23 per component underflows in float32: the budget is smaller by what
+    that can lose, so the moved rows are searched again."""
+    pool = torch.stack([torch.zeros(9), torch.full((9,), 1e-22 / 3)]).to(dtype)
+    w = nn.Parameter(torch.zeros(10, 9, dtype=dtype))
+    nws = NWSWeight(w, 9, pool)
+    nws(w)
+    with torch.no_grad():
+        w.fill_(2.5e-23)  # now nearer to entry 1
+    nws(w)
+    assert torch.equal(nws.indices.long(), brute_force(w.detach(), nws.pool)) and (nws.indices == 1).all()
+
+
+@pytest.mark.parametrize("scale", [1e-26, 1.0, 1e19])
+def test_rows_settled_by_pairs_at_tiny_and_huge_scales(scale):
+    """300 rows jump from beside entry 0 to beside entry 2 (neither their index nor their runner-up): the pair
+    test must not settle them, whether the drift underflows (1e-26) or the third distance overflowed (1e19)."""
+    pool = torch.tensor([[1.2, 0.0], [0.0, 1.2], [-1.1, 0.0]]) * scale
+    w = nn.Parameter(torch.tensor([[1.1, 0.0]]).repeat(2048, 1) * scale)
+    nws = NWSWeight(w, 2, pool)
+    nws(w)
+    with torch.no_grad():
+        w[:300] = torch.tensor([-0.1, 0.0]) * scale
+    nws(w)
+    expect = brute_force(w.detach(), nws.pool)
+    assert (expect[:300] == 2).all() and torch.equal(nws.indices.long(), expect)
+
+
+def test_a_nan_start_entry_walks_from_the_last_cell():
+    pool = torch.tensor([0.0, 1.0, float("nan"), 2.0])
+    x = torch.tensor([0.5 - 2**-20, 1.7, 2.4])
+    assert torch.equal(nearest_scalar_from(x, torch.tensor([2, 2, 2]), pool), nearest_scalar(x, pool))
+
+
+def test_the_runner_up_is_another_entry_where_every_other_distance_overflows():
+    pool = torch.tensor([[0.0, 0.0], [1e300, 0.0], [-1e300, 0.0]], dtype=_F64)
+    res = nearest_two(torch.tensor([[1e10, 0.0]], dtype=_F64), pool, pair=True)
+    assert res.index.tolist() == [0] and res.second.tolist() == [1] and res.third.tolist() == [0.0]

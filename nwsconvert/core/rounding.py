@@ -9,6 +9,7 @@ imports of each other).
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
@@ -69,7 +70,10 @@ def budget_sq(radius: torch.Tensor, vec: torch.Tensor, ref: torch.Tensor, shift:
         left = radius
     else:
         left = radius - torch.linalg.vector_norm(vec.double() - ref.double(), dim=1) * (1 + 1e-6)
-    left = left.clamp_min(0)
+    # Less sqrt(D x 2^-149): the float32 drift's squares of tiny differences round by up to 2^-150 each
+    # (absolute), which no relative slack covers (drifts near 1e-23 read as 0); a drift computed below
+    # budget^2 is then truly below the radius, shift or not.
+    left = (left - math.sqrt(vec.shape[1] * 2.0**-149)).clamp_min(0)
     # Clamped to float32's largest value: a budget beyond it (a radius plus a shift above 1.8e19) would
     # otherwise become +inf, which no later pool movement could shrink (inf - shift is inf).
     return round_down_f32((left + shift).square() if shift else left.square()).clamp_(max=_F32_MAX)

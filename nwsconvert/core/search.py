@@ -46,6 +46,24 @@ __all__ = [
 DEFAULT_CHUNK = 2048
 
 
+#: Brute force's arithmetic overflows to inf (and inf - inf gives NaN) at extreme magnitudes by definition:
+#: the float64 searches say so with their results, not with NumPy warnings.
+def _quiet_floats(fn):
+    """``fn`` under ``np.errstate(over="ignore", invalid="ignore")``, a new one each call (nesting one shared
+    instance is unsafe on older NumPy)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+#: Distances between which float64 squares stay normal and finite, with a margin (see ``PreparedPool._cells``).
+_SQUARE_SAFE_LOW, _SQUARE_SAFE_HIGH = 2.0**-500, 2.0**500
+
+
 class PreparedPool:
     """What the searches derive from a pool: each table built on first use, reused until the pool's values change.
 
@@ -130,9 +148,12 @@ class PreparedPool:
         # and 1 is a tie there. The band, gap * 2^-49 = 16 u * gap, plus |mid| * 2^-50 and one ulp for the
         # rounding of the midpoint and of the sum, leaves a value inside its cell's bounds only where brute force
         # picks that entry; values in the band are searched with that arithmetic (nearest_scalar).
+        # The relative bound needs squares in float64's normal range: the band is at least 2^-500 (nearer
+        # than that, both squares may be subnormal) and a cell ends 2^500 from its entry (farther, a
+        # square may overflow to inf and tie), on both sides. float32 values never come near either.
         mids = (uniq[1:] + uniq[:-1]) * 0.5
         gaps = uniq[1:] - uniq[:-1]
-        band = gaps * 2.0**-49 + mids.abs() * 2.0**-50
+        band = gaps * 2.0**-49 + mids.abs() * 2.0**-50 + _SQUARE_SAFE_LOW
         lo_u = torch.cat([-inf, torch.nextafter(mids + band, inf[0])])
         hi_u = torch.cat([torch.nextafter(mids - band, -inf[0]), inf])
         # A cell also ends where the entry on its other side comes within rounding: at a distance d from entry
@@ -142,6 +163,8 @@ class PreparedPool:
         reach = gaps * 2.0**48
         lo_u[:-1] = torch.maximum(lo_u[:-1], torch.nextafter(uniq[:-1] - reach, inf[0]))
         hi_u[1:] = torch.minimum(hi_u[1:], torch.nextafter(uniq[1:] + reach, -inf[0]))
+        lo_u = torch.maximum(lo_u, torch.nextafter(uniq - _SQUARE_SAFE_HIGH, inf[0]))
+        hi_u = torch.minimum(hi_u, torch.nextafter(uniq + _SQUARE_SAFE_HIGH, -inf[0]))
         lo = torch.full_like(p, float("inf"))
         hi = torch.full_like(p, float("-inf"))
         lo[rep] = lo_u
@@ -236,6 +259,7 @@ class SearchResult:
     third: torch.Tensor | None = None
 
 
+@_quiet_floats
 def _exact_sq_dist(x: torch.Tensor, pool) -> np.ndarray:
     """Float64 squared distances, each computed from its own row and entry alone.
 
@@ -302,6 +326,7 @@ def brute_force(vectors: torch.Tensor, pool: torch.Tensor, chunk: int = 256) -> 
     return out
 
 
+@_quiet_floats
 def _exact_two(x: torch.Tensor, pool, pair: bool = False) -> tuple[torch.Tensor, ...]:
     """Float64 search of a few rows: the definition itself, used where float32 cannot certify.
 
@@ -313,15 +338,22 @@ def _exact_two(x: torch.Tensor, pool, pair: bool = False) -> tuple[torch.Tensor,
         ``(index, radius)`` (with ``pair``: ``(index, radius, second, third)``): ``(b,)`` int64 nearest
         entries and ``(b,)`` float64 radii, on ``x``'s device.
     """
-    d1, d2, d3, idx, second = _smallest_three_np(_exact_sq_dist(x, pool))
+    dist = _exact_sq_dist(x, pool)
+    n = dist.shape[1]
+    d1, d2, d3, idx, second = _smallest_three_np(dist)
     r1, r2 = np.sqrt(d1), np.sqrt(d2)
     radius = (r2 - r1) * 0.5
     # Float64 rounding of the distances is ~1e-16 relative: below 1e-12 of the
-    # distance scale we call it a tie and always re-search.
-    radius = np.where(radius > 1e-12 * (r2 + 1e-30), radius * RADIUS_SHRINK, 0.0)
+    # distance scale we call it a tie and always re-search. So is a runner-up whose
+    # distance overflowed (inf: the rounding says nothing of how far it is).
+    ok = (radius > 1e-12 * (r2 + 1e-30)) & (np.isfinite(r2) | (n < 2))
+    radius = np.where(ok, radius * RADIUS_SHRINK, 0.0)
     out = [torch.from_numpy(idx), torch.from_numpy(radius)]
-    if pair:  # the definition's own values: their rounding (~1e-15 relative) taken off
-        out += [torch.from_numpy(second), torch.from_numpy(np.sqrt(d3) * (1 - 1e-12))]
+    if pair:  # the definition's own values: their rounding (~1e-15 relative) taken off; none if overflowed
+        third = np.sqrt(d3) * (1 - 1e-12)
+        if n >= 3:
+            third = np.where(np.isfinite(third), third, 0.0)
+        out += [torch.from_numpy(second), torch.from_numpy(third)]
     return tuple(t.to(x.device) for t in out)
 
 
@@ -336,6 +368,17 @@ FLOAT64_ROWS = 1024
 
 # Unit roundoff of float64.
 _U64 = 2.0**-53
+#: Per product or square in the distances' bounds: 4x the largest absolute rounding of a subnormal result
+#: (half the smallest subnormal), the part of the error a relative bound misses where values are tiny
+#: (float32 distances of values near 1e-22, float64 ones near 1e-160).
+_TINY32 = 2.0**-148
+_TINY64 = 2.0**-1073
+
+
+def _finite_third(third: np.ndarray, n: int) -> np.ndarray:
+    """The lower bound on every other entry's distance, 0 (none) where it overflowed: ``inf`` stays only
+    where the pool has fewer than three entries (there is no other entry)."""
+    return np.where(np.isfinite(third), third, 0.0) if n >= 3 else third
 
 
 def _two_smallest_np(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -377,6 +420,9 @@ def _smallest_three_np(a: np.ndarray) -> tuple[np.ndarray, ...]:
     v3 = a.min(axis=1)
     if a.shape[1] < 2:
         second = idx.copy()
+    else:  # a row whose other values are all inf (overflowed) masks nothing: its runner-up is another column
+        same = np.flatnonzero(second == idx)
+        second[same] = np.where(idx[same] == 0, 1, 0)
     return v1, v2, v3, idx.astype(np.int64, copy=False), second.astype(np.int64, copy=False)
 
 
@@ -408,6 +454,7 @@ def _radius(d1, d2, tol):
     return np.maximum((r2 - r1) * (0.5 * RADIUS_SHRINK), 0.0)
 
 
+@_quiet_floats
 def _nearest_two_f64(vectors: torch.Tensor, prep: PreparedPool, pair: bool = False) -> tuple:
     """:func:`nearest_two` of a small CPU batch: float64 distances, certified, in NumPy.
 
@@ -429,15 +476,15 @@ def _nearest_two_f64(vectors: torch.Tensor, prep: PreparedPool, pair: bool = Fal
     # ||m||^2 - 2 x.m through torch's BLAS (NumPy's would start its own threads).
     dist = torch.addmm(prep.pool64_sq, torch.from_numpy(xa), prep.pool64_tt, alpha=-2.0).numpy()
     x_sq = np.einsum("ij,ij->i", xa, xa)
-    tol = ((xa.shape[1] + 4) * _U64 * 2.0) * (x_sq + prep.max_pool64_sq)
+    tol = ((xa.shape[1] + 4) * _U64 * 2.0) * (x_sq + prep.max_pool64_sq) + (xa.shape[1] + 4) * _TINY64
     if pair:
         v1, v2, v3, idx, second = _smallest_three_np(dist)
     else:
         v1, v2, idx = _two_smallest_np(dist)
     d1, d2 = v1 + x_sq, v2 + x_sq
     rad = _radius(d1, d2, tol)
-    third_lo = np.sqrt(np.maximum(v3 + x_sq - tol, 0.0)) if pair else None  # here: the third's bound
-    unsure = np.flatnonzero(~((d2 - d1) > 2 * tol))
+    third_lo = _finite_third(np.sqrt(np.maximum(v3 + x_sq - tol, 0.0)), dist.shape[1]) if pair else None
+    unsure = np.flatnonzero(~(((d2 - d1) > 2 * tol) & (np.isfinite(d2) | (dist.shape[1] < 2))))
     if unsure.size:
         exact = _exact_two(torch.from_numpy(xa[unsure]), prep.pool64_t, pair)
         idx[unsure] = exact[0].numpy()
@@ -507,18 +554,19 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK, pair: b
         return SearchResult(index, radius, 0, second, third)
     pool_sq, pool_t, max_pool_sq = prep.pool_sq, prep.pool_t, prep.max_pool_sq
     err_scale = (dim + 4) * U32 * 2.0
+    err_tiny = (dim + 4) * _TINY32  # the products' and squares' subnormal rounding (2^-150 each), with slack
     exact_rows = 0
     for s in range(0, num, chunk):
         x = vectors[s : s + chunk]
         dist = torch.addmm(pool_sq, x, pool_t, alpha=-2.0)  # ||m||^2 - 2 x.m, (b, n)
         x_sq = (x * x).sum(dim=1)
-        tol = err_scale * (x_sq + max_pool_sq)
+        tol = err_scale * (x_sq + max_pool_sq) + err_tiny
         if pair:  # on a CPU (n = 1 included: the runner-up is the winner, both further values inf)
             v1, v2, v3, i1, i2 = (torch.from_numpy(a) for a in _smallest_three_np(dist.numpy()))
             idx, d1, d2 = i1, v1 + x_sq, v2 + x_sq
             assert second is not None and third is not None
             second[s : s + x.shape[0]] = i2
-            d3_lo = (v3 + x_sq - tol).double().clamp_min(0).sqrt()
+            d3_lo = torch.from_numpy(_finite_third((v3 + x_sq - tol).double().clamp_min(0).sqrt().numpy(), n))
         elif n > 1:
             v1, v2, idx = _two_smallest(dist)
             d1 = v1 + x_sq
@@ -528,6 +576,8 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK, pair: b
             d1 = dist[:, 0] + x_sq
             d2 = torch.full_like(d1, float("inf"))
         certain = (d2 - d1) > 2 * tol
+        if n > 1:  # a runner-up whose distance overflowed: the bound says nothing of it
+            certain &= torch.isfinite(d2)
         d1_hi = (d1 + tol).double().clamp_min(0).sqrt()
         d2_lo = (d2 - tol).double().clamp_min(0).sqrt()
         rad = ((d2_lo - d1_hi) * 0.5 * RADIUS_SHRINK).clamp_min(0)
@@ -602,7 +652,9 @@ def nearest_scalar(values: torch.Tensor, pool) -> torch.Tensor:
         return out
     low, high = torch.aminmax(x)
     span = float(torch.maximum(high, uniq[-1]) - torch.minimum(low, uniq[0]))
-    if span <= prep.min_gap * 2.0**48:  # (NaN values compare False: looked at below, as brute force sees them)
+    gap = prep.min_gap
+    # (NaN values compare False: looked at below, as brute force sees them)
+    if gap >= 2 * _SQUARE_SAFE_LOW and span <= min(gap * 2.0**48, _SQUARE_SAFE_HIGH):
         return out
     best = torch.minimum(dl, dr)
     outer_l, outer_r = (left - 1).clamp_(min=0), (right + 1).clamp_(max=m - 1)
@@ -642,7 +694,8 @@ def nearest_scalar_from(values: torch.Tensor, start: torch.Tensor, pool) -> torc
     rank, rep, lo64, hi64, lo32, hi32 = prep._walk
     lo, hi = (lo32, hi32) if values.dtype == torch.float32 else (lo64, hi64)
     v = values.numpy()
-    r = rank.take(start.cpu().numpy())
+    # (a start entry that is NaN has no cell among the distinct values: it starts from the last)
+    r = np.clip(rank.take(start.cpu().numpy()), WALK_STEPS, len(rep) - WALK_STEPS - 1)
     r += np.where(v < hi.take(r), -1, 1)  # one cell toward the value (NaN: up, into the padding at worst)
     out = rep.take(r)  # right where the value is inside; the rest is walked on or searched below
     todo = np.flatnonzero(~((lo.take(r) < v) & (v < hi.take(r))))

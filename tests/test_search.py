@@ -698,3 +698,8 @@ def test_the_runner_up_is_another_entry_where_every_other_distance_overflows():
     pool = torch.tensor([[0.0, 0.0], [1e300, 0.0], [-1e300, 0.0]], dtype=_F64)
     res = nearest_two(torch.tensor([[1e10, 0.0]], dtype=_F64), pool, pair=True)
     assert res.index.tolist() == [0] and res.second.tolist() == [1] and res.third.tolist() == [0.0]
+    # float32, more rows than the float64 search takes: a runner-up at 2.2e19 overflows its float32 square
+    pool32, x32 = torch.tensor([[1.2e19, 0.0], [-1.1e19, 0.0]]), torch.tensor([[1.1e19, 0.0]]).repeat(2048, 1)
+    res = nearest_two(x32, pool32)
+    assert torch.equal(res.index, brute_force(x32, pool32)) and torch.isfinite(res.radius).all()
+    assert res.exact_rows == 2048  # redone with the definition

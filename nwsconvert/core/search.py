@@ -341,6 +341,9 @@ def _exact_two(x: torch.Tensor, pool, pair: bool = False) -> tuple[torch.Tensor,
     dist = _exact_sq_dist(x, pool)
     n = dist.shape[1]
     d1, d2, d3, idx, second = _smallest_three_np(dist)
+    if n >= 2:  # a row whose other values all overflowed masked nothing: its runner-up is another entry
+        same = np.flatnonzero(second == idx)
+        second[same] = np.where(idx[same] == 0, 1, 0)
     r1, r2 = np.sqrt(d1), np.sqrt(d2)
     radius = (r2 - r1) * 0.5
     # Float64 rounding of the distances is ~1e-16 relative: below 1e-12 of the
@@ -420,9 +423,6 @@ def _smallest_three_np(a: np.ndarray) -> tuple[np.ndarray, ...]:
     v3 = a.min(axis=1)
     if a.shape[1] < 2:
         second = idx.copy()
-    else:  # a row whose other values are all inf (overflowed) masks nothing: its runner-up is another column
-        same = np.flatnonzero(second == idx)
-        second[same] = np.where(idx[same] == 0, 1, 0)
     return v1, v2, v3, idx.astype(np.int64, copy=False), second.astype(np.int64, copy=False)
 
 
@@ -554,19 +554,20 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK, pair: b
         return SearchResult(index, radius, 0, second, third)
     pool_sq, pool_t, max_pool_sq = prep.pool_sq, prep.pool_t, prep.max_pool_sq
     err_scale = (dim + 4) * U32 * 2.0
-    err_tiny = (dim + 4) * _TINY32  # the products' and squares' subnormal rounding (2^-150 each), with slack
+    # The products' and squares' subnormal rounding (2^-150 each, with slack), folded into the sum it scales.
+    tiny_sq = max_pool_sq + (dim + 4) * _TINY32 / err_scale
     exact_rows = 0
     for s in range(0, num, chunk):
         x = vectors[s : s + chunk]
         dist = torch.addmm(pool_sq, x, pool_t, alpha=-2.0)  # ||m||^2 - 2 x.m, (b, n)
         x_sq = (x * x).sum(dim=1)
-        tol = err_scale * (x_sq + max_pool_sq) + err_tiny
+        tol = err_scale * (x_sq + tiny_sq)
         if pair:  # on a CPU (n = 1 included: the runner-up is the winner, both further values inf)
             v1, v2, v3, i1, i2 = (torch.from_numpy(a) for a in _smallest_three_np(dist.numpy()))
             idx, d1, d2 = i1, v1 + x_sq, v2 + x_sq
             assert second is not None and third is not None
             second[s : s + x.shape[0]] = i2
-            d3_lo = torch.from_numpy(_finite_third((v3 + x_sq - tol).double().clamp_min(0).sqrt().numpy(), n))
+            d3_lo = (v3 + x_sq - tol).double().clamp_min(0).sqrt()
         elif n > 1:
             v1, v2, idx = _two_smallest(dist)
             d1 = v1 + x_sq
@@ -576,8 +577,6 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK, pair: b
             d1 = dist[:, 0] + x_sq
             d2 = torch.full_like(d1, float("inf"))
         certain = (d2 - d1) > 2 * tol
-        if n > 1:  # a runner-up whose distance overflowed: the bound says nothing of it
-            certain &= torch.isfinite(d2)
         d1_hi = (d1 + tol).double().clamp_min(0).sqrt()
         d2_lo = (d2 - tol).double().clamp_min(0).sqrt()
         rad = ((d2_lo - d1_hi) * 0.5 * RADIUS_SHRINK).clamp_min(0)
@@ -596,7 +595,24 @@ def nearest_two(vectors: torch.Tensor, pool, chunk: int = DEFAULT_CHUNK, pair: b
                 second[s + rows] = found[2]
                 third[s + rows] = found[3]
             exact_rows += rows.numel()
+    if n > 1:  # a runner-up whose float32 distance overflowed certified nothing (its radius reads inf): redone
+        exact_rows += _redo_overflowed(vectors, prep, pair, index, radius, second, third)
     return SearchResult(index, radius, exact_rows, second, third)
+
+
+def _redo_overflowed(vectors, prep: PreparedPool, pair: bool, index, radius, second, third) -> int:
+    """After the float32 search: rows whose radius is not finite had a runner-up distance that overflowed; they
+    take the definition. A third distance that overflowed bounds nothing (0). One pass over the results, not
+    one per chunk: such rows need values near 1e19. Returns how many rows were redone."""
+    rows = flat_nonzero(~torch.isfinite(radius))
+    if rows.numel():
+        found = _exact_two(vectors[rows], prep.pool64_t, pair)
+        index[rows], radius[rows] = found[0], found[1]
+        if pair:
+            second[rows], third[rows] = found[2], found[3]
+    if pair and prep.pool.shape[0] >= 3:
+        third.nan_to_num_(nan=0.0, posinf=0.0)  # (a NaN bound settles nothing either)
+    return rows.numel()
 
 
 def _nearest_two_wide(vectors: torch.Tensor, prep: PreparedPool, chunk: int, pair: bool) -> SearchResult:

@@ -703,3 +703,16 @@ def test_the_runner_up_is_another_entry_where_every_other_distance_overflows():
     res = nearest_two(x32, pool32)
     assert torch.equal(res.index, brute_force(x32, pool32)) and torch.isfinite(res.radius).all()
     assert res.exact_rows == 2048  # redone with the definition
+
+
+def test_the_search_fuzz_harness_finds_no_wrong_index():
+    """benchmarks/harnesses/search_fuzz.py, fixed cases: every dtype pair, D in {1, 2, 9}, scales 1e-30..1e30 and
+    then 1e-300..1e300, one-shot searches and lazy updates (at 911cf31 the first run found 87 failures)."""
+    import runpy
+    from pathlib import Path
+
+    main = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "harnesses" / "search_fuzz.py"))["main"]
+    threads = torch.get_num_threads()
+    assert main(["--cases", "400", "--seed", "0"]) == 0
+    assert main(["--cases", "200", "--seed", "1", "--max-exponent", "300"]) == 0
+    assert torch.get_num_threads() == threads

@@ -1,0 +1,235 @@
+"""Exactness fuzzing of the searches: every fast path against ``brute_force``, every weight dtype and magnitude.
+
+    python benchmarks/harnesses/search_fuzz.py --seconds 300 --seed 0 --out benchmarks/results/search_fuzz.json
+    python benchmarks/harnesses/search_fuzz.py --cases 200 --seed 3 --max-exponent 300   # float64 extremes
+
+What it checks
+--------------
+``nwsconvert.core.search.brute_force`` is the definition of the nearest pool entry (float64 distances of
+each row and entry alone, the lowest index on ties). Two kinds of case, alternating:
+
+* **one-shot** (``search``): random vectors against a random pool, ``nearest_two`` (with and without
+  ``pair``, chunks of 2048 and 97 rows), and for D = 1 ``nearest_scalar`` and ``nearest_scalar_from`` (from
+  the right entry or a random one), each compared with ``brute_force``; with ``pair``, ``third`` must be at
+  most every other entry's distance.
+* **lazy** (``lazy``): an ``NWSWeight`` through 4-12 training-mode updates, each after one to three random
+  edits of the weights or the pool (noise, rows moved onto bisectors and 0-3 ulps off them, jumps, pool moves
+  down to 1e-12 of its scale, duplicated entries); after every update its indices must equal brute force.
+
+Weights and pools are float16, bfloat16, float32 or float64 (any pair); D in {1, 2, 9}; pools random, with
+duplicates, symmetric pairs (+-c), tiny entries beside large ones, on a grid or clustered; scales 10^[-E, E]
+(float16 10^[-3, 3]). Cases with a non-finite value are skipped. Case ``i`` depends only on
+``(--seed, i)``: ``--replay i`` repeats it and prints it. Exit status 1 on any wrong index or exception.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+
+import torch
+from torch import nn
+
+from nwsconvert.core.layers import NWSWeight
+from nwsconvert.core.search import _exact_sq_dist, brute_force, nearest_scalar, nearest_scalar_from, nearest_two
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _pool(rng: random.Random, g: torch.Generator, n: int, dim: int, scale: float) -> tuple[torch.Tensor, str]:
+    kind = rng.choice(["randn", "dup", "sym", "tiny_big", "grid", "clustered"])
+    p = torch.randn(n, dim, generator=g, dtype=torch.float64) * scale
+    if kind == "dup" and n > 1:
+        k = rng.randint(1, n - 1)
+        p[torch.randperm(n, generator=g)[:k]] = p[torch.randint(0, n, (k,), generator=g)]
+    elif kind == "sym" and n > 1:
+        p[n // 2 : 2 * (n // 2)] = -p[: n // 2]
+    elif kind == "tiny_big":
+        p[torch.rand(n, generator=g) < 0.3] *= 10.0 ** rng.uniform(-12, -4)
+    elif kind == "grid":
+        p = torch.randint(-8, 9, (n, dim), generator=g).double() / 8 * scale
+    elif kind == "clustered":
+        p = p[:1] + torch.randn(n, dim, generator=g, dtype=torch.float64) * scale * 10.0 ** rng.uniform(-9, -2)
+    return p, kind
+
+
+def _near_bisectors(g: torch.Generator, pool: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows on the bisector of two random entries, rounded to ``dtype``, then 0-3 ulps off it per element."""
+    i, j = (torch.randint(0, pool.shape[0], (rows,), generator=g) for _ in range(2))
+    x = ((pool[i] + pool[j]) / 2).to(dtype)
+    for _ in range(int(torch.randint(0, 4, (1,), generator=g))):
+        toward = torch.where(torch.rand(x.shape, generator=g) < 0.5, float("inf"), float("-inf")).to(dtype)
+        x = torch.where(torch.rand(x.shape, generator=g) < 0.5, torch.nextafter(x, toward), x)
+    return x
+
+
+def _scale(rng: random.Random, dtypes: tuple, exponent: float) -> float:
+    limit = 3.0 if torch.float16 in dtypes else exponent
+    return 10.0 ** rng.uniform(-limit, limit)
+
+
+def search_case(rng: random.Random, g: torch.Generator, exponent: float, counts: Counter) -> list[str]:
+    """One one-shot case; returns what failed."""
+    vd, pd = rng.choice(DTYPES), rng.choice(DTYPES)
+    scale = _scale(rng, (vd, pd), exponent)
+    dim, n = rng.choice([1, 2, 9]), rng.choice([1, 2, 3, 5, 17, 64, 200, 600])
+    rows = rng.choice([1, 7, 100, 1024, 1025, 1500] if dim > 1 else [1, 7, 100, 2000, 20000])
+    rows = max(1, min(rows, int(6e6 / (n * dim))))
+    pool64, _ = _pool(rng, g, n, dim, scale)
+    pool = pool64.to(pd)
+    kind = rng.choice(["randn", "bisect", "copies", "far"])
+    if kind == "bisect" and n > 1:
+        x = _near_bisectors(g, pool.double(), rows, vd)
+    elif kind == "copies":
+        x = pool[torch.randint(0, n, (rows,), generator=g)].to(vd)
+    else:
+        x = (torch.randn(rows, dim, generator=g, dtype=torch.float64) * scale * (1e3 if kind == "far" else 1)).to(vd)
+    if not (torch.isfinite(x).all() and torch.isfinite(pool).all()):
+        counts["skipped (not finite)"] += 1
+        return []
+    expect = brute_force(x, pool)
+    pair, chunk = rng.random() < 0.5, rng.choice([2048, 97])
+    res = nearest_two(x, pool, chunk=chunk, pair=pair)
+    counts["nearest_two"] += 1
+    failed = []
+    if not torch.equal(res.index, expect):
+        failed.append(f"nearest_two (pair={pair}, chunk={chunk}): {int((res.index != expect).sum())} rows")
+    elif pair and res.third is not None and n >= 3:
+        dist = torch.from_numpy(_exact_sq_dist(x, pool)).sqrt()
+        dist.scatter_(1, res.index[:, None], float("inf")).scatter_(1, res.second[:, None], float("inf"))
+        floor = dist.min(dim=1).values
+        if not bool((res.third <= floor * (1 + 1e-12)).all()):
+            failed.append("third above another entry's distance")
+        counts["pair"] += 1
+    if dim == 1:
+        got = nearest_scalar(x.reshape(-1), pool.reshape(-1))
+        counts["nearest_scalar"] += 1
+        if not torch.equal(got, expect):
+            failed.append(f"nearest_scalar: {int((got != expect).sum())} rows")
+        start = torch.where(torch.rand(rows, generator=g) < 0.7, expect, torch.randint(0, n, (rows,), generator=g))
+        got = nearest_scalar_from(x.reshape(-1), start, pool.reshape(-1))
+        counts["nearest_scalar_from"] += 1
+        if not torch.equal(got, expect):
+            failed.append(f"nearest_scalar_from: {int((got != expect).sum())} rows")
+    return failed
+
+
+def lazy_case(rng: random.Random, g: torch.Generator, exponent: float, counts: Counter) -> list[str]:
+    """One NWSWeight through several updates; returns what failed."""
+    wd, pd = rng.choice(DTYPES), rng.choice(DTYPES)
+    scale = _scale(rng, (wd, pd), exponent)
+    dim, n, rows = rng.choice([1, 2, 9]), rng.choice([1, 2, 5, 64, 300]), rng.choice([50, 700, 1500, 3000])
+    pool64, _ = _pool(rng, g, n, dim, scale)
+    w = nn.Parameter((torch.randn(rows, dim, generator=g, dtype=torch.float64) * scale).to(wd))
+    if not (torch.isfinite(w).all() and torch.isfinite(pool64.to(pd)).all()):
+        counts["skipped (not finite)"] += 1
+        return []
+    nws = NWSWeight(w, dim, pool64.to(pd))
+    for step in range(rng.randint(4, 12)):
+        edits = rng.sample(
+            ["noise", "bisect", "jump", "pool_tiny", "pool_small", "pool_dup", "none"], rng.randint(1, 3)
+        )
+        with torch.no_grad():
+            pool = nws.pool
+            for edit in edits:
+                if edit == "noise":
+                    w.add_(
+                        (torch.randn(w.shape, generator=g, dtype=torch.float64) * scale * 10 ** rng.uniform(-6, -1)).to(
+                            wd
+                        )
+                    )
+                elif edit == "bisect" and n > 1:
+                    k = min(rows, rng.choice([5, 100, 400, rows // 2]))
+                    w[torch.randperm(rows, generator=g)[:k]] = _near_bisectors(g, pool.double(), k, wd)
+                elif edit == "jump":
+                    k = min(rows, rng.choice([10, 300, rows // 3]))
+                    w[torch.randperm(rows, generator=g)[:k]] = (
+                        torch.randn(k, dim, generator=g, dtype=torch.float64) * scale
+                    ).to(wd)
+                elif edit in ("pool_tiny", "pool_small"):
+                    rel = rng.choice([1e-12, 1e-9, 2.0**-30]) if edit == "pool_tiny" else 10 ** rng.uniform(-5, -1)
+                    pool.add_((torch.randn(pool.shape, generator=g, dtype=torch.float64) * scale * rel).to(pool.dtype))
+                elif edit == "pool_dup" and n > 1:
+                    pool[rng.randrange(n)] = pool[rng.randrange(n)]
+        if not (torch.isfinite(w).all() and torch.isfinite(nws.pool).all()):
+            counts["skipped (not finite)"] += 1
+            return []
+        nws(w)
+        counts["lazy steps"] += 1
+        counts["rows searched again"] += int(nws.stats["searched"])
+        counts["rows settled by pairs"] += int(nws.stats.get("paired", 0))
+        expect = brute_force(w.detach().reshape(-1, dim), nws.pool)
+        if not torch.equal(nws.indices.long(), expect):
+            return [f"lazy step {step} after {edits}: {int((nws.indices.long() != expect).sum())} rows"]
+    return []
+
+
+def run_case(seed: int, i: int, exponent: float, counts: Counter) -> tuple[str, list[str]]:
+    rng = random.Random(seed * 1_000_003 + i)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+    kind = "lazy" if i % 2 else "search"
+    try:
+        return kind, (lazy_case if i % 2 else search_case)(rng, g, exponent, counts)
+    except Exception:  # noqa: BLE001 (a crash is a finding)
+        return kind, ["exception: " + traceback.format_exc(limit=3).strip().splitlines()[-1]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seconds", type=float, default=60.0, help="run cases for this long (default 60)")
+    ap.add_argument("--cases", type=int, default=0, help="run exactly this many cases instead")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-exponent", type=float, default=30.0, help="scales 10^[-E, E] (default 30)")
+    ap.add_argument("--replay", type=int, default=None, help="run case i only, and say what it did")
+    ap.add_argument("--out", default=None, help="write the counts and failures here as JSON")
+    args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the cases are small: one thread is faster, and the figures do not depend on it
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (float16 and float64 extremes overflow in the test data itself)
+            return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
+    counts: Counter = Counter()
+    if args.replay is not None:
+        kind, failed = run_case(args.seed, args.replay, args.max_exponent, counts)
+        print(kind, dict(counts), failed or "ok")
+        return 1 if failed else 0
+    failures, start, i = [], time.perf_counter(), 0
+    while (i < args.cases) if args.cases else (time.perf_counter() - start < args.seconds):
+        kind, failed = run_case(args.seed, i, args.max_exponent, counts)
+        counts[f"{kind} cases"] += 1
+        failures += [{"case": i, "kind": kind, "what": f} for f in failed]
+        i += 1
+    report = {
+        "seed": args.seed,
+        "max_exponent": args.max_exponent,
+        "cases": i,
+        "seconds": round(time.perf_counter() - start, 1),
+        "counts": dict(counts),
+        "failures": failures,
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "failures"}))
+    for f in failures[:20]:
+        print(f"case {f['case']} ({f['kind']}): {f['what']}   (--replay {f['case']} --seed {args.seed})")
+    print(f"{len(failures)} failures")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

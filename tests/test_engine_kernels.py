@@ -20,6 +20,7 @@ import nwsconvert
 from nwsconvert.core import fused_search
 from nwsconvert.core.engine import SearchEngine
 from nwsconvert.core.nwsmodel import nws_layers, set_commitment, set_mode
+from nwsconvert.core.search import brute_force
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(
@@ -160,6 +161,30 @@ def test_rows_on_tied_pool_entries_are_searched_in_float64_and_take_the_lowest_i
         assert layer.nws.indices[:4].tolist() == [2, 2, 2, 2]
         _steps(model, 3)
         assert_exact(model, PROBE)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("dim, entry, move, start", [(9, 4e-23, 2.1e-23, 0.0), (49, 7.88e-22, 1.8e-23, 3.79e-22)])
+def test_drifts_near_1e_23_are_searched_again_by_the_engine(kernel, dim, entry, move, start):
+    """Pool entries 0 and ``entry`` in every component, rows at ``start``; row 0 then moves ``move`` a component,
+    past the bisector. Each component's float32 square underflows to 0, so the drift reads 0: the budgets are
+    less what D squares can lose (D x 2^-149), and the row is searched again. The first case's budget comes
+    from the float64 pass, the second's from the float32 certification."""
+    k = 3 if dim == 9 else 7
+    model = nwsconvert.convert(nn.Sequential(nn.Conv2d(1, 4, k, padding=k // 2)), pool_size=16, seed=0).to(DEVICE)
+    layer = nws_layers(model)[0]
+    with torch.no_grad():
+        layer.nws.pool[0], layer.nws.pool[1] = 0.0, entry
+        layer.weight.fill_(start)
+    x = torch.zeros(1, 1, 8, 8, device=DEVICE)
+    with SearchEngine(model.train(), kernel=kernel):
+        model(x)
+        assert (layer.nws.indices == 0).all()
+        with torch.no_grad():
+            layer.weight.view(-1, dim)[0] = start + move
+        model(x)
+        expect = brute_force(layer.weight.detach().reshape(-1, dim).cpu(), layer.nws.pool.detach().cpu())
+        assert expect[0] == 1 and torch.equal(layer.nws.indices.long().cpu(), expect)
 
 
 def _safe(group) -> None:

@@ -232,7 +232,8 @@ def row_blocks(segments: list[tuple[int, int]], device, block: int = BLOCK_R) ->
 #: The engine kernels' float64 constants, by position: the float32 certification's relative error per
 #: unit of ``D + 2`` and subnormal term per unit of ``2 D + 2`` (scaled by :func:`engine_consts`), half
 #: the radius shrink, the radius shrink, :func:`~nwsconvert.core.rounding.round_down_f32`'s factor and
-#: offset, the pool-movement slack, and the tie test's relative and absolute thresholds.
+#: offset (the offset per unit of ``D``: a budget is also less what the float32 drift's D squares can lose to
+#: underflow), the pool-movement slack, and the tie test's relative and absolute thresholds.
 ENGINE_CONSTS = (
     2.0 * U32,
     _TINY32,
@@ -251,6 +252,7 @@ def engine_consts(dim: int, device) -> torch.Tensor:
     c = list(ENGINE_CONSTS)
     c[0] *= dim + 2
     c[1] *= 2 * dim + 2
+    c[5] *= dim  # budgets less what the float32 drift's D squares can lose to underflow (2^-150 each)
     return torch.tensor(c, dtype=torch.float64, device=device)
 
 

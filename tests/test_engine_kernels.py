@@ -187,6 +187,31 @@ def test_drifts_near_1e_23_are_searched_again_by_the_engine(kernel, dim, entry, 
         assert expect[0] == 1 and torch.equal(layer.nws.indices.long().cpu(), expect)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # (the interpreter's NumPy)
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_a_runner_up_whose_float32_distance_overflows_leaves_a_finite_budget(kernel):
+    """Rows at 1.1e19 beside entries at 1.2e19 and -1.1e19 (the runner-up's square overflows float32): their
+    budgets are finite, so rows that then jump to -0.1e19, nearer the second entry, are searched again."""
+    model = nwsconvert.convert(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1)), pool_size=2, seed=0).to(DEVICE)
+    layer = nws_layers(model)[0]
+    with torch.no_grad():
+        layer.nws.pool.zero_()
+        layer.nws.pool[0, 0], layer.nws.pool[1, 0] = 1.2e19, -1.1e19
+        layer.weight.zero_()
+        layer.weight.view(-1, 9)[:, 0] = 1.1e19
+    x = torch.zeros(1, 1, 8, 8, device=DEVICE)
+    with SearchEngine(model.train(), kernel=kernel) as engine:
+        model(x)
+        assert (layer.nws.indices == 0).all()
+        group = engine.groups[0]
+        assert group.budget is not None and bool(torch.isfinite(group.budget).all())
+        with torch.no_grad():
+            layer.weight.view(-1, 9)[:2, 0] = -0.1e19
+        model(x)
+        expect = brute_force(layer.weight.detach().reshape(-1, 9).cpu(), layer.nws.pool.detach().cpu())
+        assert expect[:2].tolist() == [1, 1] and torch.equal(layer.nws.indices.long().cpu(), expect)
+
+
 def _safe(group) -> None:
     """Every positive budget is below the squared half gap between the row's nearest and second-nearest
     entries (float64 distances from its reference to the pools searched): moving less keeps the entry."""

@@ -115,6 +115,20 @@ def test_ties_across_pool_tiles_go_to_the_lowest_index(monkeypatch, tile):
     assert bool(exact[:4].all()) and bool((radius[:4] == 0).all())  # exact ties: float64, no safe radius
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # (the interpreter's NumPy)
+def test_a_runner_up_whose_float32_distance_overflows_certifies_nothing():
+    """Rows at 1.1e19 beside entries at 1.2e19 and -1.1e19: the runner-up's squared distance (4.8e38) overflows
+    float32. It is no certificate: the rows go to float64 and get a finite radius (an infinite one let a later
+    jump of the row past the bisector go unsearched). A pool of one entry keeps its infinite radius."""
+    x = torch.tensor([[1.1e19, 0.0]], device=DEVICE).repeat(8, 1)
+    pool = torch.tensor([[1.2e19, 0.0], [-1.1e19, 0.0]], device=DEVICE)
+    idx, radius, exact = fused_search.fused_nearest_two(x, pool)
+    assert torch.equal(idx.cpu(), brute_force(x.cpu(), pool.cpu())) and exact.all()
+    assert torch.isfinite(radius).all() and (radius > 0).all()
+    idx, radius, exact = fused_search.fused_nearest_two(x, pool[:1])
+    assert (idx == 0).all() and torch.isposinf(radius).all()
+
+
 def test_empty_batch_and_bad_shapes():
     idx, radius, exact = fused_search.fused_nearest_two(
         torch.zeros(0, 9, device=DEVICE), torch.randn(4, 9, device=DEVICE)

@@ -405,7 +405,7 @@ class SearchEngine:
         wide = _float64_layer(layers)
         if wide is not None:
             raise ValueError(
-                f"layer {wide.name!r} holds float64 weights, which the search engine would round to float32: "
+                f"layer {wide.name!r} holds float64 weights or pools, which the search engine would round to float32: "
                 "train with search='layer' (exact in float64), or convert the model to float32 first"
             )
         device = layers[0].weight.device
@@ -513,8 +513,9 @@ class SearchEngine:
 
 
 def _float64_layer(layers: list):
-    """The first of ``layers`` whose weight is float64, or None."""
-    return next((layer for layer in layers if layer.weight.dtype == torch.float64), None)
+    """The first of ``layers`` whose weight or pool is float64, or None."""
+    wide = (torch.float64,)
+    return next((layer for layer in layers if layer.weight.dtype in wide or layer.nws.pool.dtype in wide), None)
 
 
 def search_engine(model: nn.Module, search: str = "auto") -> SearchEngine | None:

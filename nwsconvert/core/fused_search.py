@@ -155,7 +155,9 @@ def segmented_nearest_two(x: torch.Tensor, pool: torch.Tensor, blocks: tuple, ac
     a, b = d1.double(), d2.double()
     upper1 = a * (1 + gamma) + tiny
     lower2 = b * (1 - gamma) - tiny
-    exact = ~(torch.isfinite(a) & (lower2 > upper1))  # NaN compares false: uncertified
+    # NaN compares false: uncertified; so is a runner-up whose float32 distance overflowed (b = inf also where a
+    # block's pool has one entry: the float64 pass then keeps the radius infinite)
+    exact = ~(torch.isfinite(a) & torch.isfinite(b) & (lower2 > upper1))
     if active is not None:
         exact &= active
     radius = ((lower2.clamp_min(0).sqrt() - upper1.sqrt()) * (0.5 * RADIUS_SHRINK)).clamp_min(0)
@@ -165,8 +167,10 @@ def segmented_nearest_two(x: torch.Tensor, pool: torch.Tensor, blocks: tuple, ac
     _launch(x, pool, blocks, exact, idx, e1, e2, "float64")
     r1, r2 = e1.sqrt(), e2.sqrt()
     half_gap = (r2 - r1) * 0.5
-    # float64 distances are ~1e-16 relative: a gap below 1e-12 of their scale is a tie (radius 0).
-    exact_radius = torch.where(half_gap > 1e-12 * (r2 + 1e-30), half_gap * RADIUS_SHRINK, 0.0)
+    # float64 distances are ~1e-16 relative: a gap below 1e-12 of their scale is a tie (radius 0). No runner-up
+    # (r2 = inf: a pool of one entry; float32 values never overflow float64) is no tie.
+    apart = (half_gap > 1e-12 * (r2 + 1e-30)) | (torch.isposinf(r2) & torch.isfinite(r1))
+    exact_radius = torch.where(apart, half_gap * RADIUS_SHRINK, 0.0)
     return idx, torch.where(exact, exact_radius, radius), exact
 
 

@@ -595,8 +595,11 @@ class NWSWeight(nn.Module):
         near = np.sqrt(np.where(take, dist_alt, dist_cur)) * (1 + 1e-12)
         far = np.sqrt(np.where(take, dist_cur, dist_alt)) * (1 - 1e-12)
         # drift + shift, with the slack of the float32 drift test's rounding (RADIUS_SHRINK covers it for budgets)
-        # (and each of the D squares' subnormal rounding, 2^-150 at most: drifts near 1e-23 read as 0)
-        moved = np.sqrt(drift_sq.numpy().take(at).astype(np.float64) + vec.shape[1] * 2.0**-149) * (1 + 1e-5)
+        # and what the D squares of a tiny drift can lose to underflow (2^-150 each), added outside the root:
+        # drift_sq already holds the shift, beside which a term under the root would vanish
+        moved = (np.sqrt(drift_sq.numpy().take(at).astype(np.float64)) + math.sqrt(vec.shape[1] * 2.0**-149)) * (
+            1 + 1e-5
+        )
         rest = others.numpy().take(at).astype(np.float64) - moved  # every other entry is at least this far
         ok = np.flatnonzero(rest * (1 - 1e-9) > near)  # NaN: not settled
         done = torch.from_numpy(at.take(ok))

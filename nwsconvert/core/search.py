@@ -669,7 +669,8 @@ def nearest_scalar(values: torch.Tensor, pool) -> torch.Tensor:
     low, high = torch.aminmax(x)
     span = float(torch.maximum(high, uniq[-1]) - torch.minimum(low, uniq[0]))
     gap = prep.min_gap
-    # (NaN values compare False: looked at below, as brute force sees them)
+    # (a NaN value makes span NaN: the check below runs, though NaN values themselves are not matched to
+    # brute force, which takes entry 0 for them)
     if gap >= 2 * _SQUARE_SAFE_LOW and span <= min(gap * 2.0**48, _SQUARE_SAFE_HIGH):
         return out
     best = torch.minimum(dl, dr)

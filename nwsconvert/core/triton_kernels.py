@@ -244,6 +244,8 @@ def engine_search_kernel(
         r2 = tl.sqrt(b)
         half_gap = (r2 - r1) * 0.5
         tie = (half_gap > tl.load(consts_ptr + 7) * (r2 + tl.load(consts_ptr + 8))) == 0  # NaN: a tie
+        lonely = (r2 == float("inf")) & (r1 < float("inf"))  # no runner-up (a pool of one entry): no tie
+        tie = tie & (lonely == 0)
         radius = tl.where(tie, 0.0, half_gap * tl.load(consts_ptr + 3))
         if TRACK:
             tl.store(budget_ptr + rows, _round_down_f32(radius * radius, consts_ptr), mask=live)
@@ -253,7 +255,9 @@ def engine_search_kernel(
         upper1 = a * (1.0 + gamma) + tiny
         lower2 = b * (1.0 - gamma) - tiny
         finite = (a == a) & (a < float("inf")) & (a > float("-inf"))
-        certified = finite & (lower2 > upper1)
+        # a runner-up whose float32 distance overflowed certifies nothing (b = inf also for a pool of one entry:
+        # the float64 pass keeps its radius infinite)
+        certified = finite & (b < float("inf")) & (lower2 > upper1)
         radius = tl.sqrt(tl.where(lower2 > 0, lower2, 0.0)) - tl.sqrt(tl.where(certified, upper1, 0.0))
         radius = radius * tl.load(consts_ptr + 2)
         radius = tl.where(radius > 0, radius, 0.0)

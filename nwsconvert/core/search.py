@@ -46,11 +46,10 @@ __all__ = [
 DEFAULT_CHUNK = 2048
 
 
-#: Brute force's arithmetic overflows to inf (and inf - inf gives NaN) at extreme magnitudes by definition:
-#: the float64 searches say so with their results, not with NumPy warnings.
 def _quiet_floats(fn):
     """``fn`` under ``np.errstate(over="ignore", invalid="ignore")``, a new one each call (nesting one shared
-    instance is unsafe on older NumPy)."""
+    instance is unsafe on older NumPy). Brute force's arithmetic overflows to inf (and inf - inf gives NaN) at
+    extreme magnitudes by definition: the float64 searches say so with their results, not with warnings."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -72,8 +71,8 @@ class PreparedPool:
 
     Attributes:
         pool: ``(n, D)`` snapshot, float32 (float64 for a float64 pool, whose values float32 would round).
-        wide: whether the pool is float64: :func:`nearest_two` then searches in float64 only. pool_t: ``(D, n)`` contiguous. pool_sq: ``(n,)``
-        squared norms. max_pool_sq: their maximum (a Python float). pool64_t:
+        wide: whether the pool is float64: :func:`nearest_two` then searches in float64 only.
+        pool_t: ``(D, n)`` contiguous. pool_sq: ``(n,)`` squared norms. max_pool_sq: their maximum (a Python float). pool64_t:
         ``(D, n)`` float64 NumPy array for the exact fallback. pool64_tt,
         pool64_sq, max_pool64_sq: the float64 twins of pool_t, pool_sq and
         max_pool_sq, for the float64 search of small batches. For D = 1 also

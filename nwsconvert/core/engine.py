@@ -396,7 +396,7 @@ class SearchEngine:
 
     Raises:
         RuntimeError: ``kernel='triton'`` where it cannot run.
-        ValueError: a layer holds float64 weights (the engine searches in float32; the layers' own search,
+        ValueError: a layer holds float64 weights or pools (the engine searches in float32; the layers' own search,
             ``search='layer'``, is exact for them).
     """
 
@@ -514,8 +514,8 @@ class SearchEngine:
 
 def _float64_layer(layers: list):
     """The first of ``layers`` whose weight or pool is float64, or None."""
-    wide = (torch.float64,)
-    return next((layer for layer in layers if layer.weight.dtype in wide or layer.nws.pool.dtype in wide), None)
+    f64 = torch.float64
+    return next((layer for layer in layers if layer.weight.dtype == f64 or layer.nws.pool.dtype == f64), None)
 
 
 def search_engine(model: nn.Module, search: str = "auto") -> SearchEngine | None:

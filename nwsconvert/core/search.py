@@ -346,16 +346,12 @@ def _exact_two(x: torch.Tensor, pool, pair: bool = False) -> tuple[torch.Tensor,
     r1, r2 = np.sqrt(d1), np.sqrt(d2)
     radius = (r2 - r1) * 0.5
     # Float64 rounding of the distances is ~1e-16 relative: below 1e-12 of the
-    # distance scale we call it a tie and always re-search. So is a runner-up whose
-    # distance overflowed (inf: the rounding says nothing of how far it is).
-    ok = (radius > 1e-12 * (r2 + 1e-30)) & (np.isfinite(r2) | (n < 2))
-    radius = np.where(ok, radius * RADIUS_SHRINK, 0.0)
+    # distance scale we call it a tie and always re-search. The same test calls a
+    # runner-up whose distance overflowed a tie (inf > 1e-12 * inf is false).
+    radius = np.where(radius > 1e-12 * (r2 + 1e-30), radius * RADIUS_SHRINK, 0.0)
     out = [torch.from_numpy(idx), torch.from_numpy(radius)]
     if pair:  # the definition's own values: their rounding (~1e-15 relative) taken off; none if overflowed
-        third = np.sqrt(d3) * (1 - 1e-12)
-        if n >= 3:
-            third = np.where(np.isfinite(third), third, 0.0)
-        out += [torch.from_numpy(second), torch.from_numpy(third)]
+        out += [torch.from_numpy(second), torch.from_numpy(_finite_third(np.sqrt(d3) * (1 - 1e-12), n))]
     return tuple(t.to(x.device) for t in out)
 
 

@@ -613,7 +613,7 @@ def _redo_overflowed(vectors, prep: PreparedPool, pair: bool, index, radius, sec
 def _nearest_two_wide(vectors: torch.Tensor, prep: PreparedPool, chunk: int, pair: bool) -> SearchResult:
     """:func:`nearest_two` of float64 vectors or a float64 pool: float32 would round them, so every chunk takes
     the float64 search (:func:`_nearest_two_f64`, on a CPU; the answer is moved back to the vectors' device).
-    1.4-1.5x the float32 search's time (262,144 rows of 9 against 512 entries on the project's CPU)."""
+    1.1-2.0x the float32 search's time (262,144 rows of 9 against 512 entries on the project's CPU, run to run)."""
     device, x = vectors.device, vectors.to("cpu", torch.float64)  # exact for every float dtype
     pair = pair and device.type == "cpu"
     found = [_nearest_two_f64(x[s : s + chunk], prep, pair) for s in range(0, x.shape[0], chunk)]

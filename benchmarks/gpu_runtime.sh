@@ -5,7 +5,7 @@
 # offers the CUDA provider, runs the runtime's tests on CUDA, then benchmarks/deploy_modes.py --device cuda
 # on ResNet-18, MobileNetV2 and EfficientNet-B0 at 224x224 (short runs trained there) and on the demo's
 # and long-mixed-20's runs at 28x28 (trained there with nws-train's defaults). PARTS picks what runs
-# (tests models demo long20) to split it over two calls. The device image lacks Debian's Fashion-MNIST:
+# (tests models demo long20) to split it over two calls; RT_N: pytest-xdist workers for the tests. The device image lacks Debian's Fashion-MNIST:
 # copy /usr/share/datasets/fashion-mnist to .dev/fashion here and carry it for long20 (FASHION=.dev/fashion).
 # MEMORY=core (default) measures deploy_modes.py's core memory rows only (three processes fewer a bundle);
 # MEMORY=all adds what each further ready task, cached session and dense session costs.
@@ -26,7 +26,7 @@ fi
 for part in $PARTS; do
     case $part in
     tests)
-        $PY -m pytest -q tests/test_export.py tests/test_layout.py tests/test_demo.py > "$OUT/pytest_runtime.log" 2>&1
+        $PY -m pytest -q -n "${RT_N:-1}" tests/test_export.py tests/test_layout.py tests/test_demo.py > "$OUT/pytest_runtime.log" 2>&1
         echo "pytest rc=$?" >> "$OUT/pytest_runtime.log" ;;
     models)
         $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --models resnet18 mobilenetv2_100 efficientnet_b0 --size 224 \
@@ -36,10 +36,11 @@ for part in $PARTS; do
         [ -f "$run/manifest.json" ] || $PY -m nwsconvert.cli.demo out="$run" progress=false > "$OUT/demo_train.log" 2>&1
         $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --run "$run" --json "$OUT/deploy_cuda_demo.json" \
             > "$OUT/deploy_cuda_demo.log" 2>&1 ;;
-    long20)
-        $PY -m nwsconvert.cli.train suite=long-mixed-20 "suite.fashion_root=${FASHION:-.dev/fashion}" out=/tmp/gpu_long20 \
-            progress=false > "$OUT/long20_train.log" 2>&1
-        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --run /tmp/gpu_long20 --json "$OUT/deploy_cuda_long20.json" \
+    long20)  # LONG20_RUN: a long-mixed-20 run trained elsewhere and carried (its manifest, pools and packs suffice)
+        run=${LONG20_RUN:-/tmp/gpu_long20}
+        [ -f "$run/manifest.json" ] || $PY -m nwsconvert.cli.train suite=long-mixed-20 "suite.fashion_root=${FASHION:-.dev/fashion}" \
+            out="$run" progress=false > "$OUT/long20_train.log" 2>&1
+        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --run "$run" --json "$OUT/deploy_cuda_long20.json" \
             > "$OUT/deploy_cuda_long20.log" 2>&1 ;;
     esac
 done

@@ -141,6 +141,57 @@ def test_compaction_puts_each_layers_flagged_rows_first_in_order(density):
         start += n
 
 
+def _search_flagged(sizes, pools, need, x, pool, programs):
+    """``engine_search`` on flat rows of layers ``sizes`` (pools of ``pools`` entries) with ``programs``
+    programs; returns ``(ref, budget, index, need)`` on the CPU."""
+    dim = x.shape[1]
+    segments = list(zip(sizes, pools))
+    wide = fused_search.row_blocks(segments, DEVICE, fused_search.WIDE_R)
+    table = (*fused_search.layer_table(segments, DEVICE)[:4], programs)
+    rows = x.shape[0]
+    state = (
+        torch.zeros(rows, dim, device=DEVICE),  # ref
+        torch.full((rows,), -1.0, device=DEVICE),  # budget
+        torch.full((rows,), -7, dtype=torch.int32, device=DEVICE),  # index: -7 where nothing searched
+        need.clone().to(DEVICE),
+        fused_search.engine_consts(dim, DEVICE),
+    )
+    csum = torch.zeros(rows + 1, dtype=torch.int32, device=DEVICE)
+    perm = torch.empty(rows, dtype=torch.int32, device=DEVICE)
+    fused_search.engine_search(state, wide, table, x.to(DEVICE), pool.to(DEVICE), csum, perm)
+    return tuple(t.cpu() for t in state[:4])
+
+
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.4, 1.0])
+def test_the_persistent_search_takes_every_flagged_block_once_whatever_its_program_count(density):
+    """The search's programs share the flagged rows' blocks, counted on the device: with 1, 2, 3 or more
+    programs than blocks, every flagged row (layers with none flagged between them, layers of one
+    row, blocks cut by a layer's end) gets brute force's index and its reference and budget, every other row
+    is left as it was, and the state is the same bit for bit."""
+    sizes, pools, dim = [70, 5, 1, 40, 3, 129], [16, 8, 4, 32, 2, 64], 9
+    g = torch.Generator().manual_seed(int(density * 100))
+    x = torch.randn(sum(sizes), dim, generator=g)
+    pool = torch.randn(sum(pools), dim, generator=g)
+    need = (torch.rand(sum(sizes), generator=g) < density).to(torch.int8)
+    need[70:75] = 0  # a layer with nothing flagged between two with flagged rows
+    need[75] = int(density > 0)  # a layer of one row
+    runs = [_search_flagged(sizes, pools, need, x, pool, programs) for programs in (1, 2, 3, 64)]
+    for run in runs[1:]:
+        for got, want in zip(run, runs[0]):
+            assert torch.equal(got, want)
+    ref, budget, index, need_after = runs[0]
+    flagged = need != 0
+    assert torch.equal(need_after == 0, ~flagged)  # searched rows are marked 1 or 2, the others kept
+    assert (index[~flagged] == -7).all() and (budget[~flagged] == -1).all() and (ref[~flagged] == 0).all()
+    assert torch.equal(ref[flagged], x[flagged])
+    assert (budget[flagged] >= 0).all()
+    row = off = 0
+    for n, p in zip(sizes, pools):
+        rows = torch.arange(row, row + n)[flagged[row : row + n]]
+        assert torch.equal(index[rows].long(), brute_force(x[rows], pool[off : off + p]))
+        row, off = row + n, off + p
+
+
 # ----------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 def test_rows_on_tied_pool_entries_are_searched_in_float64_and_take_the_lowest_index(kernel):
@@ -357,7 +408,9 @@ def _recorded_variants(log) -> list:
             gpu = fused_search.search_launch(constexprs["EXACT"], interpreting=False)
             constexprs["BLOCK_P"] = gpu.pop("BLOCK_P")
             options = gpu
-        signature = {arg: "*" + _DTYPES[value.dtype] for arg, value in zip(arg_names, args)}
+        signature = {  # tensors are pointers; a Python int (a count) is an i32 scalar
+            arg: "i32" if isinstance(value, int) else "*" + _DTYPES[value.dtype] for arg, value in zip(arg_names, args)
+        }
         signature.update(dict.fromkeys(constexprs, "constexpr"))
         variants[repr((name, signature, constexprs, options))] = [name, signature, constexprs, options]
     return list(variants.values())

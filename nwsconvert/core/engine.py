@@ -17,8 +17,9 @@ On CUDA (``kernel='triton'``) these are, per D:
 3. the flagged rows compacted per layer (a cumulative sum and a permutation kernel),
    a float32 search pass over them, certified on the device, and a float64 pass over
    those it could not certify; both write the new index, reference and budget in
-   place (:func:`~nwsconvert.core.fused_search.engine_search`); blocks past a layer's
-   flagged rows leave at once, so a pass costs what the flagged rows cost;
+   place (:func:`~nwsconvert.core.fused_search.engine_search`), each a persistent launch
+   whose programs share the flagged rows' blocks, counted on the device: a pass costs what
+   the flagged rows cost;
 4. every layer's ``K = M[index]`` gathered at once, and the indices copied back into
    the layers' buffers (one ``_foreach_copy_``).
 
@@ -51,7 +52,7 @@ import torch
 from torch import nn
 
 from . import fused_search
-from .fused_search import row_blocks
+from .fused_search import layer_table, row_blocks
 from .layers import writable_gradient
 from .nwsmodel import _require
 from .rounding import budget_sq, full_precision, shrunk_budget_sq
@@ -158,6 +159,8 @@ class _Group:
         fused: whether the update runs the engine's Triton kernels (else torch ops and ``search``).
         blocks, wide: the kernels' block tables (:func:`~nwsconvert.core.fused_search.row_blocks`) of
             :data:`~nwsconvert.core.fused_search.BLOCK_R` and :data:`~nwsconvert.core.fused_search.WIDE_R` rows.
+        layer_table: the persistent search's per-layer table (:func:`~nwsconvert.core.fused_search.layer_table`),
+            when ``fused``.
         pool_grid: ``(L * Pmax,)`` int64: layer ``i``'s pool rows at ``i * Pmax ..``, then the index ``P``
             (a padding slot): a per-pool-row vector with one value appended, gathered through it and
             viewed ``(L, Pmax)``, reduces per layer along dim 1 (no scatter of P rows into L slots).
@@ -190,6 +193,7 @@ class _Group:
         segments = [(count, size) for (_, count), (_, size) in zip(self.rows, self.pools)]
         self.blocks = row_blocks(segments, device)
         self.wide = row_blocks(segments, device, fused_search.WIDE_R)
+        self.layer_table = layer_table(segments, device) if self.fused else None
         if not self.fused:  # per-row tables of the torch ops
             counts = torch.tensor([count for _, count in self.rows], device=device)
             self.row_layer = torch.repeat_interleave(torch.arange(len(layers), device=device), counts)
@@ -319,7 +323,7 @@ class _Group:
         fused_search.engine_flags(state, self.wide, x, moved, self.move, self.stale, cells)
         csum = torch.zeros(x.shape[0] + 1, dtype=torch.int32, device=x.device)
         perm = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
-        fused_search.engine_search(state, self.wide, self.blocks, x, self.seen, csum, perm)
+        fused_search.engine_search(state, self.wide, self.layer_table, x, self.seen, csum, perm)
         k = torch.empty(x.shape, dtype=self.native.dtype, device=x.device)
         fused_search.engine_gather(self.index, self.native, self.wide, k)
         return k

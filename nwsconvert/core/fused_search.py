@@ -50,6 +50,7 @@ __all__ = [
     "engine_gather",
     "engine_search",
     "fused_nearest_two",
+    "layer_table",
     "row_blocks",
     "segmented_nearest_two",
 ]
@@ -296,14 +297,15 @@ def engine_flags(state, wide, x, moved: bool, move, stale, cells) -> None:
     )  # fmt: skip
 
 
-def engine_search(state, wide, narrow, x, pool, csum, perm) -> None:
+def engine_search(state, wide, layers, x, pool, csum, perm) -> None:
     """Search the flagged rows and write their index, reference and budget in place: the flagged rows
     compacted per layer (:func:`~nwsconvert.core.triton_kernels.engine_compact_kernel`), a float32 pass
-    over them, a float64 pass over those it could not certify. Fixed launch shapes, no host sync.
+    over them, a float64 pass over those it could not certify, each a persistent launch whose programs
+    share the flagged rows' blocks, counted on the device. Fixed launch shapes, no host sync.
 
     Args:
-        state: as :func:`engine_flags` (``need`` set by it). wide, narrow: block tables of
-            :data:`WIDE_R` and :data:`BLOCK_R` rows. x: ``(R, D)`` float32. pool: ``(P, D)`` float32.
+        state: as :func:`engine_flags` (``need`` set by it). wide: block table of :data:`WIDE_R` rows.
+        layers: :func:`layer_table`. x: ``(R, D)`` float32. pool: ``(P, D)`` float32.
         csum: ``(R + 1,)`` int32, ``csum[0] == 0`` (filled here). perm: ``(R,)`` int32 (filled here).
     """
     from .triton_kernels import engine_compact_kernel, engine_search_kernel
@@ -313,12 +315,48 @@ def engine_search(state, wide, narrow, x, pool, csum, perm) -> None:
     ref, budget = (ref, budget) if track else (x, x[:, 0])  # not written: any float32 tensors
     torch.cumsum(need, 0, dtype=torch.int32, out=csum[1:])
     engine_compact_kernel[(wide[0].numel(),)](need, csum, perm, wide[0], wide[1], wide[4], BLOCK_R=WIDE_R)
+    start, end, off, size, programs = layers
     for exact_pass in (False, True):
-        engine_search_kernel[(narrow[0].numel(),)](
-            x, pool, ref, budget, index, need, csum, perm, consts,
-            narrow[0], narrow[1], narrow[2], narrow[3], narrow[4],
-            D=x.shape[1], EXACT=exact_pass, TRACK=track, BLOCK_R=BLOCK_R, **search_launch(exact_pass, _interpreting()),
+        engine_search_kernel[(programs,)](
+            x, pool, ref, budget, index, need, csum, perm, consts, start, end, off, size, start.numel(),
+            D=x.shape[1], EXACT=exact_pass, TRACK=track, BLOCK_R=BLOCK_R, LP=_pow2(start.numel()),
+            **search_launch(exact_pass, _interpreting()),
         )  # fmt: skip
+
+
+#: Programs per streaming multiprocessor of the engine's persistent search (its float64 pass holds about
+#: 250 registers a thread, two programs of four warps a multiprocessor): a few waves, so that programs
+#: whose blocks end early leave others to take more.
+SEARCH_PROGRAMS_PER_SM = 4
+
+
+def layer_table(segments: list[tuple[int, int]], device) -> tuple:
+    """The engine's persistent search's per-layer table for layers laid out one after another.
+
+    Args:
+        segments: per layer ``(rows, pool size)``, in the order of the flat row and pool buffers.
+
+    Returns:
+        ``(start, end, off, size, programs)``: ``(L,)`` int32 each on ``device`` (the layer's first row, its
+        end, its pool offset and size) and the launch's program count: at most one per block of
+        :data:`BLOCK_R` rows, at most :data:`SEARCH_PROGRAMS_PER_SM` a multiprocessor on CUDA, and 3 in
+        Triton's interpreter (programs run one after another there; three make each take several blocks).
+    """
+    cols: list[list[int]] = [[], [], [], []]
+    row = off = 0
+    for count, size in segments:
+        for c, v in zip(cols, (row, row + count, off, size)):
+            c.append(v)
+        row += count
+        off += size
+    blocks = sum(-(-count // BLOCK_R) for count, _ in segments)
+    device = torch.device(device)
+    if device.type == "cuda" and not _interpreting():
+        cap = SEARCH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        cap = 3
+    table = tuple(torch.tensor(c, dtype=torch.int32, device=device) for c in cols)
+    return (*table, max(1, min(blocks, cap)))
 
 
 def engine_gather(index, pool, wide, out) -> None:

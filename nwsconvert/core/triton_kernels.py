@@ -198,20 +198,26 @@ def engine_search_kernel(
     csum_ptr,
     perm_ptr,
     consts_ptr,
-    blk_row_ptr,
-    blk_end_ptr,
-    blk_off_ptr,
-    blk_n_ptr,
-    blk_start_ptr,
+    lay_start_ptr,
+    lay_end_ptr,
+    lay_off_ptr,
+    lay_n_ptr,
+    n_layers,
     D: tl.constexpr,
     EXACT: tl.constexpr,
     TRACK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    LP: tl.constexpr,
 ):
-    """Search the flagged rows, compacted (:func:`engine_compact_kernel`): program ``b`` takes positions
-    ``blk_row[b] ..`` of its layer's reordered rows and leaves at once when they are past the layer's
-    flagged ones, so a launch costs what the flagged rows cost. The new state is written in place.
+    """Search the flagged rows, compacted (:func:`engine_compact_kernel`), in a persistent launch: the
+    work is every layer's flagged rows in blocks of ``BLOCK_R`` (a layer's ``F`` flagged rows are
+    positions ``start .. start + F`` of its reordered rows: ``ceil(F / BLOCK_R)`` blocks), counted on the
+    device, and program ``p`` of ``G`` takes work blocks ``p, p + G, ...``. A launch costs what the
+    flagged rows cost, whatever the grid: no program walks rows nobody flagged. The new state is
+    written in place.
+
+    ``lay_*``: per layer (``n_layers`` <= ``LP`` of them) its first row, its end, its pool offset and size.
 
     ``EXACT`` false (float32 pass, with FMA): index; ``ref = x``; the row's budget when the result is
     certified (computed distances within ``gamma`` relative + ``tiny`` of the true ones, runner-up
@@ -219,23 +225,41 @@ def engine_search_kernel(
     ``EXACT`` true (float64, compiled without contraction: brute force's numbers): only rows with
     ``need == 2``; index and budget (half the gap, or 0 on a tie). ``TRACK`` false: no reference or
     budget written."""
-    blk = tl.program_id(0)
-    start = tl.load(blk_start_ptr + blk)
-    before = tl.load(csum_ptr + start)
-    count = tl.load(csum_ptr + tl.load(blk_end_ptr + blk)) - before
-    pos = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
-    live = pos < start + count
+    lanes = tl.arange(0, LP)
+    has = lanes < n_layers
+    l_start = tl.load(lay_start_ptr + lanes, mask=has, other=0)
+    l_count = tl.load(csum_ptr + tl.load(lay_end_ptr + lanes, mask=has, other=0), mask=has, other=0)
+    l_count = l_count - tl.load(csum_ptr + l_start, mask=has, other=0)
+    l_blocks = (l_count + BLOCK_R - 1) // BLOCK_R
+    l_last = tl.cumsum(l_blocks, axis=0)  # work blocks up to and with each layer's
+    for work in range(tl.program_id(0), tl.sum(l_blocks, axis=0), tl.num_programs(0)):
+        layer = tl.sum((l_last <= work).to(tl.int32), axis=0)
+        this = lanes == layer
+        start = tl.sum(tl.where(this, l_start, 0), axis=0)
+        first = tl.sum(tl.where(this, l_last - l_blocks, 0), axis=0)
+        pos = start + (work - first) * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = pos < start + tl.sum(tl.where(this, l_count, 0), axis=0)
+        _search_block(
+            x_ptr, pool_ptr, ref_ptr, budget_ptr, index_ptr, need_ptr, perm_ptr, consts_ptr, pos, live,
+            tl.load(lay_off_ptr + layer), tl.load(lay_n_ptr + layer), D, EXACT, TRACK, BLOCK_R, BLOCK_P,
+        )  # fmt: skip
+
+
+@triton.jit
+def _search_block(x_ptr, pool_ptr, ref_ptr, budget_ptr, index_ptr, need_ptr, perm_ptr, consts_ptr, pos, live,
+                  pool_off, n_pool, D: tl.constexpr, EXACT: tl.constexpr, TRACK: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):  # fmt: skip
+    """One block of :func:`engine_search_kernel`'s work: reordered positions ``pos`` (``live`` ones),
+    against the layer's pool at ``pool_off`` (``n_pool`` entries)."""
     rows = tl.load(perm_ptr + pos, mask=live, other=0)
     if EXACT:
         live = live & (tl.load(need_ptr + rows, mask=live, other=0) == 2)
         acc_type = tl.float64
     else:
         acc_type = tl.float32
-    pool_blk = pool_ptr + tl.load(blk_off_ptr + blk).to(tl.int64) * D
+    pool_blk = pool_ptr + pool_off.to(tl.int64) * D
     x_row = x_ptr + rows.to(tl.int64) * D
-    best, second, best_i = _nearest_two_loop(
-        x_row, live, pool_blk, tl.load(blk_n_ptr + blk), D, acc_type, BLOCK_R, BLOCK_P
-    )
+    best, second, best_i = _nearest_two_loop(x_row, live, pool_blk, n_pool, D, acc_type, BLOCK_R, BLOCK_P)
     tl.store(index_ptr + rows, best_i, mask=live)
     a = tl.where(live, best.to(tl.float64), 0.0)  # rows not searched: inf, whose differences are NaN
     b = tl.where(live, second.to(tl.float64), 0.0)

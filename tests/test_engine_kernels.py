@@ -87,11 +87,12 @@ def launches(monkeypatch):
 
 
 def _net(dtype=torch.float32) -> nn.Module:
-    """Every vector size the engine groups: 7x7 (D = 49), 3x3 and depthwise 3x3 (D = 9), 1x1 and linear (D = 1)."""
+    """Every vector size the engine groups: 7x7 (D = 49, 72 rows: two programs of its elementwise kernels),
+    3x3 and depthwise 3x3 (D = 9), 1x1 and linear (D = 1)."""
     net = nn.Sequential(
-        nn.Conv2d(1, 8, 7, padding=3),
+        nn.Conv2d(1, 72, 7, padding=3),
         nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1),
+        nn.Conv2d(72, 8, 3, padding=1),
         nn.Conv2d(8, 8, 3, padding=1, groups=8),
         nn.ReLU(),
         nn.Conv2d(8, 16, 1),
@@ -146,7 +147,7 @@ def _search_flagged(sizes, pools, need, x, pool, programs):
     programs; returns ``(ref, budget, index, need)`` on the CPU."""
     dim = x.shape[1]
     segments = list(zip(sizes, pools))
-    wide = fused_search.row_blocks(segments, DEVICE, fused_search.WIDE_R)
+    wide = fused_search.row_blocks(segments, DEVICE, fused_search.wide_rows(dim))
     table = (*fused_search.layer_table(segments, DEVICE)[:4], programs)
     rows = x.shape[0]
     state = (

@@ -158,7 +158,7 @@ class _Group:
         rows, pools: per layer ``(offset, count)`` (Python ints).
         fused: whether the update runs the engine's Triton kernels (else torch ops and ``search``).
         blocks, wide: the kernels' block tables (:func:`~nwsconvert.core.fused_search.row_blocks`) of
-            :data:`~nwsconvert.core.fused_search.BLOCK_R` and :data:`~nwsconvert.core.fused_search.WIDE_R` rows.
+            :data:`~nwsconvert.core.fused_search.BLOCK_R` and :func:`~nwsconvert.core.fused_search.wide_rows` rows.
         layer_table: the persistent search's per-layer table (:func:`~nwsconvert.core.fused_search.layer_table`),
             when ``fused``.
         pool_grid: ``(L * Pmax,)`` int64: layer ``i``'s pool rows at ``i * Pmax ..``, then the index ``P``
@@ -192,7 +192,7 @@ class _Group:
         self.holders = [layer.module.parametrizations.weight for layer in layers]
         segments = [(count, size) for (_, count), (_, size) in zip(self.rows, self.pools)]
         self.blocks = row_blocks(segments, device)
-        self.wide = row_blocks(segments, device, fused_search.WIDE_R)
+        self.wide = row_blocks(segments, device, fused_search.wide_rows(dim))
         self.layer_table = layer_table(segments, device) if self.fused else None
         if not self.fused:  # per-row tables of the torch ops
             counts = torch.tensor([count for _, count in self.rows], device=device)

@@ -53,6 +53,7 @@ __all__ = [
     "layer_table",
     "row_blocks",
     "segmented_nearest_two",
+    "wide_rows",
 ]
 
 #: Triton is imported on first search (it is slow to import), from :mod:`nwsconvert.core.triton_kernels`. CPU-only torch
@@ -84,8 +85,18 @@ _TRITON_OK = (_triton_version() or (0,)) >= MIN_TRITON
 _TINY32 = 2.0**-149
 #: Rows per search-kernel program (a block never holds two layers' rows).
 BLOCK_R = 32
-#: Rows per program of the engine's elementwise kernels (flags, compaction, gather).
+#: Rows per program of the engine's elementwise kernels (flags, compaction, gather, commitment), at most:
+#: :func:`wide_rows` gives wide vectors fewer.
 WIDE_R = 256
+#: Elements (rows x D padded to a power of two) per program of those kernels, at most.
+WIDE_ELEMENTS = 4096
+
+
+def wide_rows(dim: int) -> int:
+    """Rows per program of the engine's elementwise kernels for vectors of ``dim``: :data:`WIDE_R` up to
+    D = 16, fewer beyond (a 7x7 kernel's 64), so that a stem's few wide rows spread over several
+    programs instead of one program holding every row in registers."""
+    return min(WIDE_R, max(16, WIDE_ELEMENTS // _pow2(dim)))
 
 
 def _interpreting() -> bool:
@@ -280,7 +291,7 @@ def engine_flags(state, wide, x, moved: bool, move, stale, cells) -> None:
         state: the group's ``(ref, budget, index, need, consts)``: ``(R, D)`` float32, ``(R,)`` float32
             (both None: not kept, scalar pools with intervals), ``(R,)`` int32 pool-local, ``(R,)`` int8 (0:
             kept, 1: searched, 2: searched in float64), :func:`engine_consts`.
-        wide: block table of :data:`WIDE_R` rows. x: ``(R, D)`` float32 contiguous.
+        wide: block table of :func:`wide_rows` rows. x: ``(R, D)`` float32 contiguous.
         moved: whether ``move`` (``(L,)`` float64, each layer's largest pool movement) is to be taken off
             the budgets. stale: ``(L,)`` int8. cells: ``(lo, hi)`` ``(P,)`` float32 for scalar pools, or None.
     """
@@ -293,7 +304,7 @@ def engine_flags(state, wide, x, moved: bool, move, stale, cells) -> None:
     lo, hi = cells if cells is not None else (budget, budget)
     engine_flag_kernel[(wide[0].numel(),)](
         x, ref, budget, index, need, wide[0], wide[1], wide[2], wide[5], move, stale, lo, hi, consts,
-        D=dim, DP=_pow2(dim), MOVED=moved and track, CELLS=cells is not None, TRACK=track, BLOCK_R=WIDE_R,
+        D=dim, DP=_pow2(dim), MOVED=moved and track, CELLS=cells is not None, TRACK=track, BLOCK_R=wide_rows(dim),
     )  # fmt: skip
 
 
@@ -304,7 +315,7 @@ def engine_search(state, wide, layers, x, pool, csum, perm) -> None:
     share the flagged rows' blocks, counted on the device. Fixed launch shapes, no host sync.
 
     Args:
-        state: as :func:`engine_flags` (``need`` set by it). wide: block table of :data:`WIDE_R` rows.
+        state: as :func:`engine_flags` (``need`` set by it). wide: block table of :func:`wide_rows` rows.
         layers: :func:`layer_table`. x: ``(R, D)`` float32. pool: ``(P, D)`` float32.
         csum: ``(R + 1,)`` int32, ``csum[0] == 0`` (filled here). perm: ``(R,)`` int32 (filled here).
     """
@@ -314,7 +325,9 @@ def engine_search(state, wide, layers, x, pool, csum, perm) -> None:
     track = ref is not None
     ref, budget = (ref, budget) if track else (x, x[:, 0])  # not written: any float32 tensors
     torch.cumsum(need, 0, dtype=torch.int32, out=csum[1:])
-    engine_compact_kernel[(wide[0].numel(),)](need, csum, perm, wide[0], wide[1], wide[4], BLOCK_R=WIDE_R)
+    engine_compact_kernel[(wide[0].numel(),)](
+        need, csum, perm, wide[0], wide[1], wide[4], BLOCK_R=wide_rows(x.shape[1])
+    )
     start, end, off, size, programs = layers
     for exact_pass in (False, True):
         engine_search_kernel[(programs,)](
@@ -365,7 +378,7 @@ def engine_gather(index, pool, wide, out) -> None:
 
     dim = pool.shape[1]
     engine_gather_kernel[(wide[0].numel(),)](
-        index, pool, out, wide[0], wide[1], wide[2], D=dim, DP=_pow2(dim), BLOCK_R=WIDE_R
+        index, pool, out, wide[0], wide[1], wide[2], D=dim, DP=_pow2(dim), BLOCK_R=wide_rows(dim)
     )
 
 
@@ -377,5 +390,5 @@ def engine_commit(grad, w, k, scale, wide, out) -> None:
 
     dim = grad.shape[1]
     engine_commit_kernel[(wide[0].numel(),)](
-        grad, w, k, scale, out, wide[0], wide[1], wide[5], D=dim, DP=_pow2(dim), BLOCK_R=WIDE_R
+        grad, w, k, scale, out, wide[0], wide[1], wide[5], D=dim, DP=_pow2(dim), BLOCK_R=wide_rows(dim)
     )

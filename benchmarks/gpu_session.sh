@@ -4,6 +4,8 @@
 #   PHASE=parts    nothing beyond device.sh: the calls that bring onnxruntime-gpu's parts (.dev/ortK), one a call
 #   PHASE=suite    on the machine once every part is there: the whole suite (python3 -m pytest -n 14), the
 #                  runtime's tests with onnxruntime-gpu's CUDA provider, then make demo's job (runs/demo)
+#   PHASE=rows     only step rows (ROWS, MODES; default: the five rows, eager then graphed) and (PROFILE) a
+#                  profile: needs no onnxruntime-gpu, so it can run in the call that brings the first part
 #   PHASE=runtime  deploy_modes.py on CUDA (gpu_runtime.sh; RT_PARTS picks the parts: demo (the run PHASE=suite
 #                  trained), long20 (LONG20_RUN: a carried run), models (three short runs at 224x224), each
 #                  bounded by PART_CAP), then (PROFILE="model size batch") a profile and (ROWS="model size
@@ -25,11 +27,14 @@
 #   i=0; for f in /tmp/ortpart*; do mkdir -p .dev/ort$i && mv $f .dev/ort$i/part$i; i=$((i+1)); done; echo $i > .dev/base/ort_parts
 # and a trained long-mixed-20 run without its checkpoints (5.4 MB) in .dev/long20:
 #   mkdir -p .dev/long20 && cp -r runs/long20/{base.nwspack,job.json,manifest.json,pools.safetensors,tasks} .dev/long20/
-# The calls, back to back (a machine is given back after 30 s idle), each `. .dev/base/device.sh && ...`:
-#   1-5. carry .dev/base .dev/ortK: PHASE=parts
-#   6. carry .dev/base: PHASE=suite BUDGET=400
-#   7. carry .dev/base .dev/long20: PHASE=runtime BUDGET=... RT_PARTS="demo long20 models" LONG20_RUN=.dev/long20
-#      PROFILE="resnet18 32 64" ROWS=...
+# The calls, back to back (a machine is given back after 30 s idle), each `. .dev/base/device.sh && ...`.
+# The next lease (after 51a292a: the suite and the runtime's tests passed on the H100; what is left is the step
+# rows with the persistent search and the wide-D kernels, the runtime on MobileNetV2 and EfficientNet-B0, and
+# a profile to compare with 51a292a's), about 15 minutes:
+#   1. carry .dev/base .dev/ort0: PHASE=rows BUDGET=330 PROFILE="resnet18 32 64" (timeout_s 370)
+#   2-5. carry .dev/base .dev/ortK: PHASE=parts (timeout_s 60 each)
+#   6. carry .dev/base: PHASE=runtime BUDGET=... RT_PARTS=models PART_CAP=300 (what is left, less 60 s)
+# A lease that has to check the suite again: PHASE=suite BUDGET=400 before 6.
 set -u
 PHASE=${PHASE:-parts}
 OUT=${OUT:-/tmp/gpu_session}
@@ -76,11 +81,21 @@ runtime)
         [ "${PROFILE_DENSE:-1}" = 1 ] && bounded 60 $PY benchmarks/gpu_profile.py --model "$1" --size "$2" --batch "$3" --dense --out /tmp/gpu_prof
         pack /tmp/gpu_prof profile
     fi
-    if [ -n "${ROWS:-}" ]; then  # step rows last (ROWS and MODES as gpu_checks.sh reads them)
+    if [ -n "${ROWS:-}" ]; then  # step rows last (ROWS and MODES as gpu_checks.sh reads them; empty: none)
         OUT=/tmp/gpu_rows STAGE=rows ROUNDS=${ROUNDS:-20} ROW_TIMEOUT=${ROW_TIMEOUT:-90} LAYER_ROW=0 \
             bounded "$BUDGET" bash benchmarks/gpu_checks.sh
         pack /tmp/gpu_rows rows
     fi ;;
-*) echo "PHASE: parts, suite or runtime"; exit 2 ;;
+rows)
+    keep=0; [ -n "${PROFILE:-}" ] && keep=60  # the profile's time, kept from the rows'
+    OUT=/tmp/gpu_rows STAGE=rows ROUNDS=${ROUNDS:-20} ROW_TIMEOUT=${ROW_TIMEOUT:-70} LAYER_ROW=0 \
+        bounded "$((BUDGET - keep))" bash benchmarks/gpu_checks.sh
+    pack /tmp/gpu_rows rows
+    if [ -n "${PROFILE:-}" ]; then
+        set -- $PROFILE
+        bounded 60 $PY benchmarks/gpu_profile.py --model "$1" --size "$2" --batch "$3" --out /tmp/gpu_prof
+        pack /tmp/gpu_prof profile
+    fi ;;
+*) echo "PHASE: parts, suite, rows or runtime"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -264,6 +264,32 @@ def test_a_runner_up_whose_float32_distance_overflows_leaves_a_finite_budget(ker
         assert expect[:2].tolist() == [1, 1] and torch.equal(layer.nws.indices.long().cpu(), expect)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # (the interpreter's NumPy)
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_a_budget_beyond_float32s_range_is_clamped_so_that_a_pool_move_shrinks_it(kernel):
+    """Rows at 4e20 between entries at 0 and 1e21: the squared budget, 1e40, is beyond float32's range. Stored as
+    +inf, no pool movement could shrink it (inf - move is inf); clamped to float32's largest value, the
+    second entry's move to 5e20 (now the nearer) leaves none, and the rows are searched again (found by
+    benchmarks/harnesses/search_fuzz.py --kinds engine on the Triton kernels)."""
+    model = nwsconvert.convert(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1)), pool_size=2, seed=0).to(DEVICE)
+    layer = nws_layers(model)[0]
+    with torch.no_grad():
+        layer.nws.pool.zero_()
+        layer.nws.pool[1, 0] = 1e21
+        layer.weight.zero_()
+        layer.weight.view(-1, 9)[:, 0] = 4e20
+    x = torch.zeros(1, 1, 8, 8, device=DEVICE)
+    with SearchEngine(model.train(), kernel=kernel) as engine:
+        model(x)
+        assert (layer.nws.indices == 0).all()
+        assert bool(torch.isfinite(engine.groups[0].budget).all())
+        with torch.no_grad():
+            layer.nws.pool[1, 0] = 5e20
+        model(x)
+        expect = brute_force(layer.weight.detach().reshape(-1, 9).cpu(), layer.nws.pool.detach().cpu())
+        assert (expect == 1).all() and torch.equal(layer.nws.indices.long().cpu(), expect)
+
+
 def _safe(group) -> None:
     """Every positive budget is below the squared half gap between the row's nearest and second-nearest
     entries (float64 distances from its reference to the pools searched): moving less keeps the entry."""

@@ -2,6 +2,7 @@
 
     python benchmarks/harnesses/search_fuzz.py --seconds 300 --seed 0 --out benchmarks/results/search_fuzz.json
     python benchmarks/harnesses/search_fuzz.py --cases 200 --seed 3 --max-exponent 300   # float64 extremes
+    TRITON_INTERPRET=1 python benchmarks/harnesses/search_fuzz.py --seconds 600 --kinds engine   # the engine
 
 What it checks
 --------------
@@ -16,6 +17,13 @@ each row and entry alone, the lowest index on ties). Two kinds of case, alternat
   edits of the weights or the pool (noise, rows moved onto bisectors and 0-3 ulps off them, jumps, pool moves
   down to 1e-12 of its scale, duplicated entries); after every update its indices must equal brute force.
 
+* **engine** (``--kinds engine``, slower): a small model (a 7x7, 3x3 or 1x1 stem of 1-72 rows, 3x3, depthwise
+  3x3, 1x1 and linear layers; pools of 2, 5 or 64 entries of any of the pool kinds below) under
+  ``SearchEngine`` with its torch kernel and, under ``TRITON_INTERPRET=1`` or on a copy moved to CUDA where
+  there is one, its Triton kernels, in task or pool mode, through 3-8 training-mode updates after the same edits on every layer
+  (weights and pools, as the lazy cases; float16, bfloat16 or float32, which the engine takes); after every
+  update every layer's indices must equal brute force.
+
 Weights and pools are float16, bfloat16, float32 or float64 (any pair); D in {1, 2, 9}; pools random, with
 duplicates, symmetric pairs (+-c), tiny entries beside large ones, on a grid or clustered; scales 10^[-E, E]
 (float16 10^[-3, 3]). Cases with a non-finite value are skipped. Case ``i`` depends only on
@@ -25,6 +33,7 @@ duplicates, symmetric pairs (+-c), tiny entries beside large ones, on a grid or 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import sys
@@ -170,12 +179,127 @@ def lazy_case(rng: random.Random, g: torch.Generator, exponent: float, counts: C
     return []
 
 
-def run_case(seed: int, i: int, exponent: float, counts: Counter) -> tuple[str, list[str]]:
+#: The engine's vector sizes in the fuzzed model: a stem of k x k kernels (D = 49, 9 or 1), then 3x3, depthwise
+#: 3x3 and 1x1 convolutions and a linear head.
+_STEMS = (7, 3, 1)
+
+
+def _engine_net(rng: random.Random, n: int, dtype: torch.dtype) -> nn.Module:
+    import nwsconvert
+
+    c1, c2 = rng.choice([1, 4, 72]), rng.choice([1, 3, 8])
+    net = nn.Sequential(
+        nn.Conv2d(1, c1, rng.choice(_STEMS), padding="same"),
+        nn.Conv2d(c1, c2, 3, padding=1),
+        nn.Conv2d(c2, c2, 3, padding=1, groups=c2),
+        nn.Conv2d(c2, c2, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(c2, 3),
+    )
+    return nwsconvert.convert(net, pool_size=n, init="random", seed=rng.randrange(1 << 30)).to(dtype)
+
+
+def engine_case(rng: random.Random, g: torch.Generator, exponent: float, counts: Counter) -> list[str]:
+    """A small model's layers under ``SearchEngine`` (the torch kernel; under ``TRITON_INTERPRET=1`` the Triton
+    kernels too, on a copy) through several training-mode updates; returns what failed."""
+    from nwsconvert.core import fused_search
+    from nwsconvert.core.engine import SearchEngine
+    from nwsconvert.core.nwsmodel import nws_layers, set_mode
+
+    dtype = rng.choice(DTYPES[:3])  # the engine leaves float64 models to the layers' own search
+    scale = _scale(rng, (dtype,), exponent)
+    n = rng.choice([2, 5, 64])  # (convert takes 2 entries or more)
+    model = _engine_net(rng, n, dtype)
+    set_mode(model, rng.choice(["task", "pool"]))  # frozen pools, or pools as parameters that move
+    with torch.no_grad():
+        for layer in nws_layers(model):
+            nws, w = layer.nws, layer.module.parametrizations.weight.original
+            nws.pool.copy_(_pool(rng, g, n, nws.vector_size, scale)[0].to(dtype))
+            w.copy_((torch.randn(w.shape, generator=g, dtype=torch.float64) * scale).to(dtype))
+    models = {"torch": model}
+    if fused_search.available("cpu"):  # TRITON_INTERPRET=1
+        models["triton"] = copy.deepcopy(model)
+    elif torch.cuda.is_available() and fused_search.available("cuda"):  # the kernels as the GPU compiles them
+        models["triton"] = copy.deepcopy(model).cuda()
+    engines = {k: SearchEngine(m, kernel=k) for k, m in models.items()}
+    edits_of = [
+        rng.sample(["noise", "bisect", "jump", "pool_tiny", "pool_small", "none"], rng.randint(1, 3))
+        for _ in range(rng.randint(3, 8))
+    ]
+    try:
+        for step, edits in enumerate(edits_of):
+            state = rng.getstate(), g.get_state()
+            for m in models.values():  # the same edits on every copy
+                rng.setstate(state[0])
+                g.set_state(state[1])
+                _edit_layers(rng, g, nws_layers(m), edits, scale)
+            after = rng.getstate(), g.get_state()
+            for kernel, m in models.items():
+                layers = nws_layers(m)
+                if not all(
+                    torch.isfinite(x).all()
+                    for lay in layers
+                    for x in (lay.module.parametrizations.weight.original, lay.nws.pool)
+                ):
+                    counts["skipped (not finite)"] += 1
+                    return []
+                with torch.no_grad():
+                    m.train()(torch.zeros(1, 1, 8, 8, dtype=dtype, device=layers[0].nws.pool.device))
+                counts[f"engine steps ({kernel})"] += 1
+                for lay in layers:
+                    w = lay.module.parametrizations.weight.original.detach().reshape(-1, lay.nws.vector_size)
+                    expect = brute_force(w.cpu(), lay.nws.pool.detach().cpu())
+                    got = lay.nws.indices.long().cpu()
+                    if not torch.equal(got, expect):
+                        return [f"engine ({kernel}) step {step} after {edits}, {lay.name} (D={lay.nws.vector_size}, "
+                                f"{dtype}): {int((got != expect).sum())} rows"]  # fmt: skip
+            rng.setstate(after[0])
+            g.set_state(after[1])
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return []
+
+
+def _edit_layers(rng: random.Random, g: torch.Generator, layers: list, edits: list[str], scale: float) -> None:
+    """``lazy_case``'s edits on every layer of a model: weights moved, set onto bisectors or jumped, pools
+    moved; drawn on the CPU, written on the layers' device (the same edits on a CPU and a CUDA copy)."""
+    with torch.no_grad():
+        for lay in layers:
+            w, pool = lay.module.parametrizations.weight.original, lay.nws.pool
+            flat, rows, n = w.view(-1, lay.nws.vector_size), lay.nws.num_vectors, pool.shape[0]
+            put = {"device": w.device, "dtype": w.dtype}
+            for edit in edits:
+                if edit == "noise":
+                    rel = 10 ** rng.uniform(-6, -1)
+                    flat.add_((torch.randn(flat.shape, generator=g, dtype=torch.float64) * scale * rel).to(**put))
+                elif edit == "bisect" and n > 1:
+                    k = min(rows, rng.choice([1, 5, 100, rows // 2 + 1]))
+                    which = torch.randperm(rows, generator=g)[:k].to(w.device)
+                    flat[which] = _near_bisectors(g, pool.detach().double().cpu(), k, w.dtype).to(w.device)
+                elif edit == "jump":
+                    k = min(rows, rng.choice([1, 10, rows // 3 + 1]))
+                    jump = torch.randn(k, flat.shape[1], generator=g, dtype=torch.float64) * scale
+                    flat[torch.randperm(rows, generator=g)[:k].to(w.device)] = jump.to(**put)
+                elif edit in ("pool_tiny", "pool_small"):
+                    rel = rng.choice([1e-12, 1e-9, 2.0**-30]) if edit == "pool_tiny" else 10 ** rng.uniform(-5, -1)
+                    step = torch.randn(pool.shape, generator=g, dtype=torch.float64) * scale * rel
+                    pool.add_(step.to(device=pool.device, dtype=pool.dtype))
+
+
+CASES = {"search": search_case, "lazy": lazy_case, "engine": engine_case}
+
+
+def run_case(
+    seed: int, i: int, exponent: float, counts: Counter, kinds: tuple = ("search", "lazy")
+) -> tuple[str, list[str]]:
+    """Case ``i`` of ``seed``: of kind ``kinds[i % len(kinds)]``."""
     rng = random.Random(seed * 1_000_003 + i)
     g = torch.Generator().manual_seed(seed * 1_000_003 + i)
-    kind = "lazy" if i % 2 else "search"
+    kind = kinds[i % len(kinds)]
     try:
-        return kind, (lazy_case if i % 2 else search_case)(rng, g, exponent, counts)
+        return kind, CASES[kind](rng, g, exponent, counts)
     except Exception:  # noqa: BLE001 (a crash is a finding)
         return kind, ["exception: " + traceback.format_exc(limit=3).strip().splitlines()[-1]]
 
@@ -190,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-exponent", type=float, default=30.0, help="scales 10^[-E, E] (default 30)")
     ap.add_argument("--replay", type=int, default=None, help="run case i only, and say what it did")
     ap.add_argument("--out", default=None, help="write the counts and failures here as JSON")
+    ap.add_argument(
+        "--kinds",
+        default="search,lazy",
+        help="case kinds in turn, from search, lazy and engine (default search,lazy; engine: slower)",
+    )
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the cases are small: one thread is faster, and the figures do not depend on it
@@ -201,21 +330,30 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
 
 
+def _kinds(args: argparse.Namespace) -> tuple:
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in CASES]
+    if unknown or not kinds:
+        raise SystemExit(f"--kinds {args.kinds!r}: choose from {', '.join(CASES)}")
+    return kinds
+
+
 def _run(args: argparse.Namespace) -> int:
     counts: Counter = Counter()
     if args.replay is not None:
-        kind, failed = run_case(args.seed, args.replay, args.max_exponent, counts)
+        kind, failed = run_case(args.seed, args.replay, args.max_exponent, counts, _kinds(args))
         print(kind, dict(counts), failed or "ok")
         return 1 if failed else 0
     failures, start, i = [], time.perf_counter(), 0
     while (i < args.cases) if args.cases else (time.perf_counter() - start < args.seconds):
-        kind, failed = run_case(args.seed, i, args.max_exponent, counts)
+        kind, failed = run_case(args.seed, i, args.max_exponent, counts, _kinds(args))
         counts[f"{kind} cases"] += 1
         failures += [{"case": i, "kind": kind, "what": f} for f in failed]
         i += 1
     report = {
         "seed": args.seed,
         "max_exponent": args.max_exponent,
+        "kinds": list(_kinds(args)),
         "cases": i,
         "seconds": round(time.perf_counter() - start, 1),
         "counts": dict(counts),

@@ -98,8 +98,11 @@ def nearest_two_kernel(
 
 @triton.jit
 def _round_down_f32(v, consts_ptr):
-    """float64 ``v >= 0`` -> float32 never above it (:func:`~nwsconvert.core.rounding.round_down_f32`)."""
-    return (v * tl.load(consts_ptr + 4) - tl.load(consts_ptr + 5)).to(tl.float32)
+    """float64 ``v >= 0`` -> float32 never above it (:func:`~nwsconvert.core.rounding.round_down_f32`), at most
+    float32's largest value, as :func:`~nwsconvert.core.rounding.budget_sq` clamps: a budget that became +inf
+    could never be shrunk by a pool's movement (inf - move is inf). NaN stays NaN (searched again)."""
+    v = v * tl.load(consts_ptr + 4) - tl.load(consts_ptr + 5)
+    return tl.where(v > 3.4028234663852886e38, 3.4028234663852886e38, v).to(tl.float32)
 
 
 @triton.jit

@@ -4,8 +4,9 @@
 #   PHASE=parts    nothing beyond device.sh: the calls that bring onnxruntime-gpu's parts (.dev/ortK), one a call
 #   PHASE=suite    on the machine once every part is there: the whole suite (python3 -m pytest -n 14), the
 #                  runtime's tests with onnxruntime-gpu's CUDA provider, then make demo's job (runs/demo)
-#   PHASE=rows     only step rows (ROWS, MODES; default: the five rows, eager then graphed) and (PROFILE) a
-#                  profile: needs no onnxruntime-gpu, so it can run in the call that brings the first part
+#   PHASE=rows     (FUZZ=s) the engine's fuzz cases on CUDA, step rows (ROWS, MODES; default: the five rows,
+#                  eager then graphed) and (PROFILE) a profile: needs no onnxruntime-gpu, so it can run in the
+#                  call that brings the first part
 #   PHASE=runtime  deploy_modes.py on CUDA (gpu_runtime.sh; RT_PARTS picks the parts: demo (the run PHASE=suite
 #                  trained), long20 (LONG20_RUN: a carried run), models (three short runs at 224x224), each
 #                  bounded by PART_CAP), then (PROFILE="model size batch") a profile and (ROWS="model size
@@ -31,7 +32,7 @@
 # The next lease (after 51a292a: the suite and the runtime's tests passed on the H100; what is left is the step
 # rows with the persistent search and the wide-D kernels, the runtime on MobileNetV2 and EfficientNet-B0, and
 # a profile to compare with 51a292a's), about 15 minutes:
-#   1. carry .dev/base .dev/ort0: PHASE=rows BUDGET=330 PROFILE="resnet18 32 64" (timeout_s 370)
+#   1. carry .dev/base .dev/ort0: PHASE=rows BUDGET=360 FUZZ=45 ROUNDS=15 PROFILE="resnet18 32 64" (timeout_s 400)
 #   2-5. carry .dev/base .dev/ortK: PHASE=parts (timeout_s 60 each)
 #   6. carry .dev/base: PHASE=runtime BUDGET=... RT_PARTS=models PART_CAP=300 (what is left, less 60 s)
 # A lease that has to check the suite again: PHASE=suite BUDGET=400 before 6.
@@ -87,6 +88,11 @@ runtime)
         pack /tmp/gpu_rows rows
     fi ;;
 rows)
+    if [ "${FUZZ:-0}" -gt 0 ]; then  # the engine's Triton kernels as the GPU compiles them, against brute force
+        mkdir -p /tmp/gpu_rows
+        bounded $((FUZZ + 30)) $PY benchmarks/harnesses/search_fuzz.py --seconds "$FUZZ" --seed 0 --kinds engine \
+            --out /tmp/gpu_rows/search_fuzz_engine_cuda.json | tail -5
+    fi
     keep=0; [ -n "${PROFILE:-}" ] && keep=60  # the profile's time, kept from the rows'
     OUT=/tmp/gpu_rows STAGE=rows ROUNDS=${ROUNDS:-20} ROW_TIMEOUT=${ROW_TIMEOUT:-70} LAYER_ROW=0 \
         bounded "$((BUDGET - keep))" bash benchmarks/gpu_checks.sh

@@ -749,7 +749,7 @@ def test_the_search_fuzz_harness_finds_no_wrong_index():
     threads = torch.get_num_threads()
     assert main(["--cases", "400", "--seed", "0"]) == 0
     assert main(["--cases", "200", "--seed", "1", "--max-exponent", "300"]) == 0
-    # the model-level engine, its torch kernel and (here, under TRITON_INTERPRET=1) its Triton kernels: at
-    # 9206b3b case 7 kept stale indices (a budget beyond float32's range stored as +inf)
+    # the model-level engine, its torch kernel and (here, under TRITON_INTERPRET=1) its Triton kernels: before
+    # 7a71616 cases 7 and 11 kept stale indices (budgets beyond float32's range stored as +inf)
     assert main(["--cases", "16", "--seed", "0", "--kinds", "engine"]) == 0
     assert torch.get_num_threads() == threads

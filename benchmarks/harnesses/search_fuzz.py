@@ -7,7 +7,8 @@
 What it checks
 --------------
 ``nwsconvert.core.search.brute_force`` is the definition of the nearest pool entry (float64 distances of
-each row and entry alone, the lowest index on ties). Two kinds of case, alternating:
+each row and entry alone, the lowest index on ties). Three kinds of case, taken in turn (``--kinds``; by default
+the first two):
 
 * **one-shot** (``search``): random vectors against a random pool, ``nearest_two`` (with and without
   ``pair``, chunks of 2048 and 97 rows), and for D = 1 ``nearest_scalar`` and ``nearest_scalar_from`` (from
@@ -16,13 +17,13 @@ each row and entry alone, the lowest index on ties). Two kinds of case, alternat
 * **lazy** (``lazy``): an ``NWSWeight`` through 4-12 training-mode updates, each after one to three random
   edits of the weights or the pool (noise, rows moved onto bisectors and 0-3 ulps off them, jumps, pool moves
   down to 1e-12 of its scale, duplicated entries); after every update its indices must equal brute force.
-
-* **engine** (``--kinds engine``, slower): a small model (a 7x7, 3x3 or 1x1 stem of 1-72 rows, 3x3, depthwise
-  3x3, 1x1 and linear layers; pools of 2, 5 or 64 entries of any of the pool kinds below) under
-  ``SearchEngine`` with its torch kernel and, under ``TRITON_INTERPRET=1`` or on a copy moved to CUDA where
-  there is one, its Triton kernels, in task or pool mode, through 3-8 training-mode updates after the same edits on every layer
-  (weights and pools, as the lazy cases; float16, bfloat16 or float32, which the engine takes); after every
-  update every layer's indices must equal brute force.
+* **engine** (``--kinds engine``, slower): a small model under ``SearchEngine``: a 7x7, 3x3 or 1x1 stem of
+  1-72 rows, then 3x3, depthwise 3x3, 1x1 and linear layers, with pools of 2, 5, 64 or 200 entries (over
+  the GPU kernels' pool tile of 64) of any kind below. Its torch kernel runs, and its Triton kernels on a
+  copy: under ``TRITON_INTERPRET=1``, or on CUDA where there is a GPU. In task or pool mode, 3-8
+  training-mode updates follow the same edits of every layer's weights and pool (as the lazy cases; float16,
+  bfloat16 or float32, the dtypes the engine takes). After every update every layer's indices must equal
+  brute force.
 
 Weights and pools are float16, bfloat16, float32 or float64 (any pair); D in {1, 2, 9}; pools random, with
 duplicates, symmetric pairs (+-c), tiny entries beside large ones, on a grid or clustered; scales 10^[-E, E]
@@ -209,7 +210,7 @@ def engine_case(rng: random.Random, g: torch.Generator, exponent: float, counts:
 
     dtype = rng.choice(DTYPES[:3])  # the engine leaves float64 models to the layers' own search
     scale = _scale(rng, (dtype,), exponent)
-    n = rng.choice([2, 5, 64])  # (convert takes 2 entries or more)
+    n = rng.choice([2, 5, 64, 200])  # (convert takes 2 entries or more; 200: over one GPU pool tile of 64)
     model = _engine_net(rng, n, dtype)
     set_mode(model, rng.choice(["task", "pool"]))  # frozen pools, or pools as parameters that move
     with torch.no_grad():

@@ -4,9 +4,9 @@
 #   PHASE=parts    nothing beyond device.sh: the calls that bring onnxruntime-gpu's parts (.dev/ortK), one a call
 #   PHASE=suite    on the machine once every part is there: the whole suite (python3 -m pytest -n 14), the
 #                  runtime's tests with onnxruntime-gpu's CUDA provider, then make demo's job (runs/demo)
-#   PHASE=rows     (FUZZ=s) the engine's fuzz cases on CUDA, step rows (ROWS, MODES; default: the five rows,
-#                  eager then graphed) and (PROFILE) a profile: needs no onnxruntime-gpu, so it can run in the
-#                  call that brings the first part
+#   PHASE=rows     (FUZZ=s) search_fuzz.py's engine and fused cases on CUDA (the GPU's tiles and FMA), step
+#                  rows (ROWS, MODES; default: the five rows, eager then graphed) and (PROFILE) a profile:
+#                  needs no onnxruntime-gpu, so it can run in the call that brings the first part
 #   PHASE=runtime  deploy_modes.py on CUDA (gpu_runtime.sh; RT_PARTS picks the parts: demo (the run PHASE=suite
 #                  trained), long20 (LONG20_RUN: a carried run), models (three short runs at 224x224), each
 #                  bounded by PART_CAP), then (PROFILE="model size batch") a profile and (ROWS="model size
@@ -90,8 +90,8 @@ runtime)
 rows)
     if [ "${FUZZ:-0}" -gt 0 ]; then  # the engine's Triton kernels as the GPU compiles them, against brute force
         mkdir -p /tmp/gpu_rows
-        bounded $((FUZZ + 30)) $PY benchmarks/harnesses/search_fuzz.py --seconds "$FUZZ" --seed 0 --kinds engine \
-            --out /tmp/gpu_rows/search_fuzz_engine_cuda.json | tail -5
+        bounded $((FUZZ + 30)) $PY benchmarks/harnesses/search_fuzz.py --seconds "$FUZZ" --seed 0 --kinds engine,fused \
+            --out /tmp/gpu_rows/search_fuzz_cuda.json | tail -5
     fi
     keep=0; [ -n "${PROFILE:-}" ] && keep=60  # the profile's time, kept from the rows'
     OUT=/tmp/gpu_rows STAGE=rows ROUNDS=${ROUNDS:-20} ROW_TIMEOUT=${ROW_TIMEOUT:-70} LAYER_ROW=0 \

@@ -7,7 +7,7 @@
 What it checks
 --------------
 ``nwsconvert.core.search.brute_force`` is the definition of the nearest pool entry (float64 distances of
-each row and entry alone, the lowest index on ties). Three kinds of case, taken in turn (``--kinds``; by default
+each row and entry alone, the lowest index on ties). Four kinds of case, taken in turn (``--kinds``; by default
 the first two):
 
 * **one-shot** (``search``): random vectors against a random pool, ``nearest_two`` (with and without
@@ -24,6 +24,9 @@ the first two):
   training-mode updates follow the same edits of every layer's weights and pool (as the lazy cases; float16,
   bfloat16 or float32, the dtypes the engine takes). After every update every layer's indices must equal
   brute force.
+* **fused** (``--kinds fused``): a one-shot case's rows (at most 4096) through ``fused_nearest_two``, the
+  Triton search the layers take on CUDA, where it runs (as for engine cases): the index must be brute
+  force's and the radius at most half the gap between the two nearest entries.
 
 Weights and pools are float16, bfloat16, float32 or float64 (any pair); D in {1, 2, 9}; pools random, with
 duplicates, symmetric pairs (+-c), tiny entries beside large ones, on a grid or clustered; scales 10^[-E, E]
@@ -84,8 +87,8 @@ def _scale(rng: random.Random, dtypes: tuple, exponent: float) -> float:
     return 10.0 ** rng.uniform(-limit, limit)
 
 
-def search_case(rng: random.Random, g: torch.Generator, exponent: float, counts: Counter) -> list[str]:
-    """One one-shot case; returns what failed."""
+def _one_shot(rng: random.Random, g: torch.Generator, exponent: float):
+    """A one-shot case's rows and pool: ``(x, pool, n, rows, dim)``."""
     vd, pd = rng.choice(DTYPES), rng.choice(DTYPES)
     scale = _scale(rng, (vd, pd), exponent)
     dim, n = rng.choice([1, 2, 9]), rng.choice([1, 2, 3, 5, 17, 64, 200, 600])
@@ -100,6 +103,12 @@ def search_case(rng: random.Random, g: torch.Generator, exponent: float, counts:
         x = pool[torch.randint(0, n, (rows,), generator=g)].to(vd)
     else:
         x = (torch.randn(rows, dim, generator=g, dtype=torch.float64) * scale * (1e3 if kind == "far" else 1)).to(vd)
+    return x, pool, n, rows, dim
+
+
+def search_case(rng: random.Random, g: torch.Generator, exponent: float, counts: Counter) -> list[str]:
+    """One one-shot case; returns what failed."""
+    x, pool, n, rows, dim = _one_shot(rng, g, exponent)
     if not (torch.isfinite(x).all() and torch.isfinite(pool).all()):
         counts["skipped (not finite)"] += 1
         return []
@@ -180,6 +189,46 @@ def lazy_case(rng: random.Random, g: torch.Generator, exponent: float, counts: C
     return []
 
 
+def _triton_device() -> str | None:
+    """Where the Triton kernels run: the CPU under ``TRITON_INTERPRET=1``, else CUDA where there is a GPU."""
+    from nwsconvert.core import fused_search
+
+    if fused_search.available("cpu"):
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() and fused_search.available("cuda") else None
+
+
+def fused_case(rng: random.Random, g: torch.Generator, exponent: float, counts: Counter) -> list[str]:
+    """A one-shot case through the Triton search (``fused_nearest_two``: the layers' search on CUDA): its index
+    must be brute force's and its radius at most half the gap between the nearest and second-nearest entries
+    (float64 distances of the float32 rows); float64 rows or pools, which it does not take, are skipped."""
+    from nwsconvert.core import fused_search
+
+    x, pool, n, rows, dim = _one_shot(rng, g, exponent)
+    device = _triton_device()
+    if device is None:
+        raise SystemExit("--kinds fused: the Triton kernels need TRITON_INTERPRET=1 or a CUDA GPU")
+    if torch.float64 in (x.dtype, pool.dtype):
+        counts["skipped (float64)"] += 1
+        return []
+    if not (torch.isfinite(x).all() and torch.isfinite(pool).all()):
+        counts["skipped (not finite)"] += 1
+        return []
+    x32, pool32 = x[:4096].float(), pool.float()  # (the interpreter is slow: at most 4096 rows)
+    index, radius, exact = (t.cpu() for t in fused_search.fused_nearest_two(x32.to(device), pool32.to(device)))
+    counts["fused_nearest_two"] += 1
+    counts["rows resolved in float64"] += int(exact.sum())
+    expect = brute_force(x32, pool32)
+    if not torch.equal(index, expect):
+        return [f"fused_nearest_two (D={dim}, n={n}): {int((index != expect).sum())} rows"]
+    if n >= 2:
+        dist = torch.from_numpy(_exact_sq_dist(x32, pool32)).sqrt()
+        two = dist.topk(2, dim=1, largest=False).values
+        if not bool((radius <= (two[:, 1] - two[:, 0]) * 0.5).all()):
+            return [f"fused_nearest_two (D={dim}, n={n}): a radius beyond half the gap"]
+    return []
+
+
 #: The engine's vector sizes in the fuzzed model: a stem of k x k kernels (D = 49, 9 or 1), then 3x3, depthwise
 #: 3x3 and 1x1 convolutions and a linear head.
 _STEMS = (7, 3, 1)
@@ -204,7 +253,6 @@ def _engine_net(rng: random.Random, n: int, dtype: torch.dtype) -> nn.Module:
 def engine_case(rng: random.Random, g: torch.Generator, exponent: float, counts: Counter) -> list[str]:
     """A small model's layers under ``SearchEngine`` (the torch kernel; under ``TRITON_INTERPRET=1`` the Triton
     kernels too, on a copy) through several training-mode updates; returns what failed."""
-    from nwsconvert.core import fused_search
     from nwsconvert.core.engine import SearchEngine
     from nwsconvert.core.nwsmodel import nws_layers, set_mode
 
@@ -219,10 +267,8 @@ def engine_case(rng: random.Random, g: torch.Generator, exponent: float, counts:
             nws.pool.copy_(_pool(rng, g, n, nws.vector_size, scale)[0].to(dtype))
             w.copy_((torch.randn(w.shape, generator=g, dtype=torch.float64) * scale).to(dtype))
     models = {"torch": model}
-    if fused_search.available("cpu"):  # TRITON_INTERPRET=1
-        models["triton"] = copy.deepcopy(model)
-    elif torch.cuda.is_available() and fused_search.available("cuda"):  # the kernels as the GPU compiles them
-        models["triton"] = copy.deepcopy(model).cuda()
+    if _triton_device() is not None:  # the CPU under the interpreter, or CUDA: the kernels as a GPU compiles them
+        models["triton"] = copy.deepcopy(model).to(_triton_device())
     engines = {k: SearchEngine(m, kernel=k) for k, m in models.items()}
     edits_of = [
         rng.sample(["noise", "bisect", "jump", "pool_tiny", "pool_small", "none"], rng.randint(1, 3))
@@ -289,7 +335,7 @@ def _edit_layers(rng: random.Random, g: torch.Generator, layers: list, edits: li
                     pool.add_(step.to(device=pool.device, dtype=pool.dtype))
 
 
-CASES = {"search": search_case, "lazy": lazy_case, "engine": engine_case}
+CASES = {"search": search_case, "lazy": lazy_case, "engine": engine_case, "fused": fused_case}
 
 
 def run_case(
@@ -318,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kinds",
         default="search,lazy",
-        help="case kinds in turn, from search, lazy and engine (default search,lazy; engine: slower)",
+        help="case kinds in turn, from search, lazy, engine and fused (default search,lazy; the last two run the "
+        "Triton kernels too: under TRITON_INTERPRET=1 or on a GPU)",
     )
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()

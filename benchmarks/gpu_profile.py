@@ -6,15 +6,19 @@ Builds the model as ``benchmarks/train_step.py`` does (``convert`` with k-means 
 fused commitment, ``--search engine``), takes 5 warm-up steps on real digits, then profiles ``--steps``
 steps (CPU and CUDA activities). Writes ``<out>/profile_<model>_<size>.txt``: the operators sorted by
 their CUDA time, per step, and the Triton kernels' share; ``<out>/trace_<model>_<size>.json.gz``: the
-Chrome trace (open it in chrome://tracing or Perfetto). With ``--dense`` it profiles the dense model's
-step instead, for the side-by-side table.
+Chrome trace (open it in chrome://tracing or Perfetto); ``<out>/host_<model>_<size>.txt``: a cProfile of
+20 more steps (the host's Python time, which paces an eager step when it exceeds the GPU's work). With
+``--dense`` it profiles the dense model's step instead, for the side-by-side table.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gzip
+import io
 import json
+import pstats
 import shutil
 import sys
 from pathlib import Path
@@ -95,6 +99,19 @@ def main() -> None:
         events.table(sort_by="self_device_time_total", row_limit=40),
     ]
     (out / f"profile_{tag}.txt").write_text("\n".join(lines))
+    # The host's side: where a step's Python time goes (an eager step on a GPU is paced by it when it exceeds
+    # the GPU's work), cProfile over 20 more steps, by own time and by cumulative time.
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(20):
+        train_step.step(model, opt, *next(data), nws)
+    torch.cuda.synchronize()
+    host.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(host, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumtime").print_stats(30)
+    (out / f"host_{tag}.txt").write_text(f"cProfile of 20 steps ({lines[0]})\n" + text.getvalue())
     with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     raw.unlink()

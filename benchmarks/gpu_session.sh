@@ -93,13 +93,14 @@ rows)
         bounded $((FUZZ + 30)) $PY benchmarks/harnesses/search_fuzz.py --seconds "$FUZZ" --seed 0 --kinds engine,fused \
             --out /tmp/gpu_rows/search_fuzz_cuda.json | tail -5
     fi
-    keep=0; [ -n "${PROFILE:-}" ] && keep=60  # the profile's time, kept from the rows'
+    keep=0; [ -n "${PROFILE:-}" ] && keep=100  # the profiles' time, kept from the rows'
     OUT=/tmp/gpu_rows STAGE=rows ROUNDS=${ROUNDS:-20} ROW_TIMEOUT=${ROW_TIMEOUT:-70} LAYER_ROW=0 \
         bounded "$((BUDGET - keep))" bash benchmarks/gpu_checks.sh
     pack /tmp/gpu_rows rows
     if [ -n "${PROFILE:-}" ]; then
         set -- $PROFILE
         bounded 60 $PY benchmarks/gpu_profile.py --model "$1" --size "$2" --batch "$3" --out /tmp/gpu_prof
+        bounded 40 $PY benchmarks/gpu_profile.py --model "$1" --size "$2" --batch "$3" --dense --out /tmp/gpu_prof
         pack /tmp/gpu_prof profile
     fi ;;
 *) echo "PHASE: parts, suite, rows or runtime"; exit 2 ;;

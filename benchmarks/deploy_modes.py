@@ -105,8 +105,14 @@ class _Dense:
         return self.sess.run(None, {"input": x})[0]
 
 
+#: ``--cuda-arena``: what every Runtime of this run is built with (the memory rows' processes too).
+CUDA_ARENA = "own"
+
+
 def _child(bundle: Path, config: dict, device: str, threads: int | None) -> dict:
     """``benchmarks/runtime_memory.py`` in a fresh process: what ``config`` holds, from a runtime's imports on."""
+    if config.get("kind") == "runtime":
+        config = {**config, "cuda_arena": CUDA_ARENA}
     cmd = [sys.executable, str(Path(__file__).with_name("runtime_memory.py")), str(bundle), json.dumps(config)]
     cmd += ["--device", device] + (["--threads", str(threads)] if threads else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -139,6 +145,7 @@ def measure(
     rounds: int,
     cycles: int,
     memory: str = "all",
+    cuda_arena: str = "own",
 ) -> dict:
     from nwsconvert.export.timing import summary, switch_costs
 
@@ -173,8 +180,8 @@ def measure(
         )
     # Latency, interleaved, on task 0 (no switch in between).
     rts = {
-        "switch": Runtime(bundle, device=device, mode="switch", threads=threads),
-        "session": Runtime(bundle, device=device, mode="session", threads=threads),
+        "switch": Runtime(bundle, device=device, mode="switch", threads=threads, cuda_arena=cuda_arena),
+        "session": Runtime(bundle, device=device, mode="session", threads=threads, cuda_arena=cuda_arena),
         "dense": _Dense(dense, device, threads),
     }
     out["layout"] = rts["switch"].info()["layout"]
@@ -200,7 +207,9 @@ def measure(
     out["switch_cost"] = {
         "switch": summary(switch_costs(rts["switch"], x1, cycles)),
         "switch_keep_pack": summary(
-            switch_costs(Runtime(bundle, device=device, keep="pack", threads=threads), x1, cycles)
+            switch_costs(
+                Runtime(bundle, device=device, keep="pack", threads=threads, cuda_arena=cuda_arena), x1, cycles
+            )
         ),
         "session": summary(switch_costs(rts["session"], x1, cycles)),
     }
@@ -231,8 +240,16 @@ def main() -> None:
         "every task cached (three fresh processes fewer a bundle: a GPU lease's budget); all: also every task "
         "held ready, one cached session and a second dense session (what each further one costs)",
     )
+    p.add_argument(
+        "--cuda-arena",
+        choices=["own", "shared"],
+        default="own",
+        help="CUDA: the Runtime's sessions each with their own memory arena (default) or one shared",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    global CUDA_ARENA
+    CUDA_ARENA = args.cuda_arena
     import onnxruntime as ort
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -242,6 +259,7 @@ def main() -> None:
         "onnxruntime": ort.__version__,
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "cuda_arena": args.cuda_arena,
         "models": {},
     }
     for name in [args.run.name] if args.run else args.models:
@@ -279,20 +297,24 @@ def main() -> None:
                 ),
             }
             built = time.perf_counter() - tic
-            r = measure(run, bundle, d / "dense.onnx", args.device, args.threads, args.rounds, args.cycles, args.memory)
+            r = measure(
+                run, bundle, d / "dense.onnx", args.device, args.threads, args.rounds, args.cycles, args.memory,
+                args.cuda_arena,
+            )  # fmt: skip
         r["files"] = sizes
         r["build_seconds"] = built
         results["models"][name] = r
         report(name, args, r)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        if args.json:  # after each bundle: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=2))
 
 
 def report(name: str, args, r: dict) -> None:
     """The figures of one bundle, as RESULTS quotes them."""
     mem, sizes = r["memory"], r["files"]
     dense_rss = mem["dense"]["rss"]
-    print(f"{name} {args.size}x{args.size}, {r['tasks']} tasks, {args.device}, layout {r['layout']}")
+    arena = f", {args.cuda_arena} CUDA arena" if args.device == "cuda" else ""
+    print(f"{name} {args.size}x{args.size}, {r['tasks']} tasks, {args.device}, layout {r['layout']}{arena}")
     for b in (1, 32):
         lat = r[f"latency_b{b}"]
         print(

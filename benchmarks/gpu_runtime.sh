@@ -8,11 +8,15 @@
 # (tests models demo long20) to split it over two calls; RT_N: pytest-xdist workers for the tests. The device image lacks Debian's Fashion-MNIST:
 # copy /usr/share/datasets/fashion-mnist to .dev/fashion here and carry it for long20 (FASHION=.dev/fashion).
 # MEMORY=core (default) measures deploy_modes.py's core memory rows only (three processes fewer a bundle);
-# MEMORY=all adds what each further ready task, cached session and dense session costs.
+# MEMORY=all adds what each further ready task, cached session and dense session costs. MODELS picks the
+# models part's models; ARENA=shared builds every Runtime with cuda_arena='shared' (files *_shared.*).
 set -u
 OUT=${OUT:-/tmp/gpu_runtime}
 PARTS=${PARTS:-"tests models demo long20"}
 MEMORY=${MEMORY:-core}
+MODELS=${MODELS:-"resnet18 mobilenetv2_100 efficientnet_b0"}  # the models part's models
+ARENA=${ARENA:-own}  # deploy_modes.py --cuda-arena: own or shared (its files then end in _shared)
+TAG=""; [ "$ARENA" = own ] || TAG="_$ARENA"
 PY=${PY:-$(command -v python || command -v python3)}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
@@ -29,18 +33,18 @@ for part in $PARTS; do
         $PY -m pytest -q -n "${RT_N:-1}" tests/test_export.py tests/test_layout.py tests/test_demo.py > "$OUT/pytest_runtime.log" 2>&1
         echo "pytest rc=$?" >> "$OUT/pytest_runtime.log" ;;
     models)
-        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --models resnet18 mobilenetv2_100 efficientnet_b0 --size 224 \
-            --tasks 6 --json "$OUT/deploy_cuda_224.json" > "$OUT/deploy_cuda_224.log" 2>&1 ;;
+        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --cuda-arena "$ARENA" --models $MODELS --size 224 \
+            --tasks 6 --json "$OUT/deploy_cuda_224$TAG.json" > "$OUT/deploy_cuda_224$TAG.log" 2>&1 ;;
     demo)  # DEMO_RUN: a demo run already trained on this machine (gpu_checks.sh's make demo writes runs/demo)
         run=${DEMO_RUN:-/tmp/gpu_demo}
         [ -f "$run/manifest.json" ] || $PY -m nwsconvert.cli.demo out="$run" progress=false > "$OUT/demo_train.log" 2>&1
-        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --run "$run" --json "$OUT/deploy_cuda_demo.json" \
-            > "$OUT/deploy_cuda_demo.log" 2>&1 ;;
+        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --cuda-arena "$ARENA" --run "$run" \
+            --json "$OUT/deploy_cuda_demo$TAG.json" > "$OUT/deploy_cuda_demo$TAG.log" 2>&1 ;;
     long20)  # LONG20_RUN: a long-mixed-20 run trained elsewhere and carried (its manifest, pools and packs suffice)
         run=${LONG20_RUN:-/tmp/gpu_long20}
         [ -f "$run/manifest.json" ] || $PY -m nwsconvert.cli.train suite=long-mixed-20 "suite.fashion_root=${FASHION:-.dev/fashion}" \
             out="$run" progress=false > "$OUT/long20_train.log" 2>&1
-        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --run "$run" --json "$OUT/deploy_cuda_long20.json" \
-            > "$OUT/deploy_cuda_long20.log" 2>&1 ;;
+        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --cuda-arena "$ARENA" --run "$run" \
+            --json "$OUT/deploy_cuda_long20$TAG.json" > "$OUT/deploy_cuda_long20$TAG.log" 2>&1 ;;
     esac
 done

@@ -34,7 +34,9 @@
 # a profile to compare with 51a292a's), about 15 minutes:
 #   1. carry .dev/base .dev/ort0: PHASE=rows BUDGET=360 FUZZ=45 ROUNDS=15 PROFILE="resnet18 32 64" (timeout_s 400)
 #   2-5. carry .dev/base .dev/ortK: PHASE=parts (timeout_s 60 each)
-#   6. carry .dev/base: PHASE=runtime BUDGET=... RT_PARTS=models PART_CAP=300 (what is left, less 60 s)
+#   6. carry .dev/base .dev/long20: PHASE=runtime BUDGET=... LONG20_RUN=.dev/long20 ARENA=shared RT_PARTS=long20
+#      PART_CAP=120 (the shared CUDA arena against 51a292a's own-arena figures), then in the same call
+#      ARENA=own MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models PART_CAP=240: chain the two with &&
 # A lease that has to check the suite again: PHASE=suite BUDGET=400 before 6.
 set -u
 PHASE=${PHASE:-parts}

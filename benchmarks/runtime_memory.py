@@ -95,6 +95,7 @@ def measure(bundle: Path, config: dict, device: str, threads: int | None) -> dic
         keep=config.get("keep", "indices"),
         max_sessions=config.get("max_sessions", 4),
         ready=config.get("ready", 1),
+        cuda_arena=config.get("cuda_arena", "own"),
     )
     started = time.perf_counter() - tic
     for _ in range(RUNS):

@@ -131,6 +131,25 @@ def _shared_cpu_arena(ort) -> bool:
     return _ENV_ARENA
 
 
+_ENV_CUDA_ARENA: bool | None = None
+
+
+def _shared_cuda_arena(ort) -> bool:
+    """Register one CUDA arena allocator (device 0, growing by what is asked, not to the next power of two)
+    for the process, which sessions asking for it share: the switch mode's graph and its fill graph, or
+    every cached task session. False where this onnxruntime cannot."""
+    global _ENV_CUDA_ARENA
+    if _ENV_CUDA_ARENA is None:
+        try:
+            info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            # OrtArenaCfg(max_mem: no limit, extend strategy 1: kSameAsRequested, initial chunk, max dead bytes)
+            ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, {}, ort.OrtArenaCfg(0, 1, -1, -1))
+            _ENV_CUDA_ARENA = True
+        except Exception:  # noqa: BLE001 (one registered already, or a build without it)
+            _ENV_CUDA_ARENA = False
+    return _ENV_CUDA_ARENA
+
+
 class Runtime:
     """Sessions over one bundle.
 
@@ -154,6 +173,11 @@ class Runtime:
             later; onnxruntime's own default). Off by default: the logits then agree with the CPU's and
             PyTorch's to float32 rounding (about 1e-6 of the largest logit), where TF32 (10 bits of
             mantissa) moves them by about 1e-3.
+        cuda_arena: CUDA: ``own`` (each session its own memory arena, onnxruntime's default) or ``shared``
+            (one arena, registered with onnxruntime's environment, for all of this process's sessions that
+            ask for it: the fill graph's temporaries reuse the memory the model's activations use, and
+            cached task sessions share one). Experimental: on an H100 the switch mode took 948 MB against the
+            dense session's 778 MB with its own arenas; ``shared`` is not measured on a GPU yet.
 
     Attributes:
         providers: the providers requested (names); ``session(task).get_providers()`` says what runs.
@@ -179,6 +203,7 @@ class Runtime:
         layout: str = "auto",
         fill: str = "auto",
         tf32: bool = False,
+        cuda_arena: str = "own",
     ):
         import onnxruntime as ort
 
@@ -195,6 +220,8 @@ class Runtime:
             raise ValueError(f"layout must be auto or plain, got {layout!r}")
         if fill not in ("auto", "numpy", "onnxruntime"):
             raise ValueError(f"fill must be auto, numpy or onnxruntime, got {fill!r}")
+        if cuda_arena not in ("own", "shared"):
+            raise ValueError(f"cuda_arena must be own or shared, got {cuda_arena!r}")
         if type(ready) is not int or ready < 1:
             raise ValueError(f"ready must be a whole number >= 1, got {ready!r}")
         if mode == "auto":
@@ -214,6 +241,11 @@ class Runtime:
         self.providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if gpu else ["CPUExecutionProvider"]
         self.tf32 = bool(tf32)
         self._provider_args = session_providers(gpu, self.tf32)  # what sessions are built with
+        self.cuda_arena = cuda_arena
+        if gpu and cuda_arena == "shared" and not _shared_cuda_arena(ort):
+            warnings.warn(
+                "cuda_arena='shared': this onnxruntime cannot register one; each session keeps its own", stacklevel=2
+            )
         self.threads = threads
         self.max_sessions = max_sessions
         self.ready, self.keep, self.layout_request = ready, keep, layout
@@ -282,6 +314,8 @@ class Runtime:
         if external:
             opts.add_external_initializers(list(external), list(external.values()))
         if shared_arena and not self.cuda and _shared_cpu_arena(self.ort):
+            opts.add_session_config_entry("session.use_env_allocators", "1")
+        if self.cuda and self.cuda_arena == "shared" and _shared_cuda_arena(self.ort):
             opts.add_session_config_entry("session.use_env_allocators", "1")
         return opts
 
@@ -567,7 +601,13 @@ class Runtime:
     def info(self) -> dict:
         """What this Runtime uses: ``mode``, ``providers`` (of the sessions built so far), ``layout`` and the
         tasks held ready with the bytes of the weight buffers and of what each task keeps (switch mode),
-        ``cached_tasks`` (session mode: each cached session holds its folded dense weights)."""
+        ``cached_tasks`` (session mode: each cached session holds its folded dense weights), and ``cuda_arena``
+        (CUDA: ``own`` or ``shared``, as the sessions were built; None on a CPU)."""
+        arena = (
+            (self.cuda_arena if self.cuda_arena == "own" or _shared_cuda_arena(self.ort) else "own")
+            if self.cuda
+            else None
+        )
         if self.mode == "switch":
             kept = {t: sum(v.nbytes for v in h.values.values()) for t, h in self._tasks.items() if h.values}
             return {
@@ -580,10 +620,16 @@ class Runtime:
                 "weight_buffer_bytes": 4 * self._graph.floats * len(self._slots),
                 "bytes_per_task": kept,
                 "keep": self.keep,
+                "cuda_arena": arena,
             }
         sessions = list(self._sessions.values())
         providers = sorted({p for s in sessions for p in s.get_providers()})
-        return {"mode": "session", "providers": providers or self.providers, "cached_tasks": list(self._sessions)}
+        return {
+            "mode": "session",
+            "providers": providers or self.providers,
+            "cached_tasks": list(self._sessions),
+            "cuda_arena": arena,
+        }
 
     def metadata(self, task: int) -> dict:
         """The ONNX metadata of the graph that runs ``task`` (input size, normalisation...)."""

@@ -379,6 +379,40 @@ def test_on_cuda_the_switch_mode_keeps_weights_and_logits_on_the_device(bundle3)
     np.testing.assert_allclose(out.numpy()[:, : rt.num_classes(1)], ref, atol=1e-4 * float(np.abs(ref).max()), rtol=0)
 
 
+def test_cuda_arena_takes_own_or_shared_and_names_the_flag_otherwise(bundle3):
+    """``cuda_arena`` is validated in one line naming it; on a CPU it changes nothing (the logits are the same
+    bits) and ``info()`` reports no CUDA arena."""
+    _, bundle = bundle3
+    with pytest.raises(ValueError, match=r"^cuda_arena must be own or shared, got 'pooled'$"):
+        Runtime(bundle, device="cpu", cuda_arena="pooled")
+    x = np.random.default_rng(6).standard_normal((2, 1, 16, 16)).astype(np.float32)
+    for mode in ("switch", "session"):
+        a = Runtime(bundle, device="cpu", mode=mode)
+        b = Runtime(bundle, device="cpu", mode=mode, cuda_arena="shared")
+        assert a.info()["cuda_arena"] is None and b.info()["cuda_arena"] is None
+        for t in (0, 2):
+            np.testing.assert_array_equal(a.run(t, x), b.run(t, x))
+
+
+@pytest.mark.gpu  # onnxruntime-gpu's CUDA provider
+def test_on_cuda_a_shared_arena_serves_both_modes_with_the_same_logits(bundle3):
+    """``cuda_arena='shared'``: the switch mode's graph and fill graph, and the session mode's cached sessions,
+    draw from one CUDA arena registered with onnxruntime's environment; the logits are those of sessions with
+    their own arenas within float32 (cuDNN picks its algorithms by the workspace it finds free, and they sum
+    in other orders: 1e-4 of the largest logit, as against the CPU)."""
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu (the CUDA provider) is not installed")
+    _, bundle = bundle3
+    x = np.random.default_rng(7).standard_normal((4, 1, 16, 16)).astype(np.float32)
+    for mode in ("switch", "session"):
+        own = Runtime(bundle, device="cuda", mode=mode)
+        shared = Runtime(bundle, device="cuda", mode=mode, cuda_arena="shared")
+        assert own.info()["cuda_arena"] == "own" and shared.info()["cuda_arena"] == "shared"
+        for t in (0, 1, 2, 0):
+            ref = own.run(t, x)
+            np.testing.assert_allclose(shared.run(t, x), ref, atol=1e-4 * float(np.abs(ref).max()), rtol=0)
+
+
 _FLAT = """
 import gc, ctypes, json, sys
 import numpy as np

@@ -97,7 +97,7 @@ rows)
     fi
     keep=0; [ -n "${PROFILE:-}" ] && keep=100  # the profiles' time, kept from the rows'
     OUT=/tmp/gpu_rows STAGE=rows ROUNDS=${ROUNDS:-20} ROW_TIMEOUT=${ROW_TIMEOUT:-70} LAYER_ROW=0 \
-        bounded "$((BUDGET - keep))" bash benchmarks/gpu_checks.sh
+        bounded "$((BUDGET - (SECONDS - start) - keep))" bash benchmarks/gpu_checks.sh
     pack /tmp/gpu_rows rows
     if [ -n "${PROFILE:-}" ]; then
         set -- $PROFILE

@@ -36,7 +36,8 @@
 #   2-5. carry .dev/base .dev/ortK: PHASE=parts (timeout_s 60 each)
 #   6. carry .dev/base .dev/long20: PHASE=runtime BUDGET=... LONG20_RUN=.dev/long20 ARENA=shared RT_PARTS=long20
 #      PART_CAP=120 (the shared CUDA arena against 51a292a's own-arena figures), then in the same call
-#      ARENA=own MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models PART_CAP=240: chain the two with &&
+#      ARENA=own MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models PART_CAP=200: chain the two with &&
+#      (about 50 + 400 + 4 x 15 + 330 s with the transfers: check budget_left_s before call 6 and cut its caps)
 # A lease that has to check the suite again: PHASE=suite BUDGET=400 before 6.
 set -u
 PHASE=${PHASE:-parts}

@@ -380,18 +380,13 @@ def test_on_cuda_the_switch_mode_keeps_weights_and_logits_on_the_device(bundle3)
 
 
 def test_cuda_arena_takes_own_or_shared_and_names_the_flag_otherwise(bundle3):
-    """``cuda_arena`` is validated in one line naming it; on a CPU it changes nothing (the logits are the same
-    bits) and ``info()`` reports no CUDA arena."""
+    """``cuda_arena`` is validated in one line naming it; a CUDA option, it leaves a CPU Runtime as it was:
+    ``info()`` reports no CUDA arena in either mode."""
     _, bundle = bundle3
     with pytest.raises(ValueError, match=r"^cuda_arena must be own or shared, got 'pooled'$"):
         Runtime(bundle, device="cpu", cuda_arena="pooled")
-    x = np.random.default_rng(6).standard_normal((2, 1, 16, 16)).astype(np.float32)
     for mode in ("switch", "session"):
-        a = Runtime(bundle, device="cpu", mode=mode)
-        b = Runtime(bundle, device="cpu", mode=mode, cuda_arena="shared")
-        assert a.info()["cuda_arena"] is None and b.info()["cuda_arena"] is None
-        for t in (0, 2):
-            np.testing.assert_array_equal(a.run(t, x), b.run(t, x))
+        assert Runtime(bundle, device="cpu", mode=mode, cuda_arena="shared").info()["cuda_arena"] is None
 
 
 @pytest.mark.gpu  # onnxruntime-gpu's CUDA provider

@@ -157,8 +157,9 @@ class _Group:
         layers: the :class:`~nwsconvert.core.nwsmodel.NWSLayer` s, in model order.
         rows, pools: per layer ``(offset, count)`` (Python ints).
         fused: whether the update runs the engine's Triton kernels (else torch ops and ``search``).
-        blocks, wide: the kernels' block tables (:func:`~nwsconvert.core.fused_search.row_blocks`) of
-            :data:`~nwsconvert.core.fused_search.BLOCK_R` and :func:`~nwsconvert.core.fused_search.wide_rows` rows.
+        blocks, wide: the block tables (:func:`~nwsconvert.core.fused_search.row_blocks`) of
+            :data:`~nwsconvert.core.fused_search.BLOCK_R` rows (the torch ops' search; None when ``fused``) and
+            :func:`~nwsconvert.core.fused_search.wide_rows` rows (the Triton kernels'; the commitment's too).
         layer_table: the persistent search's per-layer table (:func:`~nwsconvert.core.fused_search.layer_table`),
             when ``fused``.
         pool_grid: ``(L * Pmax,)`` int64: layer ``i``'s pool rows at ``i * Pmax ..``, then the index ``P``
@@ -191,7 +192,9 @@ class _Group:
         # instead of the three module look-ups of NWSLayer.weight.
         self.holders = [layer.module.parametrizations.weight for layer in layers]
         segments = [(count, size) for (_, count), (_, size) in zip(self.rows, self.pools)]
-        self.blocks = row_blocks(segments, device)
+        # The torch ops' search reads the narrow block table; the Triton kernels read the wide one and the
+        # persistent search's per-layer table (a narrow table is 406 K entries for ResNet-50's 13 M rows).
+        self.blocks = None if self.fused else row_blocks(segments, device)
         self.wide = row_blocks(segments, device, fused_search.wide_rows(dim))
         self.layer_table = layer_table(segments, device) if self.fused else None
         if not self.fused:  # per-row tables of the torch ops

@@ -88,14 +88,15 @@ BLOCK_R = 32
 #: Rows per program of the engine's elementwise kernels (flags, compaction, gather, commitment), at most:
 #: :func:`wide_rows` gives wide vectors fewer.
 WIDE_R = 256
-#: Elements (rows x D padded to a power of two) per program of those kernels, at most.
+#: Elements (rows x D padded to a power of two) per program of those kernels, at most (up to D = 256: a
+#: program takes 16 rows at least).
 WIDE_ELEMENTS = 4096
 
 
 def wide_rows(dim: int) -> int:
     """Rows per program of the engine's elementwise kernels for vectors of ``dim``: :data:`WIDE_R` up to
-    D = 16, fewer beyond (a 7x7 kernel's 64), so that a stem's few wide rows spread over several
-    programs instead of one program holding every row in registers."""
+    D = 16, fewer beyond (a 7x7 kernel's 64; 16 at least), so that a stem's few wide rows spread over
+    several programs instead of one program holding every row in registers."""
     return min(WIDE_R, max(16, WIDE_ELEMENTS // _pow2(dim)))
 
 

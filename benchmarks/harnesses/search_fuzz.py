@@ -139,6 +139,38 @@ def search_case(rng: random.Random, g: torch.Generator, exponent: float, counts:
     return failed
 
 
+def _edit(
+    rng: random.Random, g: torch.Generator, w: torch.Tensor, pool: torch.Tensor, edits: list[str], scale: float,
+    bisect: list[int], jump: list[int],
+) -> None:  # fmt: skip
+    """The edits of ``w`` ``(rows, D)`` and ``pool`` ``(n, D)``, in place: noise, rows set onto bisectors (``k``
+    of them, drawn from ``bisect``) or jumped (from ``jump``), the pool moved tiny or small amounts, an entry
+    duplicated; drawn on the CPU, written on their device."""
+    rows, n = w.shape[0], pool.shape[0]
+    put = {"device": w.device, "dtype": w.dtype}
+    for edit in edits:
+        if edit == "noise":
+            w.add_(
+                (torch.randn(w.shape, generator=g, dtype=torch.float64) * scale * 10 ** rng.uniform(-6, -1)).to(**put)
+            )
+        elif edit == "bisect" and n > 1:
+            k = min(rows, rng.choice(bisect))
+            w[torch.randperm(rows, generator=g)[:k].to(w.device)] = _near_bisectors(
+                g, pool.detach().double().cpu(), k, w.dtype
+            ).to(w.device)
+        elif edit == "jump":
+            k = min(rows, rng.choice(jump))
+            w[torch.randperm(rows, generator=g)[:k].to(w.device)] = (
+                torch.randn(k, w.shape[1], generator=g, dtype=torch.float64) * scale
+            ).to(**put)
+        elif edit in ("pool_tiny", "pool_small"):
+            rel = rng.choice([1e-12, 1e-9, 2.0**-30]) if edit == "pool_tiny" else 10 ** rng.uniform(-5, -1)
+            step = torch.randn(pool.shape, generator=g, dtype=torch.float64) * scale * rel
+            pool.add_(step.to(device=pool.device, dtype=pool.dtype))
+        elif edit == "pool_dup" and n > 1:
+            pool[rng.randrange(n)] = pool[rng.randrange(n)]
+
+
 def lazy_case(rng: random.Random, g: torch.Generator, exponent: float, counts: Counter) -> list[str]:
     """One NWSWeight through several updates; returns what failed."""
     wd, pd = rng.choice(DTYPES), rng.choice(DTYPES)
@@ -155,27 +187,7 @@ def lazy_case(rng: random.Random, g: torch.Generator, exponent: float, counts: C
             ["noise", "bisect", "jump", "pool_tiny", "pool_small", "pool_dup", "none"], rng.randint(1, 3)
         )
         with torch.no_grad():
-            pool = nws.pool
-            for edit in edits:
-                if edit == "noise":
-                    w.add_(
-                        (torch.randn(w.shape, generator=g, dtype=torch.float64) * scale * 10 ** rng.uniform(-6, -1)).to(
-                            wd
-                        )
-                    )
-                elif edit == "bisect" and n > 1:
-                    k = min(rows, rng.choice([5, 100, 400, rows // 2]))
-                    w[torch.randperm(rows, generator=g)[:k]] = _near_bisectors(g, pool.double(), k, wd)
-                elif edit == "jump":
-                    k = min(rows, rng.choice([10, 300, rows // 3]))
-                    w[torch.randperm(rows, generator=g)[:k]] = (
-                        torch.randn(k, dim, generator=g, dtype=torch.float64) * scale
-                    ).to(wd)
-                elif edit in ("pool_tiny", "pool_small"):
-                    rel = rng.choice([1e-12, 1e-9, 2.0**-30]) if edit == "pool_tiny" else 10 ** rng.uniform(-5, -1)
-                    pool.add_((torch.randn(pool.shape, generator=g, dtype=torch.float64) * scale * rel).to(pool.dtype))
-                elif edit == "pool_dup" and n > 1:
-                    pool[rng.randrange(n)] = pool[rng.randrange(n)]
+            _edit(rng, g, w, nws.pool, edits, scale, bisect=[5, 100, 400, rows // 2], jump=[10, 300, rows // 3])
         if not (torch.isfinite(w).all() and torch.isfinite(nws.pool).all()):
             counts["skipped (not finite)"] += 1
             return []
@@ -280,7 +292,11 @@ def engine_case(rng: random.Random, g: torch.Generator, exponent: float, counts:
             for m in models.values():  # the same edits on every copy
                 rng.setstate(state[0])
                 g.set_state(state[1])
-                _edit_layers(rng, g, nws_layers(m), edits, scale)
+                with torch.no_grad():
+                    for lay in nws_layers(m):
+                        w = lay.module.parametrizations.weight.original.view(-1, lay.nws.vector_size)
+                        rows = w.shape[0]
+                        _edit(rng, g, w, lay.nws.pool, edits, scale, [1, 5, 100, rows // 2 + 1], [1, 10, rows // 3 + 1])
             after = rng.getstate(), g.get_state()
             for kernel, m in models.items():
                 layers = nws_layers(m)
@@ -307,32 +323,6 @@ def engine_case(rng: random.Random, g: torch.Generator, exponent: float, counts:
         for engine in engines.values():
             engine.close()
     return []
-
-
-def _edit_layers(rng: random.Random, g: torch.Generator, layers: list, edits: list[str], scale: float) -> None:
-    """``lazy_case``'s edits on every layer of a model: weights moved, set onto bisectors or jumped, pools
-    moved; drawn on the CPU, written on the layers' device (the same edits on a CPU and a CUDA copy)."""
-    with torch.no_grad():
-        for lay in layers:
-            w, pool = lay.module.parametrizations.weight.original, lay.nws.pool
-            flat, rows, n = w.view(-1, lay.nws.vector_size), lay.nws.num_vectors, pool.shape[0]
-            put = {"device": w.device, "dtype": w.dtype}
-            for edit in edits:
-                if edit == "noise":
-                    rel = 10 ** rng.uniform(-6, -1)
-                    flat.add_((torch.randn(flat.shape, generator=g, dtype=torch.float64) * scale * rel).to(**put))
-                elif edit == "bisect" and n > 1:
-                    k = min(rows, rng.choice([1, 5, 100, rows // 2 + 1]))
-                    which = torch.randperm(rows, generator=g)[:k].to(w.device)
-                    flat[which] = _near_bisectors(g, pool.detach().double().cpu(), k, w.dtype).to(w.device)
-                elif edit == "jump":
-                    k = min(rows, rng.choice([1, 10, rows // 3 + 1]))
-                    jump = torch.randn(k, flat.shape[1], generator=g, dtype=torch.float64) * scale
-                    flat[torch.randperm(rows, generator=g)[:k].to(w.device)] = jump.to(**put)
-                elif edit in ("pool_tiny", "pool_small"):
-                    rel = rng.choice([1e-12, 1e-9, 2.0**-30]) if edit == "pool_tiny" else 10 ** rng.uniform(-5, -1)
-                    step = torch.randn(pool.shape, generator=g, dtype=torch.float64) * scale * rel
-                    pool.add_(step.to(device=pool.device, dtype=pool.dtype))
 
 
 CASES = {"search": search_case, "lazy": lazy_case, "engine": engine_case, "fused": fused_case}

@@ -239,18 +239,25 @@ def test_drifts_near_1e_23_are_searched_again_by_the_engine(kernel, dim, entry, 
         assert expect[0] == 1 and torch.equal(layer.nws.indices.long().cpu(), expect)
 
 
+def _one_conv_at(entries: tuple[float, float], row: float):
+    """A 3x3 convolution of 4 rows converted with a pool of two entries, all zero but their first elements
+    (``entries``), every row zero but its first element (``row``): its model and NWS layer on ``DEVICE``."""
+    model = nwsconvert.convert(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1)), pool_size=2, seed=0).to(DEVICE)
+    layer = nws_layers(model)[0]
+    with torch.no_grad():
+        layer.nws.pool.zero_()
+        layer.nws.pool[0, 0], layer.nws.pool[1, 0] = entries
+        layer.weight.zero_()
+        layer.weight.view(-1, 9)[:, 0] = row
+    return model, layer
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # (the interpreter's NumPy)
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 def test_a_runner_up_whose_float32_distance_overflows_leaves_a_finite_budget(kernel):
     """Rows at 1.1e19 beside entries at 1.2e19 and -1.1e19 (the runner-up's square overflows float32): their
     budgets are finite, so rows that then jump to -0.1e19, nearer the second entry, are searched again."""
-    model = nwsconvert.convert(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1)), pool_size=2, seed=0).to(DEVICE)
-    layer = nws_layers(model)[0]
-    with torch.no_grad():
-        layer.nws.pool.zero_()
-        layer.nws.pool[0, 0], layer.nws.pool[1, 0] = 1.2e19, -1.1e19
-        layer.weight.zero_()
-        layer.weight.view(-1, 9)[:, 0] = 1.1e19
+    model, layer = _one_conv_at((1.2e19, -1.1e19), 1.1e19)
     x = torch.zeros(1, 1, 8, 8, device=DEVICE)
     with SearchEngine(model.train(), kernel=kernel) as engine:
         model(x)
@@ -271,13 +278,7 @@ def test_a_budget_beyond_float32s_range_is_clamped_so_that_a_pool_move_shrinks_i
     +inf, no pool movement could shrink it (inf - move is inf); clamped to float32's largest value, the
     second entry's move to 5e20 (now the nearer) leaves none, and the rows are searched again (found by
     benchmarks/harnesses/search_fuzz.py --kinds engine on the Triton kernels)."""
-    model = nwsconvert.convert(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1)), pool_size=2, seed=0).to(DEVICE)
-    layer = nws_layers(model)[0]
-    with torch.no_grad():
-        layer.nws.pool.zero_()
-        layer.nws.pool[1, 0] = 1e21
-        layer.weight.zero_()
-        layer.weight.view(-1, 9)[:, 0] = 4e20
+    model, layer = _one_conv_at((0.0, 1e21), 4e20)
     x = torch.zeros(1, 1, 8, 8, device=DEVICE)
     with SearchEngine(model.train(), kernel=kernel) as engine:
         model(x)

@@ -105,14 +105,11 @@ class _Dense:
         return self.sess.run(None, {"input": x})[0]
 
 
-#: ``--cuda-arena``: what every Runtime of this run is built with (the memory rows' processes too).
-CUDA_ARENA = "own"
-
-
-def _child(bundle: Path, config: dict, device: str, threads: int | None) -> dict:
-    """``benchmarks/runtime_memory.py`` in a fresh process: what ``config`` holds, from a runtime's imports on."""
+def _child(bundle: Path, config: dict, device: str, threads: int | None, cuda_arena: str = "own") -> dict:
+    """``benchmarks/runtime_memory.py`` in a fresh process: what ``config`` holds, from a runtime's imports on
+    (a Runtime built with ``cuda_arena``)."""
     if config.get("kind") == "runtime":
-        config = {**config, "cuda_arena": CUDA_ARENA}
+        config = {**config, "cuda_arena": cuda_arena}
     cmd = [sys.executable, str(Path(__file__).with_name("runtime_memory.py")), str(bundle), json.dumps(config)]
     cmd += ["--device", device] + (["--threads", str(threads)] if threads else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -153,31 +150,25 @@ def measure(
     x32 = np.repeat(x1, 32, 0)
     ntasks = len(json.loads((bundle / "bundle.json").read_text())["tasks"])
     out: dict = {"tasks": ntasks}
+
+    def child(b: Path, config: dict) -> dict:
+        return _child(b, config, device, threads, cuda_arena)
+
     # Memory, each configuration in a fresh process.
-    out["memory"] = {"dense": _child(bundle, {"kind": "dense", "path": str(dense)}, device, threads)}
+    out["memory"] = {"dense": child(bundle, {"kind": "dense", "path": str(dense)})}
     if memory == "all":
-        out["memory"]["dense_two_sessions"] = _child(
-            bundle, {"kind": "dense", "path": str(dense), "sessions": 2}, device, threads
-        )
+        out["memory"]["dense_two_sessions"] = child(bundle, {"kind": "dense", "path": str(dense), "sessions": 2})
     counts = sorted({n for n in (1, 5, 20) if n <= ntasks} | {ntasks})
     for n in counts:
         sub = _first_tasks(run, bundle, n, bundle.parent / f"first_{n}")
-        out["memory"][f"switch_{n}"] = _child(sub, {"kind": "runtime", "mode": "switch"}, device, threads)
-    out["memory"]["switch_keep_pack"] = _child(
-        bundle, {"kind": "runtime", "mode": "switch", "keep": "pack"}, device, threads
-    )
-    out["memory"]["session_all_cached"] = _child(
-        bundle, {"kind": "runtime", "mode": "session", "max_sessions": ntasks}, device, threads
-    )
+        out["memory"][f"switch_{n}"] = child(sub, {"kind": "runtime", "mode": "switch"})
+    out["memory"]["switch_keep_pack"] = child(bundle, {"kind": "runtime", "mode": "switch", "keep": "pack"})
+    out["memory"]["session_all_cached"] = child(bundle, {"kind": "runtime", "mode": "session", "max_sessions": ntasks})
     if ntasks > 1 and memory == "all":  # every task held ready (a buffer each) against one: what each further one adds
-        out["memory"]["switch_all_ready"] = _child(
-            bundle, {"kind": "runtime", "mode": "switch", "ready": ntasks}, device, threads
-        )
+        out["memory"]["switch_all_ready"] = child(bundle, {"kind": "runtime", "mode": "switch", "ready": ntasks})
     if ntasks > 1 and memory == "all":  # one cached session: what each further one adds is the difference
         one = _first_tasks(run, bundle, 1, bundle.parent / "first_1")
-        out["memory"]["session_one_cached"] = _child(
-            one, {"kind": "runtime", "mode": "session", "max_sessions": 1}, device, threads
-        )
+        out["memory"]["session_one_cached"] = child(one, {"kind": "runtime", "mode": "session", "max_sessions": 1})
     # Latency, interleaved, on task 0 (no switch in between).
     rts = {
         "switch": Runtime(bundle, device=device, mode="switch", threads=threads, cuda_arena=cuda_arena),
@@ -248,8 +239,6 @@ def main() -> None:
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    global CUDA_ARENA
-    CUDA_ARENA = args.cuda_arena
     import onnxruntime as ort
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

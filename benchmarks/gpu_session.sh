@@ -56,6 +56,19 @@ bounded() {
 }
 pack() { tar -C "$(dirname "$1")" -czf "$OUT/$2.tar.gz" "$(basename "$1")" 2>/dev/null; }
 failures() { [ -f "$1" ] && { grep -E "^(FAILED|ERROR) |^E  " "$1" | cut -c1-300 | head -${2:-40}; tail -2 "$1"; }; }
+# step_rows CAP: gpu_checks.sh's step rows (ROWS, MODES) within CAP seconds, packed as rows.tar.gz
+step_rows() {
+    OUT=/tmp/gpu_rows STAGE=rows ROUNDS=${ROUNDS:-20} ROW_TIMEOUT=${ROW_TIMEOUT:-70} LAYER_ROW=0 \
+        bounded "$1" bash benchmarks/gpu_checks.sh
+    pack /tmp/gpu_rows rows
+}
+# profiles "model size batch": NWS's step profiled, then (PROFILE_DENSE=1, the default) dense's, packed as profile.tar.gz
+profiles() {
+    set -- $1
+    bounded 60 $PY benchmarks/gpu_profile.py --model "$1" --size "$2" --batch "$3" --out /tmp/gpu_prof
+    [ "${PROFILE_DENSE:-1}" = 1 ] && bounded 40 $PY benchmarks/gpu_profile.py --model "$1" --size "$2" --batch "$3" --dense --out /tmp/gpu_prof
+    pack /tmp/gpu_prof profile
+}
 case $PHASE in
 parts) ;;
 suite)
@@ -79,17 +92,9 @@ runtime)
         echo "== $part (rc $?)"; tail -n 22 "$(ls -t /tmp/gpu_rt/deploy_cuda_*.log 2>/dev/null | head -1)" 2>/dev/null
         pack /tmp/gpu_rt runtime
     done
-    if [ -n "${PROFILE:-}" ]; then
-        set -- $PROFILE
-        bounded 90 $PY benchmarks/gpu_profile.py --model "$1" --size "$2" --batch "$3" --out /tmp/gpu_prof
-        [ "${PROFILE_DENSE:-1}" = 1 ] && bounded 60 $PY benchmarks/gpu_profile.py --model "$1" --size "$2" --batch "$3" --dense --out /tmp/gpu_prof
-        pack /tmp/gpu_prof profile
-    fi
-    if [ -n "${ROWS:-}" ]; then  # step rows last (ROWS and MODES as gpu_checks.sh reads them; empty: none)
-        OUT=/tmp/gpu_rows STAGE=rows ROUNDS=${ROUNDS:-20} ROW_TIMEOUT=${ROW_TIMEOUT:-90} LAYER_ROW=0 \
-            bounded "$BUDGET" bash benchmarks/gpu_checks.sh
-        pack /tmp/gpu_rows rows
-    fi ;;
+    [ -n "${PROFILE:-}" ] && profiles "$PROFILE"
+    [ -n "${ROWS:-}" ] && step_rows "$BUDGET"  # step rows last (ROWS and MODES as gpu_checks.sh reads them)
+    ;;
 rows)
     if [ "${FUZZ:-0}" -gt 0 ]; then  # the engine's Triton kernels as the GPU compiles them, against brute force
         mkdir -p /tmp/gpu_rows
@@ -97,15 +102,9 @@ rows)
             --out /tmp/gpu_rows/search_fuzz_cuda.json | tail -5
     fi
     keep=0; [ -n "${PROFILE:-}" ] && keep=100  # the profiles' time, kept from the rows'
-    OUT=/tmp/gpu_rows STAGE=rows ROUNDS=${ROUNDS:-20} ROW_TIMEOUT=${ROW_TIMEOUT:-70} LAYER_ROW=0 \
-        bounded "$((BUDGET - (SECONDS - start) - keep))" bash benchmarks/gpu_checks.sh
-    pack /tmp/gpu_rows rows
-    if [ -n "${PROFILE:-}" ]; then
-        set -- $PROFILE
-        bounded 60 $PY benchmarks/gpu_profile.py --model "$1" --size "$2" --batch "$3" --out /tmp/gpu_prof
-        bounded 40 $PY benchmarks/gpu_profile.py --model "$1" --size "$2" --batch "$3" --dense --out /tmp/gpu_prof
-        pack /tmp/gpu_prof profile
-    fi ;;
+    step_rows "$((BUDGET - (SECONDS - start) - keep))"
+    [ -n "${PROFILE:-}" ] && profiles "$PROFILE"
+    ;;
 *) echo "PHASE: parts, suite, rows or runtime"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -183,6 +183,8 @@ class Runtime:
 
     Attributes:
         providers: the providers requested (names); ``session(task).get_providers()`` says what runs.
+        cuda_arena: CUDA: ``own`` or ``shared``, the arena the sessions are built with (``own`` where a shared
+            one could not be registered); None on a CPU.
         last_switch_seconds: the work of the last switch to a task not held ready, in seconds: decoding
             (``keep="pack"``), the gather and fold, and writing the buffers (switch mode); the session
             creation (session mode). A switch to a task held ready or cached costs a look-up.
@@ -243,11 +245,12 @@ class Runtime:
         self.providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if gpu else ["CPUExecutionProvider"]
         self.tf32 = bool(tf32)
         self._provider_args = session_providers(gpu, self.tf32)  # what sessions are built with
-        self.cuda_arena = cuda_arena
-        if gpu and cuda_arena == "shared" and not _shared_cuda_arena(ort):
+        shared = gpu and cuda_arena == "shared" and _shared_cuda_arena(ort)
+        if gpu and cuda_arena == "shared" and not shared:
             warnings.warn(
                 "cuda_arena='shared': this onnxruntime cannot register one; each session keeps its own", stacklevel=2
             )
+        self.cuda_arena = ("shared" if shared else "own") if gpu else None  # what the sessions are built with
         self.threads = threads
         self.max_sessions = max_sessions
         self.ready, self.keep, self.layout_request = ready, keep, layout
@@ -317,7 +320,7 @@ class Runtime:
             opts.add_external_initializers(list(external), list(external.values()))
         if shared_arena and not self.cuda and _shared_cpu_arena(self.ort):
             opts.add_session_config_entry("session.use_env_allocators", "1")
-        if self.cuda and self.cuda_arena == "shared" and _shared_cuda_arena(self.ort):
+        if self.cuda_arena == "shared":
             opts.add_session_config_entry("session.use_env_allocators", "1")
         return opts
 
@@ -605,11 +608,6 @@ class Runtime:
         tasks held ready with the bytes of the weight buffers and of what each task keeps (switch mode),
         ``cached_tasks`` (session mode: each cached session holds its folded dense weights), and ``cuda_arena``
         (CUDA: ``own`` or ``shared``, as the sessions were built; None on a CPU)."""
-        arena = (
-            (self.cuda_arena if self.cuda_arena == "own" or _shared_cuda_arena(self.ort) else "own")
-            if self.cuda
-            else None
-        )
         if self.mode == "switch":
             kept = {t: sum(v.nbytes for v in h.values.values()) for t, h in self._tasks.items() if h.values}
             return {
@@ -622,7 +620,7 @@ class Runtime:
                 "weight_buffer_bytes": 4 * self._graph.floats * len(self._slots),
                 "bytes_per_task": kept,
                 "keep": self.keep,
-                "cuda_arena": arena,
+                "cuda_arena": self.cuda_arena,
             }
         sessions = list(self._sessions.values())
         providers = sorted({p for s in sessions for p in s.get_providers()})
@@ -630,7 +628,7 @@ class Runtime:
             "mode": "session",
             "providers": providers or self.providers,
             "cached_tasks": list(self._sessions),
-            "cuda_arena": arena,
+            "cuda_arena": self.cuda_arena,
         }
 
     def metadata(self, task: int) -> dict:

@@ -25,7 +25,9 @@ if [ "$STAGE" = steps ] || [ "$STAGE" = all ]; then
     echo "pytest rc=$?" >> "$OUT/pytest_gpu.log"
 fi
 # ROWS="model size batch;..." picks rows (a call has at most 10 minutes: split the rows over two calls
-# if one does not finish); MODES="eager graph" picks the step modes.
+# if one does not finish); MODES="eager graph" picks the step modes: eager (the engine's update eager),
+# enginegraph (eager steps, the engine's update replayed from a CUDA graph: --engine-graph), graph (the
+# whole step of both models captured: --cuda-graph).
 ROWS=${ROWS:-"resnet18 32 64;resnet18 224 32;resnet50 224 32;mobilenetv2_100 224 32;efficientnet_b0 224 32"}
 IFS=';' read -ra ROW_LIST <<< "$ROWS"
 [ "$STAGE" = rest ] && ROW_LIST=()
@@ -34,6 +36,7 @@ for mode in ${MODES:-eager graph}; do  # every row eager first, then every row g
         set -- $row
         extra=""
         [ "$mode" = graph ] && extra="--cuda-graph --no-memory"
+        [ "$mode" = enginegraph ] && extra="--engine-graph"
         timeout "$ROW_TIMEOUT" $PY benchmarks/train_step.py --model "$1" --size "$2" --batch "$3" --rounds "${ROUNDS:-30}" --search engine $extra \
             --json "$OUT/train_step_$1_$2_$mode.json" > "$OUT/train_step_$1_$2_$mode.log" 2>&1
         echo "$1 $2 $mode: $(grep -E '^(step time|CUDA peak|per |kernels)' "$OUT/train_step_$1_$2_$mode.log" | tr '\n' ' ')"

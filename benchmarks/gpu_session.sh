@@ -4,7 +4,8 @@
 #   PHASE=parts    nothing beyond device.sh: the calls that bring onnxruntime-gpu's parts (.dev/ortK), one a call
 #   PHASE=suite    on the machine once every part is there: the whole suite (python3 -m pytest -n 14), the
 #                  runtime's tests with onnxruntime-gpu's CUDA provider, then make demo's job (runs/demo)
-#   PHASE=rows     (FUZZ=s) search_fuzz.py's engine and fused cases on CUDA (the GPU's tiles and FMA), step
+#   PHASE=rows     (TESTS_FIRST=1) the engine's and the graphs' tests on CUDA, (FUZZ=s) search_fuzz.py's engine
+#                  and fused cases on CUDA (the GPU's tiles and FMA), step
 #                  rows (ROWS, MODES; default: the five rows, eager then graphed) and (PROFILE) a profile:
 #                  needs no onnxruntime-gpu, so it can run in the call that brings the first part
 #   PHASE=runtime  deploy_modes.py on CUDA (gpu_runtime.sh; RT_PARTS picks the parts: demo (the run PHASE=suite
@@ -30,14 +31,18 @@
 #   mkdir -p .dev/long20 && cp -r runs/long20/{base.nwspack,job.json,manifest.json,pools.safetensors,tasks} .dev/long20/
 # The calls, back to back (a machine is given back after 30 s idle), each `. .dev/base/device.sh && ...`.
 # The next lease (after 51a292a: the suite and the runtime's tests passed on the H100; what is left is the step
-# rows with the persistent search and the wide-D kernels, the runtime on MobileNetV2 and EfficientNet-B0, and
-# a profile to compare with 51a292a's), about 15 minutes:
-#   1. carry .dev/base .dev/ort0: PHASE=rows BUDGET=360 FUZZ=45 ROUNDS=15 PROFILE="resnet18 32 64" (timeout_s 400)
+# rows with the persistent search, the wide-D kernels and the graphed engine update (engine_graph=true, built
+# after 741e7b3 for the eager rows' host time), the runtime on MobileNetV2 and EfficientNet-B0, and a profile
+# to compare with 51a292a's), about 15 minutes:
+#   1. carry .dev/base .dev/ort0: PHASE=rows BUDGET=400 FUZZ=40 ROUNDS=15 MODES="eager enginegraph" TESTS_FIRST=1
+#      (timeout_s 430): the engine's and the graphs' GPU tests first (the graphed update's included), the CUDA
+#      fuzz (its engine cases run a graphed copy too), then the five rows eager and with the graphed update
 #   2-5. carry .dev/base .dev/ortK: PHASE=parts (timeout_s 60 each)
 #   6. carry .dev/base .dev/long20: PHASE=runtime BUDGET=... LONG20_RUN=.dev/long20 ARENA=shared RT_PARTS=long20
 #      PART_CAP=120 (the shared CUDA arena against 51a292a's own-arena figures), then in the same call
-#      ARENA=own MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models PART_CAP=200: chain the two with &&
-#      (about 50 + 400 + 4 x 15 + 330 s with the transfers: check budget_left_s before call 6 and cut its caps)
+#      ARENA=own MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models PART_CAP=200 ROWS="resnet18 32 64;resnet18
+#      224 32" MODES=graph PROFILE="resnet18 32 64": chain the two with && (check budget_left_s before call 6
+#      and cut its caps; the graphed rows and the profile are last and the first to go)
 # A lease that has to check the suite again: PHASE=suite BUDGET=400 before 6.
 set -u
 PHASE=${PHASE:-parts}
@@ -96,6 +101,13 @@ runtime)
     [ -n "${ROWS:-}" ] && step_rows "$BUDGET"  # step rows last (ROWS and MODES as gpu_checks.sh reads them)
     ;;
 rows)
+    if [ "${TESTS_FIRST:-0}" = 1 ]; then  # the GPU tests of the engine and the graphs (a few seconds each)
+        mkdir -p /tmp/gpu_rows
+        bounded 90 $PY -m pytest -q -n 4 tests/test_engine.py tests/test_graphs.py tests/test_engine_kernels.py \
+            > /tmp/gpu_rows/pytest_engine.log 2>&1
+        echo "pytest rc=$?" >> /tmp/gpu_rows/pytest_engine.log
+        failures /tmp/gpu_rows/pytest_engine.log
+    fi
     if [ "${FUZZ:-0}" -gt 0 ]; then  # the engine's Triton kernels as the GPU compiles them, against brute force
         mkdir -p /tmp/gpu_rows
         bounded $((FUZZ + 30)) $PY benchmarks/harnesses/search_fuzz.py --seconds "$FUZZ" --seed 0 --kinds engine,fused \

@@ -9,6 +9,8 @@ dispatcher path, nothing is computed):
 
 * launches: the aten ops of one step that launch a kernel (views and bare allocations left out),
   dense and NWS, plus the engine's Triton launches;
+* of those, what ``engine_graph=true`` (``SearchEngine(graph=True)``) replays from a CUDA graph: the ops
+  and Triton launches of the update's no-grad part (every group's ``refresh``), with its Python time;
 * Python time of the NWS path: the self time (cProfile) of every ``nwsconvert`` function and of the
   autograd Function the engine's straight-through gradient runs, over one NWS step; the dense step
   runs no such code. cProfile adds its own overhead per call, so this is an upper bound.
@@ -145,6 +147,19 @@ def measure(name: str, args) -> dict:
             _step(models[k], opts[k], x, y)
         ops[k] = count.count
     triton = launches[0]
+    with _Ops() as count:
+        launches[0] = 0
+        for g in engine.groups:
+            g.refresh(False)
+    graphed = {"ops": count.count, "triton": launches[0], "python_ms": []}
+    for _ in range(args.rounds):
+        prof = cProfile.Profile()
+        prof.enable()
+        for g in engine.groups:
+            g.refresh(False)
+        prof.disable()
+        graphed["python_ms"].append(sum(v[2] for (f, _, _), v in pstats.Stats(prof).stats.items() if "nwsconvert" in f))
+    graphed["python_ms"] = min(graphed["python_ms"]) * 1e3
     with torch.no_grad(), _Alloc() as alloc:
         engine.update()
     state = _state_bytes(engine)
@@ -171,6 +186,7 @@ def measure(name: str, args) -> dict:
         "nws_ops": ops["nws"],
         "triton_launches": triton,
         "extra_launches": ops["nws"] + triton - ops["dense"],
+        "graphed_update": graphed,
         "weight_mb": weight_bytes / 2**20,
         "engine_state_mb": state / 2**20,
         "update_alloc_mb": alloc.bytes / 2**20,
@@ -199,6 +215,11 @@ def main() -> None:
             f"{r['python_ms']:19.2f} / {r['python_ms_median']:.2f}"
         )
         print("    most Python time: " + ", ".join(f"{fn} {t:.2f} ms" for fn, t in r["top_python_ms"]))
+        gu = r["graphed_update"]
+        print(
+            f"    the update's no-grad part (one replay with engine_graph=true): {gu['ops']} ops + {gu['triton']} "
+            f"Triton launches, {gu['python_ms']:.2f} ms of nwsconvert Python"
+        )
         print(
             f"    NWS weights {r['weight_mb']:.1f} MB; engine state {r['engine_state_mb']:.1f} MB "
             f"({r['engine_state_mb'] / r['weight_mb']:.2f}x); one update allocates {r['update_alloc_mb']:.1f} MB "

@@ -21,6 +21,8 @@ The NWS step fuses the commitment gradient into the backward
 ``--cuda-graph`` (CUDA): both models' steps are captured in CUDA graphs and replayed
 (:class:`nwsconvert.train.graphs.GraphedStep`, what ``nws-train cuda_graph=true`` runs: 3 eager
 warm-up steps, then a capture), each round copying its batch into the graph's input buffers.
+``--engine-graph`` (CUDA): the steps stay eager and the NWS engine's update is captured and replayed
+(``SearchEngine(graph=True)``, what ``nws-train engine_graph=true`` runs).
 
 On CUDA it also counts, over one NWS step and one dense step, the host-device
 synchronisations (``torch.cuda.set_sync_debug_mode('warn')``) and the kernel
@@ -76,7 +78,8 @@ def build(args, nws: bool):
         nwsconvert.convert(model, pool_size=args.pool_size, init="kmeans")
         if not args.unfused:
             nwsconvert.set_commitment(model, 1.0)
-        model.nws_engine = search_engine(model, args.search)  # kept alive with the model (None: per layer)
+        # kept alive with the model (None: per layer)
+        model.nws_engine = search_engine(model, args.search, graph=getattr(args, "engine_graph", False))
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5)
     return model, opt
@@ -232,6 +235,9 @@ def main():
         "--data", choices=["split-mnist", "random"], default="split-mnist", help="real digits, or one random batch"
     )
     ap.add_argument("--cuda-graph", action="store_true", help="capture both steps in CUDA graphs and replay them")
+    ap.add_argument(
+        "--engine-graph", action="store_true", help="eager steps, the NWS engine's update replayed from a CUDA graph"
+    )
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument(
         "--memory",
@@ -250,6 +256,8 @@ def main():
 
     if args.cuda_graph and not args.device.startswith("cuda"):
         ap.error("--cuda-graph needs --device cuda")
+    if args.engine_graph and (args.cuda_graph or not args.device.startswith("cuda")):
+        ap.error("--engine-graph needs --device cuda and eager steps (not --cuda-graph)")
     if args.warmup < (5 if args.cuda_graph else 0):
         ap.error(
             f"--warmup {args.warmup}: at least {5 if args.cuda_graph else 0} (with --cuda-graph: 3 eager steps, a capture, a replay)"
@@ -311,6 +319,7 @@ def main():
             args.device,
             "--data",
             args.data,
+            *(["--engine-graph"] if args.engine_graph else []),
         ]
         children[variant] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for variant, child in children.items():
@@ -330,7 +339,13 @@ def main():
     print(
         f"{args.model}, input {args.size}x{args.size}, batch {args.batch}, {args.threads} threads, {args.device} "
         f"({device_name}), torch {torch.__version__}, search {'engine (' + engine.kernel + ')' if engine else 'layer'}, "
-        f"data {args.data}" + (", CUDA graphs (both)" if args.cuda_graph else "")
+        f"data {args.data}"
+        + (", CUDA graphs (both)" if args.cuda_graph else "")
+        + (
+            f", engine update graphed ({engine.captures} captures, {engine.replays} replays)"
+            if args.engine_graph
+            else ""
+        )
     )
     paired = statistics.median(n / d for n, d in zip(times["nws"], times["dense"]))
     print(
@@ -375,6 +390,9 @@ def main():
                     "ratio": tn / td,
                     "paired_ratio": paired,
                     "searched_median": statistics.median(searched),
+                    "engine_graph": {"captures": engine.captures, "replays": engine.replays}
+                    if args.engine_graph
+                    else None,
                     "memory": mem,
                     "host_work": host,
                 },

@@ -148,9 +148,151 @@ def test_engine_choice_and_errors(monkeypatch):
         auto.close()
     with pytest.raises(ValueError, match="kernel='nope'"):
         SearchEngine(model, kernel="nope")
+    with pytest.raises(ValueError, match="graph=True\\) captures the Triton kernels' update; kernel='torch'"):
+        SearchEngine(model, kernel="torch", graph=True)
+    if DEVICE.type != "cuda" and fused_search.available(DEVICE):
+        with pytest.raises(RuntimeError, match="graph=True\\) captures a CUDA graph; the model is on cpu"):
+            SearchEngine(model, kernel="triton", graph=True)
     monkeypatch.setattr(fused_search, "_TRITON_OK", False)
     with pytest.raises(RuntimeError, match="needs Triton"):
         SearchEngine(model, kernel="triton")
+
+
+def _addresses(engine) -> list[int]:
+    """The address of every tensor an engine's update can read or write outside its own memory: each group's
+    tensors (its attributes, whatever they are), every layer's W, indices and pool."""
+    out = []
+    for g in engine.groups:
+        for name, value in vars(g).items():
+            if name == "pieces":  # the update's output (views of K), made again from it at every update
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    out.append(t.data_ptr())
+        for layer, holder in zip(g.layers, g.holders):
+            out += [holder.original.data_ptr(), layer.nws.indices.data_ptr(), layer.nws.pool.data_ptr()]
+    return out
+
+
+class _StandInGraph:
+    """A CUDA graph's contract, on any device: a capture runs nothing and fixes the output buffers; a replay
+    writes the update's results into those same buffers without moving any version counter, and is only
+    valid while every buffer the update touches is where it was at the capture (checked, not trusted: a
+    replay after one moved fails)."""
+
+    def __init__(self, refresh, device):
+        self.refresh, self.outputs = refresh, None
+        self.warm = refresh()  # the capture step's eager update (the real one runs it on a side stream)
+        self.engine = _StandInGraph.engine
+        self.captured = _addresses(self.engine)
+
+    @staticmethod
+    def supports(device):
+        return True
+
+    def replay(self):
+        assert _addresses(self.engine) == self.captured, "replayed a graph whose buffers moved"
+        # A graph writes memory behind autograd's version counters: the layers' indices are written through
+        # aliases (same storage, counters of their own) so that the originals' counters do not move either.
+        layers = [layer.nws for g in self.engine.groups for layer in g.layers]
+        held = [nws.indices for nws in layers]
+        for nws, t in zip(layers, held):
+            nws.indices = t.data
+        try:
+            outs = self.refresh()
+        finally:
+            for nws, t in zip(layers, held):
+                nws.indices = t
+        if self.outputs is None:
+            self.outputs = outs
+        else:
+            for fixed, new in zip(self.outputs, outs):
+                for f, n in zip(fixed, new):
+                    f.copy_(n)
+        return self.outputs
+
+
+def _graphed_against_eager(stand_in: bool) -> list[tuple[int, int]]:
+    """Train two copies of one model, one with the eager engine and one with ``graph=True``, with commitment
+    and momentum: frozen pools for 6 steps, a pool edit, 2 steps, a weight given new storage, 4 steps.
+    Asserts after every step that weights, indices and search counts are the same bit for bit; returns the
+    graphed engine's ``(captures, replays)`` after each step. On CUDA the steps due to replay
+    (:data:`GRAPHED_COUNTS`) run in sync-debug mode ``error``: a replayed update reads nothing back
+    (a capture synchronises once). ``stand_in``: the stand-in capture is in use (it checks the buffers)."""
+    from nwsconvert.train.loop import use_deterministic
+
+    a = small_net(2)
+    b = copy.deepcopy(a)
+    for m in (a, b):
+        set_commitment(m, 1.0)
+    oa, ob = (torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (a, b))
+    restore = use_deterministic()  # cuDNN's default backward kernels differ from run to run on CUDA
+    try:
+        with SearchEngine(a, kernel="triton") as ea, SearchEngine(b, kernel="triton", graph=True) as eb:
+            if stand_in:
+                _StandInGraph.engine = eb
+            counts: list[tuple[int, int]] = []
+
+            def step(x, y):
+                i = len(counts)
+                check = DEVICE.type == "cuda" and i and GRAPHED_COUNTS[i][1] > GRAPHED_COUNTS[i - 1][1]  # a replay
+                if check:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    sgd_step(b, ob, x, y)
+                finally:
+                    if check:
+                        torch.cuda.set_sync_debug_mode(0)
+                sgd_step(a, oa, x, y)
+                for la, lb in zip(nws_layers(a), nws_layers(b)):
+                    assert torch.equal(la.nws.indices, lb.nws.indices) and torch.equal(la.weight, lb.weight), la.name
+                assert ea.stats() == eb.stats()
+                with torch.no_grad():  # eval forwards read the layers' own weight caches, kept by the indices' versions
+                    assert torch.equal(a.eval()(x), b.eval()(x))
+                a.train(), b.train()
+                counts.append((eb.captures, eb.replays))
+
+            data = list(batches(12, seed=4))
+            for x, y in data[:6]:
+                step(x, y)
+            with torch.no_grad():  # a pool edit both engines see (the version counter): an eager update
+                for m in (a, b):
+                    nws_layers(m)[1].nws.pool.mul_(1.01)
+            step(*data[6])
+            step(*data[7])
+            for m in (a, b):  # one W given new storage (same values): the old graph would read the old buffer
+                holder = nws_layers(m)[0].module.parametrizations.weight
+                holder.original.data = holder.original.data.clone()
+            for x, y in data[8:]:
+                step(x, y)
+        assert_exact(b, data[-1][0])
+        assert eb._graph is None  # closed: the graph's memory goes with it
+    finally:
+        restore()
+    return counts
+
+
+#: (captures, replays) after each step of _graphed_against_eager: the 1st update sees the pools for the first
+#: time (eager), the 2nd and 3rd warm up, the 3rd captures; replays; the pool edit's step eager, the next
+#: replayed by the same graph; after the new storage a warm-up, a second capture, replays.
+GRAPHED_COUNTS = [(0, 0), (0, 0), (1, 0), (1, 1), (1, 2), (1, 3), (1, 3), (1, 4), (1, 4), (2, 4), (2, 5), (2, 6)]
+
+
+@pytest.mark.skipif(not fused_search.available(DEVICE), reason="needs Triton (the engine's graphed update)")
+def test_a_graphed_update_trains_bitwise_like_the_eager_engine(monkeypatch):
+    """SearchEngine(graph=True), its capture replaced by a stand-in with a CUDA graph's contract (fixed output
+    buffers; replayed only while the buffers it read stay put): the eager engine's weights, indices and
+    search counts after every step, and a capture, replay or eager update where each is due."""
+    from nwsconvert.core import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "GRAPH_CAPTURE", _StandInGraph)
+    assert _graphed_against_eager(stand_in=True) == GRAPHED_COUNTS
+
+
+@pytest.mark.gpu  # a real CUDA graph of the update
+def test_a_cuda_graphed_update_trains_bitwise_like_the_eager_engine_without_syncs():
+    """The same with the real capture: a CUDA graph per capture, replays without host syncs."""
+    assert _graphed_against_eager(stand_in=False) == GRAPHED_COUNTS
 
 
 def test_a_deep_copy_of_an_engine_model_searches_on_its_own():

@@ -16,11 +16,29 @@ from nwsconvert.train.graphs import check_graphable
 CUDA = torch.device("cuda")
 
 
-def test_the_option_is_a_recorded_boolean_off_by_default():
-    assert TrainConfig().cuda_graph is False
-    assert TrainConfig.from_recorded({}).cuda_graph is False  # runs recorded before the option: eager
-    with pytest.raises(UsageError, match="cuda_graph='yes': expected true or false"):
-        TrainConfig(cuda_graph="yes")
+@pytest.mark.parametrize("key", ["cuda_graph", "engine_graph"])
+def test_the_option_is_a_recorded_boolean_off_by_default(key):
+    assert getattr(TrainConfig(), key) is False
+    assert getattr(TrainConfig.from_recorded({}), key) is False  # runs recorded before the option: eager
+    with pytest.raises(UsageError, match=f"{key}='yes': expected true or false"):
+        TrainConfig(**{key: "yes"})
+
+
+@pytest.mark.parametrize(
+    ("changes", "device", "message"),
+    [
+        ({}, "cpu", "engine_graph=true captures the search engine's Triton update on CUDA \\(device cpu"),
+        ({"search": "layer"}, "cuda", "on CUDA \\(device cuda, search=layer"),
+        ({"cuda_graph": True}, "cuda", "engine_graph=true and cuda_graph=true: the whole step's graph already holds"),
+    ],
+)
+def test_what_the_engine_graph_cannot_capture_is_refused_in_one_line(changes, device, message):
+    cfg = TrainConfig(engine_graph=True, **changes)
+    with pytest.raises(UsageError, match=message) as info:
+        check_graphable(cfg, torch.device(device), False)
+    assert "\n" not in str(info.value)
+    if device == "cuda" and fused_search.available(CUDA):
+        check_graphable(TrainConfig(engine_graph=True), CUDA, True)  # what it needs: CUDA and the engine (torchrun too)
 
 
 def test_a_cpu_run_asking_for_cuda_graphs_is_refused_before_its_directory_is_made(tmp_path):
@@ -67,11 +85,13 @@ def test_nws_train_refuses_cuda_graphs_on_a_cpu_in_one_line(tmp_path):
 
 
 @pytest.mark.gpu  # CUDA graphs
-def test_replayed_task_training_equals_eager_training_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("option", ["cuda_graph", "engine_graph"])
+def test_replayed_task_training_equals_eager_training_bit_for_bit(tmp_path, option):
     """Two epochs of a task (a new learning rate in the second: a second capture), with the engine and
-    commitment: the run with cuda_graph=true ends with the eager run's weights, indices and packs. Both
-    with deterministic=true: cuDNN's default backward kernels differ from run to run on CUDA (an H100
-    gave other weights after the first step, eager against eager on a side stream)."""
+    commitment: the run with cuda_graph=true (the whole step replayed) or engine_graph=true (the engine's
+    update replayed) ends with the eager run's weights, indices and packs. Both with deterministic=true:
+    cuDNN's default backward kernels differ from run to run on CUDA (an H100 gave other weights after the
+    first step, eager against eager on a side stream)."""
     from trainer_utils import KWARGS, SPEC, blobs, tiny_config, tiny_model
 
     from nwsconvert.core.nwsmodel import nws_layers
@@ -80,7 +100,7 @@ def test_replayed_task_training_equals_eager_training_bit_for_bit(tmp_path):
     models, packs = {}, {}
     for graphed in (False, True):
         cfg = tiny_config(
-            epochs=2, milestones=[1], cuda_graph=graphed, amp="off", search="engine", batch_size=8, deterministic=True
+            epochs=2, milestones=[1], amp="off", search="engine", batch_size=8, deterministic=True, **{option: graphed}
         )
         with Trainer(tiny_model(), tmp_path / str(graphed), cfg, model_spec=SPEC, model_kwargs=KWARGS,
                      device="cuda", progress=False) as trainer:  # fmt: skip

@@ -17,7 +17,8 @@ the first two):
 * **lazy** (``lazy``): an ``NWSWeight`` through 4-12 training-mode updates, each after one to three random
   edits of the weights or the pool (noise, rows moved onto bisectors and 0-3 ulps off them, jumps, pool moves
   down to 1e-12 of its scale, duplicated entries); after every update its indices must equal brute force.
-* **engine** (``--kinds engine``, slower): a small model under ``SearchEngine``: a 7x7, 3x3 or 1x1 stem of
+* **engine** (``--kinds engine``, slower; on CUDA a third copy with ``SearchEngine(graph=True)``, its update
+  replayed from a CUDA graph): a small model under ``SearchEngine``: a 7x7, 3x3 or 1x1 stem of
   1-72 rows, then 3x3, depthwise 3x3, 1x1 and linear layers, with pools of 2, 5, 64 or 200 entries (over
   the GPU kernels' pool tile of 64) of any kind below. Its torch kernel runs, and its Triton kernels on a
   copy: under ``TRITON_INTERPRET=1``, or on CUDA where there is a GPU. In task or pool mode, 3-8
@@ -281,7 +282,11 @@ def engine_case(rng: random.Random, g: torch.Generator, exponent: float, counts:
     models = {"torch": model}
     if _triton_device() is not None:  # the CPU under the interpreter, or CUDA: the kernels as a GPU compiles them
         models["triton"] = copy.deepcopy(model).to(_triton_device())
-    engines = {k: SearchEngine(m, kernel=k) for k, m in models.items()}
+        if _triton_device().type == "cuda":  # and the update replayed from a CUDA graph where no pool moved
+            models["triton-graph"] = copy.deepcopy(model).to(_triton_device())
+    engines = {
+        k: SearchEngine(m, kernel=k.removesuffix("-graph"), graph=k.endswith("-graph")) for k, m in models.items()
+    }
     edits_of = [
         rng.sample(["noise", "bisect", "jump", "pool_tiny", "pool_small", "none"], rng.randint(1, 3))
         for _ in range(rng.randint(3, 8))

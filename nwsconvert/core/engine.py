@@ -32,6 +32,10 @@ Nothing is read back to the host: no ``.item()``, ``nonzero``, ``equal`` or
 branch on a tensor value. The result equals the per-layer search, which equals
 :func:`~nwsconvert.core.search.brute_force`, exactly.
 
+With ``graph=True`` (CUDA) the update's launches are captured once in a CUDA graph and replayed while
+no pool moves and its buffers stay where they were: an eager step then pays one launch for it, not some
+20 launches and their Python (an eager GPU step is paced by its host).
+
 Use it for a training stage::
 
     with SearchEngine(model):   # CUDA (Triton), or CPU under TRITON_INTERPRET=1
@@ -103,24 +107,28 @@ class _GroupSTE(torch.autograd.Function):
     The forward value is exactly the gathered pool vectors ``k`` ``(R, D)``. The backward hands each
     weight its slice of the incoming gradient; with ``commit`` (:class:`_Commit`, or None) it first adds
     ``scale * (W - K)`` per layer, the gradient of every layer's commitment term (see
-    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group. W is concatenated
-    again for it there: the forward keeps no copy of W alive through the step.
+    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group. ``x``: W as the update
+    concatenated it ``(R, D)`` float32, where that buffer lives through the step anyway (a graphed
+    update's); else None, and W is concatenated again in the backward: an eager forward keeps no copy of
+    W alive through the step. (The weights are saved either way: autograd refuses a backward after they
+    changed in place, so ``x`` is still W there.)
     """
 
     @staticmethod
-    def forward(ctx, k: torch.Tensor, commit: _Commit | None, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.shapes, ctx.commit = [w.shape for w in weights], commit
+    def forward(ctx, k: torch.Tensor, commit: _Commit | None, x: torch.Tensor | None, *weights: torch.Tensor):
+        ctx.shapes, ctx.commit, ctx.has_x = [w.shape for w in weights], commit, x is not None
         if commit is not None:
-            ctx.save_for_backward(k, *weights)
+            ctx.save_for_backward(k, *weights, *((x,) if x is not None else ()))
         return k.view_as(k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.commit is not None:
             k, *weights = ctx.saved_tensors
-            grad = ctx.commit(grad, k, weights)
+            x = weights.pop() if ctx.has_x else None
+            grad = ctx.commit(grad, k, weights, x)
         pieces = grad.reshape(-1).split([s.numel() for s in ctx.shapes])
-        return (None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
+        return (None, None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
 
 
 class _Commit:
@@ -132,8 +140,8 @@ class _Commit:
     def __init__(self, dim: int, scale: torch.Tensor, wide: tuple | None):
         self.dim, self.scale, self.wide = dim, scale, wide
 
-    def __call__(self, grad: torch.Tensor, k: torch.Tensor, weights) -> torch.Tensor:
-        w = torch.cat([w.reshape(-1, self.dim) for w in weights])
+    def __call__(self, grad: torch.Tensor, k: torch.Tensor, weights, x: torch.Tensor | None = None) -> torch.Tensor:
+        w = x if x is not None else torch.cat([w.reshape(-1, self.dim) for w in weights])
         # The group's incoming gradient is a buffer autograd made for K alone (the layers' weight gradients
         # concatenated), which nothing else reads: the term goes into it in place, so the backward's peak
         # holds no second (R, D) buffer (the kernel reads and writes each element in the same program).
@@ -277,18 +285,33 @@ class _Group:
         return self._scales[1]
 
     @full_precision
-    def update(self) -> list[torch.Tensor]:
-        """Search what drifted, then gather every layer's weight (differentiable in W while grad is on).
-        Returns the layers' temporary weights it read."""
+    @torch.no_grad()
+    def refresh(self, moved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Search what drifted and gather every layer's K; the layers' indices brought up to date. No host
+        sync, fixed shapes (capturable in a CUDA graph when ``fused``).
+
+        Args:
+            moved: a pool changed since the last update (:meth:`_track_pools`, run first).
+
+        Returns:
+            ``(k, x)``: K ``(R, D)`` in the pools' dtype, and W as it searched it ``(R, D)`` float32.
+        """
+        x = torch.cat([holder.original.detach().reshape(-1, self.dim) for holder in self.holders])
+        x = x if x.dtype == torch.float32 else x.float()
+        k = self._update_fused(x, moved) if self.fused else self._update_torch(x, moved)
+        torch._foreach_copy_([layer.nws.indices for layer in self.layers], self.index_pieces)
+        return k, x
+
+    @full_precision
+    def attach(self, k: torch.Tensor, x: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Make ``k`` (:meth:`refresh`) the layers' weights for the next forward, differentiable in W while grad
+        is on. ``x``: :meth:`refresh`'s W, for the commitment term's backward to read instead of concatenating
+        W again (kept through the step: only where it lives anyway), or None. Returns the layers' temporary
+        weights."""
         weights = [holder.original for holder in self.holders]
-        with torch.no_grad():
-            x = torch.cat([w.detach().reshape(-1, self.dim) for w in weights])  # (R, D)
-            x = x if x.dtype == torch.float32 else x.float()
-            moved = self._track_pools()
-            k = self._update_fused(x, moved) if self.fused else self._update_torch(x, moved)
-            torch._foreach_copy_([layer.nws.indices for layer in self.layers], self.index_pieces)
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-            k = _GroupSTE.apply(k, self._commit(), *weights)
+            reuse = x is not None and all(w.dtype == torch.float32 for w in weights)  # then x is W bit for bit
+            k = _GroupSTE.apply(k, self._commit(), x if reuse else None, *weights)
         # Split by rows, not through a flat view: the backward then concatenates the layers' gradients into
         # a tensor of K's shape that is no view, which the commitment term may take in place (_Commit).
         self.pieces = [piece.view(shape) for piece, shape in zip(k.split(self.row_counts), self.shapes)]
@@ -390,6 +413,49 @@ class _Group:
             nws._prep = PreparedPool(self.seen[poff : poff + size].to(nws.pool.dtype))
 
 
+#: Eager updates with the same buffers and no pool moved before a graphed engine captures its update.
+GRAPH_WARMUP = 2
+
+
+class _UpdateGraph:
+    """The engine's update with no pool moved (every group's :meth:`_Group.refresh`) captured in one CUDA graph.
+
+    Built at an update: runs that update eagerly on a side stream first (a graph's warm-up), its result
+    in ``warm``, then captures it (a capture runs nothing). :meth:`replay` reruns the captured kernels on
+    the current stream and returns the graph's output buffers ``[(k, x), ...]`` per group, rewritten in
+    place by every replay. The capture reads every buffer at its address then: the engine replays only
+    while those addresses stay the same (:meth:`SearchEngine._buffers`).
+    """
+
+    def __init__(self, refresh, device: torch.device):
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self.warm = refresh()
+        current.wait_stream(side)
+        for pair in self.warm:  # made on the side stream, read and freed on this one
+            for t in pair:
+                t.record_stream(current)
+        self.graph = torch.cuda.CUDAGraph()
+        # A private pool per graph (GraphedStep says why); thread_local: a DataLoader's pin-memory thread may
+        # use CUDA while this thread captures.
+        with torch.cuda.device(device), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.outputs = refresh()
+
+    @staticmethod
+    def supports(device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def replay(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.graph.replay()
+        return self.outputs
+
+
+#: How a graphed engine captures its update (tests substitute a stand-in that runs the bookkeeping on CPU).
+GRAPH_CAPTURE = _UpdateGraph
+
+
 class SearchEngine:
     """Model-level lazy exact search (see the module docstring).
 
@@ -400,14 +466,25 @@ class SearchEngine:
             ``TRITON_INTERPRET=1``, which CI uses to see the CUDA path's host work); ``torch``: the
             layers' BLAS + NumPy search over the flagged rows (reads their number: fine on CPU);
             ``auto``: ``triton`` on CUDA with Triton, else ``torch``.
+        graph: capture the update (searches, gathers, the indices' copies: some 20 launches and their
+            Python) in a CUDA graph once :data:`GRAPH_WARMUP` eager updates saw the same buffers, and replay
+            it at every update where no pool moved and those buffers are still the ones captured (pool
+            learning's updates, a weight given new storage, run eagerly; a new capture follows). The rest of
+            the step stays eager; the indices and weights are the eager update's. Costs one W-sized float32
+            buffer through the step (W as searched, which the commitment term's backward then reads
+            instead of concatenating W again). Needs ``kernel='triton'`` on CUDA. Inside a capture of the
+            whole step (``cuda_graph=true``) the update runs as captured there.
+
+    Attributes:
+        captures, replays: graphs captured and replayed so far (``graph=True``).
 
     Raises:
-        RuntimeError: ``kernel='triton'`` where it cannot run.
+        RuntimeError: ``kernel='triton'`` where it cannot run; ``graph=True`` without CUDA.
         ValueError: a layer holds float64 weights or pools (the engine searches in float32; the layers' own search,
             ``search='layer'``, is exact for them).
     """
 
-    def __init__(self, model: nn.Module, kernel: str = "auto"):
+    def __init__(self, model: nn.Module, kernel: str = "auto", graph: bool = False):
         layers = _require(model)
         wide = _float64_layer(layers)
         if wide is not None:
@@ -425,7 +502,18 @@ class SearchEngine:
             )
         if kernel not in ("triton", "torch"):
             raise ValueError(f"kernel={kernel!r}: choose auto, triton or torch")
-        self.kernel = kernel
+        if graph and kernel != "triton":
+            raise ValueError(
+                "SearchEngine(graph=True) captures the Triton kernels' update; kernel='torch' reads the device back"
+            )
+        if graph and not GRAPH_CAPTURE.supports(device):
+            raise RuntimeError(f"SearchEngine(graph=True) captures a CUDA graph; the model is on {device}")
+        self.kernel, self.graph, self.device = kernel, graph, device
+        self.captures = self.replays = 0
+        self._graph: _UpdateGraph | None = None
+        self._graph_key: tuple | None = None
+        self._warm = 0  # eager updates in a row that saw the buffers of _warm_key
+        self._warm_key: tuple | None = None
         dims: dict[int, list] = {}
         for layer in layers:
             dims.setdefault(layer.nws.vector_size, []).append(layer)
@@ -462,13 +550,49 @@ class SearchEngine:
     def update(self) -> None:
         """Bring every layer's indices up to date with its temporary weights and pool, and gather the
         weights the next forward uses (differentiable in W when grad is enabled, as in a forward)."""
+        moved = [g._track_pools() for g in self.groups]
         stamp = {}
-        for g in self.groups:
-            weights = g.update()
+        for g, (k, x) in zip(self.groups, self._refresh(moved)):
+            weights = g.attach(k, x if self.graph else None)
             for layer, w in zip(g.layers, weights):
                 stamp[id(layer.nws)] = self._state(w, layer.nws.pool)
         self._stamp = stamp
         self._used = dict.fromkeys(stamp, False)
+
+    def _refresh(self, moved: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every group's :meth:`_Group.refresh`: eagerly, or (``graph=True``) replayed from the captured graph."""
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not self.graph or any(moved) or capturing:  # a moved pool's step shrinks budgets: not the graph's
+            self._warm = 0
+            return [g.refresh(m) for g, m in zip(self.groups, moved)]
+        key = self._buffers()
+        if self._graph is not None and key == self._graph_key:
+            self.replays += 1
+            outs = self._graph.replay()
+            # A replay writes the layers' indices behind autograd's version counters, which the layers' own
+            # weight caches and commitment bookkeeping read: count it as the in-place write it is.
+            torch.autograd.graph.increment_version([layer.nws.indices for g in self.groups for layer in g.layers])
+            return outs
+        self._warm = self._warm + 1 if key == self._warm_key else 1
+        self._warm_key = key
+        if self._warm < GRAPH_WARMUP:
+            return [g.refresh(False) for g in self.groups]
+        self._graph = None  # the old graph's memory goes before the new one's is taken
+        graph = GRAPH_CAPTURE(lambda: [g.refresh(False) for g in self.groups], self.device)
+        outs, graph.warm = graph.warm, None
+        self._graph, self._graph_key = graph, key
+        self.captures += 1
+        return outs
+
+    def _buffers(self) -> tuple:
+        """The addresses a captured update reads and writes outside its own memory: every W, every layer's
+        indices, and the groups' state that can be reallocated (the rest lives as long as the engine)."""
+        key: list[int] = []
+        for g in self.groups:
+            key += [h.original.data_ptr() for h in g.holders]
+            key += [layer.nws.indices.data_ptr() for layer in g.layers]
+            key += [t.data_ptr() if t is not None else 0 for t in (g.ref, g.budget, g.seen, g.native)]
+        return tuple(key)
 
     def weight(self, nws, weight: torch.Tensor | None = None) -> torch.Tensor | None:
         """The gathered weight of layer ``nws`` (an :class:`~nwsconvert.core.layers.NWSWeight`) for a training forward.
@@ -512,6 +636,7 @@ class SearchEngine:
             return
         self._hook.remove()
         self._hook = None
+        self._graph = None
         for g in self.groups:
             if g.pieces is not None:
                 g.hand_back()
@@ -525,11 +650,12 @@ def _float64_layer(layers: list):
     return next((layer for layer in layers if layer.weight.dtype == f64 or layer.nws.pool.dtype == f64), None)
 
 
-def search_engine(model: nn.Module, search: str = "auto") -> SearchEngine | None:
+def search_engine(model: nn.Module, search: str = "auto", graph: bool = False) -> SearchEngine | None:
     """The engine a training stage runs with ``search`` (``TrainConfig.search``), or None for the layers' own search.
 
     ``auto``: an engine on CUDA where Triton is installed, for a model without float64 weights; ``engine``:
-    always (an error where the fused search cannot run, or on float64 weights); ``layer``: never."""
+    always (an error where the fused search cannot run, or on float64 weights); ``layer``: never.
+    ``graph``: :class:`SearchEngine`'s (``TrainConfig.engine_graph``)."""
     if search == "layer":
         return None
     layers = _require(model)
@@ -538,4 +664,4 @@ def search_engine(model: nn.Module, search: str = "auto") -> SearchEngine | None
         return None
     if search == "auto" and _float64_layer(layers) is not None:
         return None  # the layers' own search: exact in float64, where the engine's float32 would round
-    return SearchEngine(model)  # its kernel: Triton on CUDA, the BLAS + NumPy search on CPU
+    return SearchEngine(model, graph=graph)  # its kernel: Triton on CUDA, the BLAS + NumPy search on CPU

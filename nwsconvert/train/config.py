@@ -16,7 +16,13 @@ __all__ = ["TrainConfig", "lr_factor", "BEFORE_OPTION"]
 #: Options added since run directories and results were first recorded, with the behaviour a
 #: recorded configuration that predates them ran (``TrainConfig.from_recorded`` fills them in): a
 #: default chosen later must not change a run half-way.
-BEFORE_OPTION = {"head_epochs": 0, "recalibrate_bn": False, "pool_dtype": "float32", "cuda_graph": False}
+BEFORE_OPTION = {
+    "head_epochs": 0,
+    "recalibrate_bn": False,
+    "pool_dtype": "float32",
+    "cuda_graph": False,
+    "engine_graph": False,
+}
 
 # field -> (kind, lower bound, upper bound); None bounds are open. "float" accepts integers too.
 _RANGES = {
@@ -29,6 +35,7 @@ _RANGES = {
     "head_lr_scale": ("float", 0.0, None),
     "recalibrate_bn": ("bool", None, None),
     "cuda_graph": ("bool", None, None),
+    "engine_graph": ("bool", None, None),
     "milestones": ("ints", 0, None),
     "gamma": ("float", 0.0, None),
     "batch_size": ("int", 1, None),
@@ -146,6 +153,12 @@ class TrainConfig:
             same weights and indices as eager steps. Needs CUDA, the search engine with Triton, one
             process and ``amp`` ``off`` or ``bf16``; refused otherwise in one line. Pool learning runs
             eagerly. Off by default.
+        engine_graph: keep the step eager but capture the search engine's update (its searches, gathers
+            and index copies: some 20 launches and their Python a step) in a CUDA graph and replay it
+            (``SearchEngine(graph=True)``): for eager steps that the host, not the GPU, paces. The same
+            weights and indices; one W-sized buffer more through the step. Needs CUDA and the search
+            engine with Triton; not with ``cuda_graph`` (whose graph holds the update already).
+            Experimental, off by default.
         seed: seeds model init, data order and head rows.
         deterministic: ``torch.use_deterministic_algorithms(True)`` (slower on GPU).
         num_workers: DataLoader workers.
@@ -187,6 +200,7 @@ class TrainConfig:
     amp: str = "auto"
     search: str = "auto"
     cuda_graph: bool = False
+    engine_graph: bool = False
     seed: int = 1993
     deterministic: bool = False
     num_workers: int = 0

@@ -23,10 +23,22 @@ __all__ = ["GraphedStep", "check_graphable"]
 
 
 def check_graphable(cfg, device: torch.device, distributed: bool) -> None:
-    """Raise :class:`~nwsconvert.errors.UsageError` when ``cfg.cuda_graph`` asks for what cannot be captured here."""
+    """Raise :class:`~nwsconvert.errors.UsageError` when ``cfg.cuda_graph`` or ``cfg.engine_graph`` asks for what
+    cannot be captured here."""
     from ..core import fused_search
     from .loop import amp_dtype
 
+    if cfg.engine_graph:
+        if cfg.cuda_graph:
+            raise UsageError(
+                "engine_graph=true and cuda_graph=true: the whole step's graph already holds the engine's update; set one"
+            )
+        if device.type != "cuda" or cfg.search == "layer" or not fused_search.available(device):
+            raise UsageError(
+                f"engine_graph=true captures the search engine's Triton update on CUDA (device {device.type}, "
+                f"search={cfg.search}, Triton {'installed' if fused_search.available(device) else 'missing'}): "
+                "set engine_graph=false, or train on CUDA with search=auto or engine"
+            )
     if not cfg.cuda_graph:
         return
     if device.type != "cuda":

@@ -245,7 +245,7 @@ def validate_job(job: dict) -> None:
         raise UsageError(f"out={str(out)!r} is a file, not a directory: choose another out=DIR")
     fields = {k: v for k, v in job.items() if k in TrainConfig.__dataclass_fields__}
     cfg = TrainConfig(**fields)  # types and ranges of the training options (the recipe's own values are known good)
-    if cfg.cuda_graph:
+    if cfg.cuda_graph or cfg.engine_graph:
         import torch
 
         from .graphs import check_graphable

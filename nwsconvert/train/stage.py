@@ -118,7 +118,7 @@ def run_stage(
     set_commitment(ctx.model, cfg.commitment)
     if not pool:
         check_graphable(cfg, ctx.device, ctx.dist.enabled)
-    engine = search_engine(ctx.model, cfg.search)
+    engine = search_engine(ctx.model, cfg.search, graph=cfg.engine_graph)
     try:
         record = _epochs(ctx, stage, train, val, cfg, pool, seed, optimizer, start, engine)
         set_commitment(ctx.model, 0.0)

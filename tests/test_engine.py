@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nwsconvert
 from nwsconvert.core import fused_search
-from nwsconvert.core.engine import SearchEngine, search_engine
+from nwsconvert.core.engine import SearchEngine, _UpdateGraph, search_engine
 from nwsconvert.core.nwsmodel import distillation_loss, ema_update, nws_layers, set_commitment, set_mode
 from nwsconvert.core.search import brute_force
 
@@ -174,42 +174,87 @@ def _addresses(engine) -> list[int]:
     return out
 
 
-class _StandInGraph:
-    """A CUDA graph's contract, on any device: a capture runs nothing and fixes the output buffers; a replay
-    writes the update's results into those same buffers without moving any version counter, and is only
-    valid while every buffer the update touches is where it was at the capture (checked, not trusted: a
-    replay after one moved fails)."""
+#: What the engine's Triton kernels were launched with: (kernel, grid, each argument's dtype and shape or
+#: value, constexprs), filled while _LoggedKernels is installed.
+LAUNCHES: list = []
 
-    def __init__(self, refresh, device):
-        self.refresh, self.outputs = refresh, None
-        self.warm = refresh()  # the capture step's eager update (the real one runs it on a side stream)
-        self.engine = _StandInGraph.engine
-        self.captured = _addresses(self.engine)
+
+class _LoggedKernel:
+    def __init__(self, name, kernel):
+        self.name, self.kernel = name, kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            shown = tuple((a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args)
+            LAUNCHES.append((self.name, tuple(grid), shown, tuple(sorted(kwargs.items()))))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+class _StandInGraph(_UpdateGraph):
+    """A CUDA graph's contract, on any device. A capture runs nothing and fixes the output buffers; a replay
+    writes the update's results into those same buffers without moving any version counter. Checked, not
+    trusted, at every replay: every buffer the update touches is where it was at the capture, and the
+    Triton launches are the captured ones (grids, constexprs, dtypes and shapes: a real replay cannot make
+    other Python decisions). ``fail``: the capture raises, as one a driver refuses would."""
+
+    fail = False
+
+    def __init__(self, engine):
+        self.engine, self.outputs, self.error = engine, None, None
+        LAUNCHES.clear()
+        self.warm = engine._refresh_groups()  # the capture step's eager update (the real one: on a side stream)
+        self.launches = list(LAUNCHES)
+        self.captured = _addresses(engine)
+        if _StandInGraph.fail:
+            self.error = "RuntimeError: operation not permitted when stream is capturing"
 
     @staticmethod
     def supports(device):
         return True
 
     def replay(self):
-        assert _addresses(self.engine) == self.captured, "replayed a graph whose buffers moved"
-        # A graph writes memory behind autograd's version counters: the layers' indices are written through
-        # aliases (same storage, counters of their own) so that the originals' counters do not move either.
-        layers = [layer.nws for g in self.engine.groups for layer in g.layers]
+        engine = self.engine
+        assert _addresses(engine) == self.captured, "replayed a graph whose buffers moved"
+        # The layers' indices written through aliases (same storage, counters of their own): the originals'
+        # counters do not move, as under a real replay.
+        layers = [layer.nws for g in engine.groups for layer in g.layers]
         held = [nws.indices for nws in layers]
         for nws, t in zip(layers, held):
             nws.indices = t.data
+        LAUNCHES.clear()
         try:
-            outs = self.refresh()
+            outs = engine._refresh_groups()
         finally:
             for nws, t in zip(layers, held):
                 nws.indices = t
+        assert LAUNCHES == self.launches, "a replay would launch what was captured, not this"
         if self.outputs is None:
             self.outputs = outs
         else:
             for fixed, new in zip(self.outputs, outs):
                 for f, n in zip(fixed, new):
-                    f.copy_(n)
+                    f.data.copy_(n)  # behind the counter, as a replay writes
         return self.outputs
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """The graphed engine's capture replaced by :class:`_StandInGraph`, the engine's kernels logged."""
+    from nwsconvert.core import engine as engine_module
+    from nwsconvert.core import triton_kernels
+
+    if not fused_search.available(DEVICE):
+        pytest.skip("needs Triton (the engine's graphed update)")
+    monkeypatch.setattr(engine_module, "GRAPH_CAPTURE", _StandInGraph)
+    for name in triton_kernels.__all__:
+        if name.startswith("engine_"):
+            monkeypatch.setattr(triton_kernels, name, _LoggedKernel(name, getattr(triton_kernels, name)))
+    monkeypatch.setattr(_StandInGraph, "fail", False)
+    return _StandInGraph
 
 
 def _graphed_against_eager(stand_in: bool) -> list[tuple[int, int]]:
@@ -218,7 +263,8 @@ def _graphed_against_eager(stand_in: bool) -> list[tuple[int, int]]:
     Asserts after every step that weights, indices and search counts are the same bit for bit; returns the
     graphed engine's ``(captures, replays)`` after each step. On CUDA the steps due to replay
     (:data:`GRAPHED_COUNTS`) run in sync-debug mode ``error``: a replayed update reads nothing back
-    (a capture synchronises once). ``stand_in``: the stand-in capture is in use (it checks the buffers)."""
+    (a capture synchronises once). ``stand_in``: the stand-in capture is in use (it checks the buffers). A
+    deep copy of the graphed model taken after the first capture trains on its own."""
     from nwsconvert.train.loop import use_deterministic
 
     a = small_net(2)
@@ -229,8 +275,6 @@ def _graphed_against_eager(stand_in: bool) -> list[tuple[int, int]]:
     restore = use_deterministic()  # cuDNN's default backward kernels differ from run to run on CUDA
     try:
         with SearchEngine(a, kernel="triton") as ea, SearchEngine(b, kernel="triton", graph=True) as eb:
-            if stand_in:
-                _StandInGraph.engine = eb
             counts: list[tuple[int, int]] = []
 
             def step(x, y):
@@ -255,6 +299,12 @@ def _graphed_against_eager(stand_in: bool) -> list[tuple[int, int]]:
             data = list(batches(12, seed=4))
             for x, y in data[:6]:
                 step(x, y)
+            twin = copy.deepcopy(b)  # a graph is not copied: the copy's engine captures its own
+            assert twin._forward_pre_hooks and all(h.__self__._graph is None for h in twin._forward_pre_hooks.values())
+            opt_twin = torch.optim.SGD(twin.parameters(), lr=0.5)
+            for x, y in data[:4]:
+                sgd_step(twin, opt_twin, x, y)
+            assert_exact(twin, x)
             with torch.no_grad():  # a pool edit both engines see (the version counter): an eager update
                 for m in (a, b):
                     nws_layers(m)[1].nws.pool.mul_(1.01)
@@ -278,14 +328,11 @@ def _graphed_against_eager(stand_in: bool) -> list[tuple[int, int]]:
 GRAPHED_COUNTS = [(0, 0), (0, 0), (1, 0), (1, 1), (1, 2), (1, 3), (1, 3), (1, 4), (1, 4), (2, 4), (2, 5), (2, 6)]
 
 
-@pytest.mark.skipif(not fused_search.available(DEVICE), reason="needs Triton (the engine's graphed update)")
-def test_a_graphed_update_trains_bitwise_like_the_eager_engine(monkeypatch):
+def test_a_graphed_update_trains_bitwise_like_the_eager_engine(stand_in):
     """SearchEngine(graph=True), its capture replaced by a stand-in with a CUDA graph's contract (fixed output
-    buffers; replayed only while the buffers it read stay put): the eager engine's weights, indices and
-    search counts after every step, and a capture, replay or eager update where each is due."""
-    from nwsconvert.core import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "GRAPH_CAPTURE", _StandInGraph)
+    buffers; replayed only while the buffers and launches it captured stay the same): the eager engine's
+    weights, indices and search counts after every step, and a capture, replay or eager update where each
+    is due."""
     assert _graphed_against_eager(stand_in=True) == GRAPHED_COUNTS
 
 
@@ -295,9 +342,92 @@ def test_a_cuda_graphed_update_trains_bitwise_like_the_eager_engine_without_sync
     assert _graphed_against_eager(stand_in=False) == GRAPHED_COUNTS
 
 
-def test_a_deep_copy_of_an_engine_model_searches_on_its_own():
+def _held_weights() -> None:
+    """A weight a replayed update gave out and that something still holds is never rewritten: while it is
+    held (a forward not yet backpropagated, a caller's copy) updates run eagerly; once released, replays
+    resume."""
+    model = small_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = list(batches(9, seed=5))
+    with SearchEngine(model, kernel="triton", graph=True) as engine:
+        for x, y in data[:4]:
+            sgd_step(model, opt, x, y)
+        assert (engine.captures, engine.replays) == (1, 1)
+        # The gathered weights a training forward reads (the first read updates: a replay), views of the
+        # graph's output.
+        held = [layer.module.weight.detach() for layer in nws_layers(model)]
+        assert engine.replays == 2
+        before = [w.clone() for w in held]
+        for x, y in data[4:6]:  # W changes: a replay would rewrite what is held
+            sgd_step(model, opt, x, y)
+        assert engine.replays == 2
+        assert all(torch.equal(w, b) for w, b in zip(held, before))
+        assert not all(torch.equal(w, layer.module.weight) for w, layer in zip(held, nws_layers(model)))
+        del held
+        opt.zero_grad()
+        loss = F.cross_entropy(model(data[6][0]), data[6][1])  # replayed: nothing held now
+        assert engine.replays == 3
+        model(data[7][0])  # a second forward before the first one's backward: its weights are held
+        assert engine.replays == 3
+        loss.backward()
+        opt.step()
+        sgd_step(model, opt, *data[8])
+        assert engine.replays == 4
+        assert_exact(model, data[8][0])
+
+
+def test_a_graphed_update_never_rewrites_a_weight_still_held(stand_in):
+    _held_weights()
+
+
+@pytest.mark.gpu  # a real CUDA graph of the update
+def test_a_cuda_graphed_update_never_rewrites_a_weight_still_held():
+    _held_weights()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_graphed_update_keeps_its_graph_across_pool_edits_in_any_dtype(stand_in, dtype):
+    """A pool edit's update runs eagerly and leaves the graph valid: the pools the graph gathers from are
+    rewritten in place (a bfloat16 model's too), so the next update replays the same graph."""
+    model = small_net().to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = list(batches(8, seed=8))
+    with SearchEngine(model, kernel="triton", graph=True) as engine:
+        for i, (x, y) in enumerate(data):
+            if i in (4, 6):
+                with torch.no_grad():
+                    nws_layers(model)[i // 2 - 1].nws.pool.mul_(1.01)
+            sgd_step(model, opt, x.to(dtype), y)
+        assert (engine.captures, engine.replays) == (1, 3)  # captured at the 3rd update; the 5th and 7th eager
+        assert_exact(model, data[-1][0].to(dtype))
+
+
+def test_a_capture_that_fails_leaves_the_engine_eager_with_one_warning(stand_in):
+    """A capture the driver refuses: one warning naming the option, then eager updates, the same training."""
+    stand_in.fail = True
+    a = small_net()
+    b = copy.deepcopy(a)
+    oa, ob = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (a, b))
+    with SearchEngine(a, kernel="triton"), SearchEngine(b, kernel="triton", graph=True) as eb:
+        with pytest.warns(UserWarning, match=r"graph=True\): the update could not be captured .*runs eagerly") as seen:
+            for x, y in batches(6, seed=6):
+                sgd_step(a, oa, x, y)
+                sgd_step(b, ob, x, y)
+        assert len(seen) == 1 and (eb.graph, eb.captures, eb.replays) == (False, 0, 0)
+        for la, lb in zip(nws_layers(a), nws_layers(b)):
+            assert torch.equal(la.nws.indices, lb.nws.indices) and torch.equal(la.weight, lb.weight), la.name
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_a_deep_copy_of_an_engine_model_searches_on_its_own(trained):
+    """Before the first step, or mid-stage (a best-so-far snapshot: the engine's last weights are autograd
+    outputs, which deepcopy refuses, and are left out of the copy)."""
     model = small_net()
     with SearchEngine(model):
+        if trained:
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            for x, y in batches(2, seed=7):
+                sgd_step(model, opt, x, y)
         twin = copy.deepcopy(model)
         opt = torch.optim.SGD(twin.parameters(), lr=0.5)
         for x, y in batches(2):

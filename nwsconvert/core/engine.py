@@ -49,6 +49,8 @@ goes on from it).
 
 from __future__ import annotations
 
+import copy
+import warnings
 import weakref
 from typing import TYPE_CHECKING
 
@@ -261,6 +263,15 @@ class _Group:
         self._scales: tuple[tuple[float, ...], _Commit] | None = None  # (per-layer scales, their commitment)
         self.need = torch.zeros(r, dtype=torch.int8, device=device)
 
+    def __deepcopy__(self, memo) -> _Group:
+        """A copy without the last update's weights (autograd outputs, which cannot be deep-copied: a copied
+        model, e.g. a best-so-far snapshot taken mid-stage, gathers its own at its next training forward)."""
+        clone = _Group.__new__(_Group)
+        memo[id(self)] = clone
+        for name, value in vars(self).items():
+            setattr(clone, name, None if name == "pieces" else copy.deepcopy(value, memo))
+        return clone
+
     def _start_tracking(self) -> None:
         """Allocate every row's reference and budget (none yet: searched at the next update)."""
         rows, device = sum(n for _, n in self.rows), self.consts.device
@@ -336,7 +347,12 @@ class _Group:
         self.move.copy_(self._per_layer(entry_move).amax(1))  # NaN stays NaN
         self.seen.copy_(now)  # in place: a CUDA graph replaying the step carries it over
         native = [p.detach() for p in pools]
-        self.native = self.seen if all(p.dtype == torch.float32 for p in native) else torch.cat(native)
+        if all(p.dtype == torch.float32 for p in native):
+            self.native = self.seen
+        elif self.native is not self.seen and all(p.dtype == self.native.dtype for p in native):
+            torch.cat(native, out=self.native)  # in place: a graphed update reads it where it was captured
+        else:
+            self.native = torch.cat(native)
         if self.cells is not None:
             changed = (~(now == self.cells[2])).any(dim=1)  # NaN counts as changed
             self.stale.copy_(self._per_layer(changed).any(1))
@@ -424,32 +440,43 @@ class _UpdateGraph:
     in ``warm``, then captures it (a capture runs nothing). :meth:`replay` reruns the captured kernels on
     the current stream and returns the graph's output buffers ``[(k, x), ...]`` per group, rewritten in
     place by every replay. The capture reads every buffer at its address then: the engine replays only
-    while those addresses stay the same (:meth:`SearchEngine._buffers`).
+    while those addresses stay the same (:meth:`SearchEngine._buffers`). ``error``: why the capture failed
+    (None: it did not); the warm-up's result is there either way.
     """
 
-    def __init__(self, refresh, device: torch.device):
+    def __init__(self, engine: SearchEngine):
+        device = engine.device
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self.warm = refresh()
+            self.warm = engine._refresh_groups()
         current.wait_stream(side)
         for pair in self.warm:  # made on the side stream, read and freed on this one
             for t in pair:
                 t.record_stream(current)
+        self.outputs: list | None = None
+        self.error: str | None = None
         self.graph = torch.cuda.CUDAGraph()
-        # A private pool per graph (GraphedStep says why); thread_local: a DataLoader's pin-memory thread may
-        # use CUDA while this thread captures.
-        with torch.cuda.device(device), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.outputs = refresh()
+        try:
+            # A private pool per graph (GraphedStep says why); thread_local: a DataLoader's pin-memory thread
+            # may use CUDA while this thread captures.
+            with torch.cuda.device(device), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.outputs = engine._refresh_groups()
+        except RuntimeError as e:  # e.g. an op this torch or driver cannot capture: the engine goes on eagerly
+            self.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
     @staticmethod
     def supports(device: torch.device) -> bool:
         return device.type == "cuda"
 
     def replay(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert self.outputs is not None  # (replayed only after a capture that succeeded)
         self.graph.replay()
         return self.outputs
+
+    def __deepcopy__(self, memo) -> None:
+        return None  # a copied model's engine captures its own (a CUDA graph cannot be copied)
 
 
 #: How a graphed engine captures its update (tests substitute a stand-in that runs the bookkeeping on CPU).
@@ -470,10 +497,13 @@ class SearchEngine:
             Python) in a CUDA graph once :data:`GRAPH_WARMUP` eager updates saw the same buffers, and replay
             it at every update where no pool moved and those buffers are still the ones captured (pool
             learning's updates, a weight given new storage, run eagerly; a new capture follows). The rest of
-            the step stays eager; the indices and weights are the eager update's. Costs one W-sized float32
-            buffer through the step (W as searched, which the commitment term's backward then reads
-            instead of concatenating W again). Needs ``kernel='triton'`` on CUDA. Inside a capture of the
-            whole step (``cuda_graph=true``) the update runs as captured there.
+            the step stays eager; the indices and weights are the eager update's. A weight the last update
+            gave out that something still holds (a forward not yet backpropagated, a caller's copy) is never
+            rewritten: that update runs eagerly. A capture the driver refuses warns once and leaves the
+            engine eager. Costs one W-sized float32 buffer through the step (W as searched, which the
+            commitment term's backward then reads instead of concatenating W again). Needs
+            ``kernel='triton'`` on CUDA. Inside a capture of the whole step (``cuda_graph=true``) the update
+            runs as captured there.
 
     Attributes:
         captures, replays: graphs captured and replayed so far (``graph=True``).
@@ -567,6 +597,10 @@ class SearchEngine:
             return [g.refresh(m) for g, m in zip(self.groups, moved)]
         key = self._buffers()
         if self._graph is not None and key == self._graph_key:
+            for g in self.groups:
+                g.pieces = None  # the last update's views of the graph's outputs, made again by attach()
+            if self._outputs_held():  # a weight handed out never changes under its holder: this update eager
+                return self._refresh_groups()
             self.replays += 1
             outs = self._graph.replay()
             # A replay writes the layers' indices behind autograd's version counters, which the layers' own
@@ -576,20 +610,44 @@ class SearchEngine:
         self._warm = self._warm + 1 if key == self._warm_key else 1
         self._warm_key = key
         if self._warm < GRAPH_WARMUP:
-            return [g.refresh(False) for g in self.groups]
+            return self._refresh_groups()
         self._graph = None  # the old graph's memory goes before the new one's is taken
-        graph = GRAPH_CAPTURE(lambda: [g.refresh(False) for g in self.groups], self.device)
-        outs, graph.warm = graph.warm, None
+        graph = GRAPH_CAPTURE(self)
+        outs = graph.warm
+        graph.warm = []  # this update's: the graph keeps no reference to them
+        if graph.error is not None:
+            warnings.warn(
+                f"SearchEngine(graph=True): the update could not be captured in a CUDA graph ({graph.error}); "
+                "it runs eagerly from here",
+                stacklevel=2,
+            )
+            self.graph = False
+            return outs
         self._graph, self._graph_key = graph, key
         self.captures += 1
         return outs
 
+    def _refresh_groups(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every group's :meth:`_Group.refresh` with no pool moved: what a graph captures."""
+        return [g.refresh(False) for g in self.groups]
+
+    def _outputs_held(self) -> bool:
+        """Whether a tensor other than the graph's own output references the storage of one of its outputs:
+        a weight the last update gave out, held by a forward not yet backpropagated or by a caller (the
+        groups' own views dropped first). A replay would rewrite it under its holder."""
+        outputs = self._graph.outputs if self._graph is not None else None
+        if not outputs:
+            return False
+        # Each output tensor holds its storage once, and the temporary storage object once more.
+        return any(torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2 for pair in outputs for t in pair)
+
     def _buffers(self) -> tuple:
-        """The addresses a captured update reads and writes outside its own memory: every W, every layer's
-        indices, and the groups' state that can be reallocated (the rest lives as long as the engine)."""
-        key: list[int] = []
+        """The addresses a captured update reads and writes outside its own memory: every W (with its dtype
+        and strides), every layer's indices, and the groups' state that can be reallocated (the rest lives
+        as long as the engine)."""
+        key: list = []
         for g in self.groups:
-            key += [h.original.data_ptr() for h in g.holders]
+            key += [(h.original.data_ptr(), h.original.dtype, h.original.stride()) for h in g.holders]
             key += [layer.nws.indices.data_ptr() for layer in g.layers]
             key += [t.data_ptr() if t is not None else 0 for t in (g.ref, g.budget, g.seen, g.native)]
         return tuple(key)

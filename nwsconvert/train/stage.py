@@ -118,7 +118,7 @@ def run_stage(
     set_commitment(ctx.model, cfg.commitment)
     if not pool:
         check_graphable(cfg, ctx.device, ctx.dist.enabled)
-    engine = search_engine(ctx.model, cfg.search, graph=cfg.engine_graph)
+    engine = search_engine(ctx.model, cfg.search, graph=cfg.engine_graph and not pool)  # pools move every step
     try:
         record = _epochs(ctx, stage, train, val, cfg, pool, seed, optimizer, start, engine)
         set_commitment(ctx.model, 0.0)

@@ -385,6 +385,23 @@ def test_a_cuda_graphed_update_never_rewrites_a_weight_still_held():
     _held_weights()
 
 
+@pytest.mark.parametrize("amp", ["off", "fp16"])
+def test_the_trainers_step_holds_no_weight_across_steps_so_every_update_after_the_capture_replays(stand_in, amp):
+    """nws-train's task step (TrainStep: autocast, fused commitment or, under float16, commitment in the loss
+    with a GradScaler) leaves nothing holding the last update's weights: every update after the capture replays."""
+    from nwsconvert.train.config import TrainConfig
+    from nwsconvert.train.loop import TrainStep, make_optimizer
+
+    model = small_net()
+    cfg = TrainConfig(amp=amp, search="engine", lr=0.1)
+    set_commitment(model, cfg.commitment)
+    with SearchEngine(model, kernel="triton", graph=True) as engine:
+        step = TrainStep(model, model, make_optimizer(model, cfg), cfg, DEVICE, pool=False)
+        for x, y in batches(8):
+            step(x, y)
+        assert (engine.captures, engine.replays) == (1, 5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_graphed_update_keeps_its_graph_across_pool_edits_in_any_dtype(stand_in, dtype):
     """A pool edit's update runs eagerly and leaves the graph valid: the pools the graph gathers from are

@@ -103,7 +103,8 @@ runtime)
 rows)
     if [ "${TESTS_FIRST:-0}" = 1 ]; then  # the GPU tests of the engine and the graphs (a few seconds each)
         mkdir -p /tmp/gpu_rows
-        bounded 90 $PY -m pytest -q -n 4 tests/test_engine.py tests/test_graphs.py tests/test_engine_kernels.py \
+        xdist=""; $PY -c "import xdist" 2>/dev/null && xdist="-n 4"
+        bounded 90 $PY -m pytest -q $xdist tests/test_engine.py tests/test_graphs.py tests/test_engine_kernels.py \
             > /tmp/gpu_rows/pytest_engine.log 2>&1
         echo "pytest rc=$?" >> /tmp/gpu_rows/pytest_engine.log
         failures /tmp/gpu_rows/pytest_engine.log

@@ -121,6 +121,31 @@ def test_engine_commitment_gradient_is_the_layers_up_to_rounding(kernel):
             assert (lb.weight - start[lb.name]).abs().max() > 1e-3, lb.name
 
 
+def test_a_weight_given_new_storage_between_forward_and_backward_is_read_where_it_now_lives():
+    """The Triton kernels read float32 W through a table of the layers' addresses. A W given new storage (and
+    other values) after the forward: the commitment term's backward reads the weights as they are now, as
+    concatenating them does, never the table's old address (freed memory)."""
+    if not fused_search.available(DEVICE):
+        pytest.skip("needs Triton (the engine's address table)")
+    base = small_net()
+    set_commitment(base, 1.0)
+    x, y = next(batches(1, seed=9))
+    grads = []
+    for table in (True, False):
+        model = copy.deepcopy(base)
+        with SearchEngine(model, kernel="triton") as engine:
+            if not table:
+                for g in engine.groups:
+                    g._w_table = lambda: None  # this engine concatenates W
+            loss = F.cross_entropy(model(x), y)
+            assert all((g.w_table is not None) == table for g in engine.groups)
+            holder = nws_layers(model)[1].module.parametrizations.weight
+            holder.original.data = holder.original.detach() * 2  # .data: no version counter moves
+            loss.backward()
+            grads.append(holder.original.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("update", ["gradient", "ema"])
 def test_engine_follows_moving_pools_exactly(kernel, update):

@@ -282,7 +282,7 @@ def engine_case(rng: random.Random, g: torch.Generator, exponent: float, counts:
     models = {"torch": model}
     if _triton_device() is not None:  # the CPU under the interpreter, or CUDA: the kernels as a GPU compiles them
         models["triton"] = copy.deepcopy(model).to(_triton_device())
-        if _triton_device().type == "cuda":  # and the update replayed from a CUDA graph where no pool moved
+        if _triton_device() == "cuda":  # and the update replayed from a CUDA graph where no pool moved
             models["triton-graph"] = copy.deepcopy(model).to(_triton_device())
     engines = {
         k: SearchEngine(m, kernel=k.removesuffix("-graph"), graph=k.endswith("-graph")) for k, m in models.items()

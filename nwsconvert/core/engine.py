@@ -9,7 +9,8 @@ with the same vector size D side by side, and brings every index up to date in
 a fixed number of device operations per D, whatever the depth of the model.
 On CUDA (``kernel='triton'``) these are, per D:
 
-1. W of every layer concatenated into one ``(R, D)`` float32 buffer (one ``cat``);
+1. W of every layer read where the layer keeps it, through a table of the layers' addresses (float32
+   W; any other dtype is concatenated into one ``(R, D)`` float32 buffer first);
 2. one pass over the rows (:func:`~nwsconvert.core.fused_search.engine_flags`): budgets
    shrunk by their layer's largest pool-entry movement when a pool changed, each
    row's drift since its last search, the scalar pools' exact-interval test: which
@@ -109,26 +110,31 @@ class _GroupSTE(torch.autograd.Function):
     The forward value is exactly the gathered pool vectors ``k`` ``(R, D)``. The backward hands each
     weight its slice of the incoming gradient; with ``commit`` (:class:`_Commit`, or None) it first adds
     ``scale * (W - K)`` per layer, the gradient of every layer's commitment term (see
-    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group. ``x``: W as the update
-    concatenated it ``(R, D)`` float32, where that buffer lives through the step anyway (a graphed
-    update's); else None, and W is concatenated again in the backward: an eager forward keeps no copy of
-    W alive through the step. (The weights are saved either way: autograd refuses a backward after they
-    changed in place, so ``x`` is still W there.)
+    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group. ``src``: where the
+    backward reads W: the layers' W address table ``(L,)`` int64 (float32 W, read where each layer keeps
+    it), or W as the update concatenated it ``(R, D)`` float32 where that buffer lives through the step
+    anyway (a graphed update's), or None (W concatenated again in the backward: an eager forward keeps no
+    copy of W alive through the step). The weights are saved either way: autograd refuses a backward
+    after they changed in place, so ``src`` still reads W there; a table whose addresses are no longer
+    the weights' (one was given new storage) is not used.
     """
 
     @staticmethod
-    def forward(ctx, k: torch.Tensor, commit: _Commit | None, x: torch.Tensor | None, *weights: torch.Tensor):
-        ctx.shapes, ctx.commit, ctx.has_x = [w.shape for w in weights], commit, x is not None
+    def forward(ctx, k: torch.Tensor, commit: _Commit | None, src: torch.Tensor | None, *weights: torch.Tensor):
+        ctx.shapes, ctx.commit, ctx.has_src = [w.shape for w in weights], commit, src is not None
         if commit is not None:
-            ctx.save_for_backward(k, *weights, *((x,) if x is not None else ()))
+            ctx.save_for_backward(k, *weights, *((src,) if src is not None else ()))
+            ctx.ptrs = tuple(w.data_ptr() for w in weights) if src is not None and src.dim() == 1 else None
         return k.view_as(k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.commit is not None:
             k, *weights = ctx.saved_tensors
-            x = weights.pop() if ctx.has_x else None
-            grad = ctx.commit(grad, k, weights, x)
+            src = weights.pop() if ctx.has_src else None
+            if ctx.ptrs is not None and ctx.ptrs != tuple(w.data_ptr() for w in weights):
+                src = None  # a weight now lives elsewhere: concatenate them
+            grad = ctx.commit(grad, k, weights, src)
         pieces = grad.reshape(-1).split([s.numel() for s in ctx.shapes])
         return (None, None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
 
@@ -142,8 +148,9 @@ class _Commit:
     def __init__(self, dim: int, scale: torch.Tensor, wide: tuple | None):
         self.dim, self.scale, self.wide = dim, scale, wide
 
-    def __call__(self, grad: torch.Tensor, k: torch.Tensor, weights, x: torch.Tensor | None = None) -> torch.Tensor:
-        w = x if x is not None else torch.cat([w.reshape(-1, self.dim) for w in weights])
+    def __call__(self, grad: torch.Tensor, k: torch.Tensor, weights, src: torch.Tensor | None = None) -> torch.Tensor:
+        """``src``: as :class:`_GroupSTE`'s (an address table only with the Triton kernel)."""
+        w = src if src is not None else torch.cat([w.reshape(-1, self.dim) for w in weights])
         # The group's incoming gradient is a buffer autograd made for K alone (the layers' weight gradients
         # concatenated), which nothing else reads: the term goes into it in place, so the backward's peak
         # holds no second (R, D) buffer (the kernel reads and writes each element in the same program).
@@ -260,6 +267,9 @@ class _Group:
             if any(bool(p.pool.isnan().any()) for p in preps):  # NaN entries: never "unchanged", as before
                 self._start_tracking()
         self.pieces: list[torch.Tensor] | None = None
+        # The layers' W addresses, on the device and on the host (the Triton kernels read float32 W where it is).
+        self.w_table: torch.Tensor | None = None
+        self._w_ptrs: tuple[int, ...] | None = None
         self._scales: tuple[tuple[float, ...], _Commit] | None = None  # (per-layer scales, their commitment)
         self.need = torch.zeros(r, dtype=torch.int8, device=device)
 
@@ -305,24 +315,46 @@ class _Group:
             moved: a pool changed since the last update (:meth:`_track_pools`, run first).
 
         Returns:
-            ``(k, x)``: K ``(R, D)`` in the pools' dtype, and W as it searched it ``(R, D)`` float32.
+            ``(k, src)``: K ``(R, D)`` in the pools' dtype, and where it read W: the layers' W address table
+            (:meth:`_w_table`), or W concatenated ``(R, D)`` float32.
         """
-        x = torch.cat([holder.original.detach().reshape(-1, self.dim) for holder in self.holders])
-        x = x if x.dtype == torch.float32 else x.float()
-        k = self._update_fused(x, moved) if self.fused else self._update_torch(x, moved)
+        table = self._w_table() if self.fused else None
+        if table is None:
+            src = torch.cat([holder.original.detach().reshape(-1, self.dim) for holder in self.holders])
+            src = src if src.dtype == torch.float32 else src.float()
+        else:
+            src = table
+        k = self._update_fused(src, moved) if self.fused else self._update_torch(src, moved)
         torch._foreach_copy_([layer.nws.indices for layer in self.layers], self.index_pieces)
-        return k, x
+        return k, src
+
+    def _w_table(self) -> torch.Tensor | None:
+        """The ``(L,)`` int64 table of the layers' W addresses on the device, when every W is float32 and
+        contiguous (else None: the rows are concatenated). A new tensor whenever an address changed (a
+        backward still holding the old one reads the old, saved W); built through pinned memory on CUDA
+        (no host sync)."""
+        weights = [holder.original for holder in self.holders]
+        if not all(w.dtype == torch.float32 and w.is_contiguous() for w in weights):
+            return None
+        ptrs = tuple(w.data_ptr() for w in weights)
+        if ptrs != self._w_ptrs:
+            table = torch.tensor(ptrs, dtype=torch.int64)
+            device = self.index.device
+            if device.type == "cuda":
+                table = table.pin_memory().to(device, non_blocking=True)
+            self.w_table, self._w_ptrs = table.to(device), ptrs
+        return self.w_table
 
     @full_precision
-    def attach(self, k: torch.Tensor, x: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def attach(self, k: torch.Tensor, src: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Make ``k`` (:meth:`refresh`) the layers' weights for the next forward, differentiable in W while grad
-        is on. ``x``: :meth:`refresh`'s W, for the commitment term's backward to read instead of concatenating
-        W again (kept through the step: only where it lives anyway), or None. Returns the layers' temporary
-        weights."""
+        is on. ``src``: where :meth:`refresh` read W, for the commitment term's backward to read it there
+        instead of concatenating W again (an address table; concatenated rows only where they live through
+        the step anyway), or None. Returns the layers' temporary weights."""
         weights = [holder.original for holder in self.holders]
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-            reuse = x is not None and all(w.dtype == torch.float32 for w in weights)  # then x is W bit for bit
-            k = _GroupSTE.apply(k, self._commit(), x if reuse else None, *weights)
+            exact = src is not None and all(w.dtype == torch.float32 for w in weights)  # then src reads W bit for bit
+            k = _GroupSTE.apply(k, self._commit(), src if exact else None, *weights)
         # Split by rows, not through a flat view: the backward then concatenates the layers' gradients into
         # a tensor of K's shape that is no view, which the commitment term may take in place (_Commit).
         self.pieces = [piece.view(shape) for piece, shape in zip(k.split(self.row_counts), self.shapes)]
@@ -358,15 +390,17 @@ class _Group:
             self.stale.copy_(self._per_layer(changed).any(1))
         return True
 
-    def _update_fused(self, x: torch.Tensor, moved: bool) -> torch.Tensor:
-        """The update in five Triton launches and one cumulative sum (fixed shapes, no host sync)."""
+    def _update_fused(self, src: torch.Tensor, moved: bool) -> torch.Tensor:
+        """The update in five Triton launches and one cumulative sum (fixed shapes, no host sync). ``src``: W's
+        rows ``(R, D)`` float32, or the layers' W address table (:meth:`_w_table`)."""
         state = (self.ref, self.budget, self.index, self.need, self.consts)
         cells = self.cells[:2] if self.cells is not None else None
-        fused_search.engine_flags(state, self.wide, x, moved, self.move, self.stale, cells)
-        csum = torch.zeros(x.shape[0] + 1, dtype=torch.int32, device=x.device)
-        perm = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
-        fused_search.engine_search(state, self.wide, self.layer_table, x, self.seen, csum, perm)
-        k = torch.empty(x.shape, dtype=self.native.dtype, device=x.device)
+        fused_search.engine_flags(state, self.wide, src, moved, self.move, self.stale, cells, self.dim)
+        rows, device = self.index.numel(), self.index.device
+        csum = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        perm = torch.empty(rows, dtype=torch.int32, device=device)
+        fused_search.engine_search(state, self.wide, self.layer_table, src, self.seen, csum, perm)
+        k = torch.empty(rows, self.dim, dtype=self.native.dtype, device=device)
         fused_search.engine_gather(self.index, self.native, self.wide, k)
         return k
 
@@ -438,7 +472,7 @@ class _UpdateGraph:
 
     Built at an update: runs that update eagerly on a side stream first (a graph's warm-up), its result
     in ``warm``, then captures it (a capture runs nothing). :meth:`replay` reruns the captured kernels on
-    the current stream and returns the graph's output buffers ``[(k, x), ...]`` per group, rewritten in
+    the current stream and returns the graph's output buffers ``[(k, src), ...]`` per group, rewritten in
     place by every replay. The capture reads every buffer at its address then: the engine replays only
     while those addresses stay the same (:meth:`SearchEngine._buffers`). ``error``: why the capture failed
     (None: it did not); the warm-up's result is there either way.
@@ -500,8 +534,9 @@ class SearchEngine:
             the step stays eager; the indices and weights are the eager update's. A weight the last update
             gave out that something still holds (a forward not yet backpropagated, a caller's copy) is never
             rewritten: that update runs eagerly. A capture the driver refuses warns once and leaves the
-            engine eager. Costs one W-sized float32 buffer through the step (W as searched, which the
-            commitment term's backward then reads instead of concatenating W again). Needs
+            engine eager. Costs the graph's temporaries, kept in its pool; for weights other than float32
+            also one W-sized float32 buffer through the step (W as searched, which the commitment term's
+            backward then reads instead of concatenating W again; float32 W is read where it is). Needs
             ``kernel='triton'`` on CUDA. Inside a capture of the whole step (``cuda_graph=true``) the update
             runs as captured there.
 
@@ -582,8 +617,9 @@ class SearchEngine:
         weights the next forward uses (differentiable in W when grad is enabled, as in a forward)."""
         moved = [g._track_pools() for g in self.groups]
         stamp = {}
-        for g, (k, x) in zip(self.groups, self._refresh(moved)):
-            weights = g.attach(k, x if self.graph else None)
+        for g, (k, src) in zip(self.groups, self._refresh(moved)):
+            # the backward reads W where the update did: through the table, or (graphed) in the graph's copy
+            weights = g.attach(k, src if self.graph or src.dim() == 1 else None)
             for layer, w in zip(g.layers, weights):
                 stamp[id(layer.nws)] = self._state(w, layer.nws.pool)
         self._stamp = stamp
@@ -638,8 +674,14 @@ class SearchEngine:
         outputs = self._graph.outputs if self._graph is not None else None
         if not outputs:
             return False
-        # Each output tensor holds its storage once, and the temporary storage object once more.
-        return any(torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2 for pair in outputs for t in pair)
+        # Each output tensor holds its storage once, and the temporary storage object once more. (An address
+        # table is the group's own, not the graph's: not an output that is given out.)
+        return any(
+            torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+            for pair in outputs
+            for t in pair
+            if t.dim() == 2
+        )
 
     def _buffers(self) -> tuple:
         """The addresses a captured update reads and writes outside its own memory: every W (with its dtype
@@ -649,6 +691,7 @@ class SearchEngine:
         for g in self.groups:
             key += [(h.original.data_ptr(), h.original.dtype, h.original.stride()) for h in g.holders]
             key += [layer.nws.indices.data_ptr() for layer in g.layers]
+            # (a group's W address table is made again only when a W moved, which the key holds already)
             key += [t.data_ptr() if t is not None else 0 for t in (g.ref, g.budget, g.seen, g.native)]
         return tuple(key)
 

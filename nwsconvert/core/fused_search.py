@@ -53,6 +53,7 @@ __all__ = [
     "layer_table",
     "row_blocks",
     "segmented_nearest_two",
+    "w_rows",
     "wide_rows",
 ]
 
@@ -285,27 +286,42 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def engine_flags(state, wide, x, moved: bool, move, stale, cells) -> None:
+def w_rows(x: torch.Tensor, dim: int) -> bool:
+    """Whether ``x``, the engine kernels' rows of W, is the layers' W address table (``(L,)`` int64; see
+    :mod:`~nwsconvert.core.triton_kernels`) rather than the rows themselves (``(R, dim)`` float32); anything
+    else is refused."""
+    if x.dim() == 1 and x.dtype == torch.int64:
+        return True
+    if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == dim:
+        return False
+    raise TypeError(f"rows of W: (R, {dim}) float32 or an (L,) int64 address table, got {tuple(x.shape)} {x.dtype}")
+
+
+def engine_flags(state, wide, x, moved: bool, move, stale, cells, dim: int) -> None:
     """Flag the rows to search (:func:`~nwsconvert.core.triton_kernels.engine_flag_kernel`).
 
     Args:
         state: the group's ``(ref, budget, index, need, consts)``: ``(R, D)`` float32, ``(R,)`` float32
             (both None: not kept, scalar pools with intervals), ``(R,)`` int32 pool-local, ``(R,)`` int8 (0:
             kept, 1: searched, 2: searched in float64), :func:`engine_consts`.
-        wide: block table of :func:`wide_rows` rows. x: ``(R, D)`` float32 contiguous.
+        wide: block table of :func:`wide_rows` rows. x: ``(R, D)`` float32 contiguous, or the layers' W
+            address table (:func:`w_rows`). dim: D.
         moved: whether ``move`` (``(L,)`` float64, each layer's largest pool movement) is to be taken off
             the budgets. stale: ``(L,)`` int8. cells: ``(lo, hi)`` ``(P,)`` float32 for scalar pools, or None.
     """
     from .triton_kernels import engine_flag_kernel
 
     ref, budget, index, need, consts = state
-    dim = x.shape[1]
+    table = w_rows(x, dim)
     track = ref is not None
-    ref, budget = (ref, budget) if track else (x, x[:, 0])  # not read: any float32 tensors
+    if not track:
+        assert cells is not None  # only scalar pools with intervals keep no budgets
+        ref, budget = cells  # not read: any float32 tensors
     lo, hi = cells if cells is not None else (budget, budget)
     engine_flag_kernel[(wide[0].numel(),)](
-        x, ref, budget, index, need, wide[0], wide[1], wide[2], wide[5], move, stale, lo, hi, consts,
-        D=dim, DP=_pow2(dim), MOVED=moved and track, CELLS=cells is not None, TRACK=track, BLOCK_R=wide_rows(dim),
+        x, ref, budget, index, need, wide[0], wide[1], wide[2], wide[4], wide[5], move, stale, lo, hi, consts,
+        D=dim, DP=_pow2(dim), MOVED=moved and track, CELLS=cells is not None, TRACK=track, TABLE=table,
+        BLOCK_R=wide_rows(dim),
     )  # fmt: skip
 
 
@@ -317,23 +333,24 @@ def engine_search(state, wide, layers, x, pool, csum, perm) -> None:
 
     Args:
         state: as :func:`engine_flags` (``need`` set by it). wide: block table of :func:`wide_rows` rows.
-        layers: :func:`layer_table`. x: ``(R, D)`` float32. pool: ``(P, D)`` float32.
+        layers: :func:`layer_table`. x: ``(R, D)`` float32, or the layers' W address table (:func:`w_rows`).
+        pool: ``(P, D)`` float32.
         csum: ``(R + 1,)`` int32, ``csum[0] == 0`` (filled here). perm: ``(R,)`` int32 (filled here).
     """
     from .triton_kernels import engine_compact_kernel, engine_search_kernel
 
     ref, budget, index, need, consts = state
+    dim = pool.shape[1]
+    table = w_rows(x, dim)
     track = ref is not None
-    ref, budget = (ref, budget) if track else (x, x[:, 0])  # not written: any float32 tensors
+    ref, budget = (ref, budget) if track else (pool, pool[:, 0])  # not written: any float32 tensors
     torch.cumsum(need, 0, dtype=torch.int32, out=csum[1:])
-    engine_compact_kernel[(wide[0].numel(),)](
-        need, csum, perm, wide[0], wide[1], wide[4], BLOCK_R=wide_rows(x.shape[1])
-    )
+    engine_compact_kernel[(wide[0].numel(),)](need, csum, perm, wide[0], wide[1], wide[4], BLOCK_R=wide_rows(dim))
     start, end, off, size, programs = layers
     for exact_pass in (False, True):
         engine_search_kernel[(programs,)](
             x, pool, ref, budget, index, need, csum, perm, consts, start, end, off, size, start.numel(),
-            D=x.shape[1], EXACT=exact_pass, TRACK=track, BLOCK_R=BLOCK_R, LP=_pow2(start.numel()),
+            D=dim, EXACT=exact_pass, TRACK=track, TABLE=table, BLOCK_R=BLOCK_R, LP=_pow2(start.numel()),
             **search_launch(exact_pass, _interpreting()),
         )  # fmt: skip
 
@@ -385,11 +402,13 @@ def engine_gather(index, pool, wide, out) -> None:
 
 def engine_commit(grad, w, k, scale, wide, out) -> None:
     """``out = grad + scale[layer] * (w - k)`` per row (one launch): the group's straight-through gradient
-    with each layer's commitment term. ``grad``, ``w``, ``k``, ``out``: ``(R, D)`` contiguous;
-    ``scale``: ``(L,)`` float32."""
+    with each layer's commitment term. ``grad``, ``k``, ``out``: ``(R, D)`` contiguous; ``w``: the same, or
+    the layers' W address table (:func:`w_rows`; float32 W); ``scale``: ``(L,)`` float32."""
     from .triton_kernels import engine_commit_kernel
 
     dim = grad.shape[1]
+    table = w.dim() == 1 and w_rows(w, dim)
     engine_commit_kernel[(wide[0].numel(),)](
-        grad, w, k, scale, out, wide[0], wide[1], wide[5], D=dim, DP=_pow2(dim), BLOCK_R=wide_rows(dim)
-    )
+        grad, w, k, scale, out, wide[0], wide[1], wide[4], wide[5], D=dim, DP=_pow2(dim), TABLE=table,
+        BLOCK_R=wide_rows(dim),
+    )  # fmt: skip

@@ -8,6 +8,11 @@ Block tables (:func:`~nwsconvert.core.fused_search.row_blocks`): program ``b`` w
 ``blk_start[b]``, is layer number ``blk_layer[b]`` and its pool is the ``blk_n[b]`` rows from
 ``blk_off[b]`` of the flat pool.
 
+Rows of W: the engine's kernels read a group's temporary weights either from one ``(R, D)`` float32 buffer
+(``x``, the layers' W concatenated) or, with ``TABLE``, where each layer keeps them: ``x`` is then an
+``(L,)`` int64 table of the layers' W addresses (float32, contiguous), and row ``r`` of layer ``l`` is at
+``table[l] + (r - first row of l) * D``. Both give the same values, so the same results bit for bit.
+
 The engine's kernels (``engine_*``) take their float64 constants from a small tensor (``consts``, see
 :data:`~nwsconvert.core.fused_search.ENGINE_CONSTS`) rather than from literals, whose type Triton picks
 by value (a literal is float32 where it fits).
@@ -106,6 +111,16 @@ def _round_down_f32(v, consts_ptr):
 
 
 @triton.jit
+def _rows_base(src_ptr, layer, first_row, D: tl.constexpr, TABLE: tl.constexpr):
+    """Where row 0 of the flat ``(R, D)`` rows lies for the rows of ``layer`` (whose first row is ``first_row``):
+    ``src_ptr`` itself, or (``TABLE``) the layer's own W, through the address table, less its first row."""
+    if TABLE:
+        return tl.load(src_ptr + layer).to(tl.pointer_type(tl.float32)) + (-first_row.to(tl.int64) * D)
+    else:
+        return src_ptr
+
+
+@triton.jit
 def engine_flag_kernel(
     x_ptr,
     ref_ptr,
@@ -115,6 +130,7 @@ def engine_flag_kernel(
     blk_row_ptr,
     blk_end_ptr,
     blk_off_ptr,
+    blk_start_ptr,
     blk_layer_ptr,
     move_ptr,
     stale_ptr,
@@ -126,6 +142,7 @@ def engine_flag_kernel(
     MOVED: tl.constexpr,
     CELLS: tl.constexpr,
     TRACK: tl.constexpr,
+    TABLE: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """Which rows the update searches, in one pass over the rows (the drift ``(x - ref)²`` is never stored).
@@ -135,13 +152,15 @@ def engine_flag_kernel(
     counts as reached). ``CELLS`` (scalar pools): a row whose layer's pool is the one the exact
     intervals ``lo``/``hi`` were cut from (``stale[layer] == 0``) is searched when it left its entry's
     interval instead. ``TRACK`` false (scalar pools none of which moved: no reference or budget kept):
-    the interval test alone. Writes ``need``: 1 where searched, else 0 (int8)."""
+    the interval test alone. ``TABLE``: ``x`` is the layers' W address table (module docstring). Writes
+    ``need``: 1 where searched, else 0 (int8)."""
     blk = tl.program_id(0)
     rows = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
     live = rows < tl.load(blk_end_ptr + blk)
+    x_base = _rows_base(x_ptr, tl.load(blk_layer_ptr + blk), tl.load(blk_start_ptr + blk), D, TABLE)
     if CELLS:
         entry = tl.load(index_ptr + rows, mask=live, other=0).to(tl.int64) + tl.load(blk_off_ptr + blk)
-        value = tl.load(x_ptr + rows.to(tl.int64), mask=live, other=0.0)
+        value = tl.load(x_base + rows.to(tl.int64), mask=live, other=0.0)
         inside = (tl.load(lo_ptr + entry, mask=live, other=0.0) < value) & (
             value < tl.load(hi_ptr + entry, mask=live, other=0.0)
         )
@@ -150,7 +169,7 @@ def engine_flag_kernel(
         cols = tl.arange(0, DP)
         offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
         inside2 = live[:, None] & (cols[None, :] < D)
-        diff = tl.load(x_ptr + offs, mask=inside2, other=0.0) - tl.load(ref_ptr + offs, mask=inside2, other=0.0)
+        diff = tl.load(x_base + offs, mask=inside2, other=0.0) - tl.load(ref_ptr + offs, mask=inside2, other=0.0)
         drift = tl.sum(diff * diff, axis=1)
         budget = tl.load(budget_ptr + rows, mask=live, other=0.0)
         if MOVED:
@@ -209,6 +228,7 @@ def engine_search_kernel(
     D: tl.constexpr,
     EXACT: tl.constexpr,
     TRACK: tl.constexpr,
+    TABLE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     LP: tl.constexpr,
@@ -227,7 +247,7 @@ def engine_search_kernel(
     beyond both bounds: the squared half certified gap, shrunk, rounded down), else ``need = 2``.
     ``EXACT`` true (float64, compiled without contraction: brute force's numbers): only rows with
     ``need == 2``; index and budget (half the gap, or 0 on a tie). ``TRACK`` false: no reference or
-    budget written."""
+    budget written. ``TABLE``: ``x`` is the layers' W address table (module docstring)."""
     lanes = tl.arange(0, LP)
     has = lanes < n_layers
     l_start = tl.load(lay_start_ptr + lanes, mask=has, other=0)
@@ -243,7 +263,8 @@ def engine_search_kernel(
         pos = start + (work - first) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = pos < start + tl.sum(tl.where(this, l_count, 0), axis=0)
         _search_block(
-            x_ptr, pool_ptr, ref_ptr, budget_ptr, index_ptr, need_ptr, perm_ptr, consts_ptr, pos, live,
+            _rows_base(x_ptr, layer, start, D, TABLE), pool_ptr, ref_ptr, budget_ptr, index_ptr, need_ptr, perm_ptr,
+            consts_ptr, pos, live,
             tl.load(lay_off_ptr + layer), tl.load(lay_n_ptr + layer), D, EXACT, TRACK, BLOCK_R, BLOCK_P,
         )  # fmt: skip
 
@@ -311,18 +332,22 @@ def engine_gather_kernel(index_ptr, pool_ptr, out_ptr, blk_row_ptr, blk_end_ptr,
 
 
 @triton.jit
-def engine_commit_kernel(grad_ptr, w_ptr, k_ptr, scale_ptr, out_ptr, blk_row_ptr, blk_end_ptr, blk_layer_ptr,
-                         D: tl.constexpr, DP: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+def engine_commit_kernel(grad_ptr, w_ptr, k_ptr, scale_ptr, out_ptr, blk_row_ptr, blk_end_ptr, blk_start_ptr,
+                         blk_layer_ptr, D: tl.constexpr, DP: tl.constexpr, TABLE: tl.constexpr,
+                         BLOCK_R: tl.constexpr):  # fmt: skip
     """``out = grad + scale[layer] * (w - k)`` for every row, in float32, stored in ``out``'s dtype: the
-    straight-through gradient with every layer's commitment term, in one pass."""
+    straight-through gradient with every layer's commitment term, in one pass. ``TABLE``: ``w`` is the
+    layers' W address table (module docstring)."""
     blk = tl.program_id(0)
     rows = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
     live = rows < tl.load(blk_end_ptr + blk)
-    scale = tl.load(scale_ptr + tl.load(blk_layer_ptr + blk))
+    layer = tl.load(blk_layer_ptr + blk)
+    scale = tl.load(scale_ptr + layer)
+    w_base = _rows_base(w_ptr, layer, tl.load(blk_start_ptr + blk), D, TABLE)
     cols = tl.arange(0, DP)
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     inside2 = live[:, None] & (cols[None, :] < D)
     g = tl.load(grad_ptr + offs, mask=inside2, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=inside2, other=0.0).to(tl.float32)
+    w = tl.load(w_base + offs, mask=inside2, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + offs, mask=inside2, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, (g + scale * (w - k)).to(out_ptr.dtype.element_ty), mask=inside2)

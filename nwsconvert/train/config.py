@@ -156,7 +156,8 @@ class TrainConfig:
         engine_graph: keep the step eager but capture the search engine's update (its searches, gathers
             and index copies: some 20 launches and their Python a step) in a CUDA graph and replay it
             (``SearchEngine(graph=True)``): for eager steps that the host, not the GPU, paces. The same
-            weights and indices; one W-sized buffer more through the step. Needs CUDA and the search
+            weights and indices; the graph's temporaries kept (and, for weights other than float32, one
+            W-sized buffer through the step). Needs CUDA and the search
             engine with Triton; not with ``cuda_graph`` (whose graph holds the update already).
             Experimental, off by default.
         seed: seeds model init, data order and head rows.

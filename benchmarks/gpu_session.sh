@@ -31,18 +31,19 @@
 #   mkdir -p .dev/long20 && cp -r runs/long20/{base.nwspack,job.json,manifest.json,pools.safetensors,tasks} .dev/long20/
 # The calls, back to back (a machine is given back after 30 s idle), each `. .dev/base/device.sh && ...`.
 # The next lease (after 51a292a: the suite and the runtime's tests passed on the H100; what is left is the step
-# rows with the persistent search, the wide-D kernels and the graphed engine update (engine_graph=true, built
-# after 741e7b3 for the eager rows' host time), the runtime on MobileNetV2 and EfficientNet-B0, and a profile
-# to compare with 51a292a's), about 15 minutes:
-#   1. carry .dev/base .dev/ort0: PHASE=rows BUDGET=400 FUZZ=40 ROUNDS=15 MODES="eager enginegraph" TESTS_FIRST=1
-#      (timeout_s 430): the engine's and the graphs' GPU tests first (the graphed update's included), the CUDA
-#      fuzz (its engine cases run a graphed copy too), then the five rows eager and with the graphed update
+# rows with the persistent search, the wide-D kernels, W read in place and the graphed engine update
+# (engine_graph=true, built after 741e7b3 for the eager rows' host time), the runtime on MobileNetV2 and
+# EfficientNet-B0, and a profile to compare with 51a292a's), about 15 minutes:
+#   1. carry .dev/base .dev/ort0: PHASE=rows BUDGET=420 FUZZ=30 ROUNDS=15 MODES="eager enginegraph" TESTS_FIRST=1
+#      ROW_TIMEOUT=50 (timeout_s 450): the engine's and the graphs' GPU tests first (the graphed update's
+#      included), the CUDA fuzz (its engine cases run a graphed copy too), then the five rows eager and with
+#      the graphed update, side by side (about 60 + 40 + 10 x 30 s)
 #   2-5. carry .dev/base .dev/ortK: PHASE=parts (timeout_s 60 each)
-#   6. carry .dev/base .dev/long20: PHASE=runtime BUDGET=... LONG20_RUN=.dev/long20 ARENA=shared RT_PARTS=long20
-#      PART_CAP=120 (the shared CUDA arena against 51a292a's own-arena figures), then in the same call
-#      ARENA=own MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models PART_CAP=200 ROWS="resnet18 32 64;resnet18
-#      224 32" MODES=graph PROFILE="resnet18 32 64": chain the two with && (check budget_left_s before call 6
-#      and cut its caps; the graphed rows and the profile are last and the first to go)
+#   6. carry .dev/base .dev/long20, with what is left (budget_left_s less 40 s): PHASE=runtime
+#      LONG20_RUN=.dev/long20 ARENA=shared RT_PARTS=long20 PART_CAP=100 (the shared CUDA arena against 51a292a's
+#      own-arena figures), then in the same call ARENA=own MODELS="mobilenetv2_100 efficientnet_b0"
+#      RT_PARTS=models PART_CAP=150, chained with &&; if time is left, ROWS="resnet18 32 64;resnet18 224 32"
+#      MODES=graph PROFILE="resnet18 32 64" (the graphed rows and the profile are the first to go)
 # A lease that has to check the suite again: PHASE=suite BUDGET=400 before 6.
 set -u
 PHASE=${PHASE:-parts}

@@ -121,10 +121,12 @@ def test_engine_commitment_gradient_is_the_layers_up_to_rounding(kernel):
             assert (lb.weight - start[lb.name]).abs().max() > 1e-3, lb.name
 
 
-def test_a_weight_given_new_storage_between_forward_and_backward_is_read_where_it_now_lives():
+@pytest.mark.parametrize("change", ["new storage", "transposed view"])
+def test_a_weight_given_new_storage_between_forward_and_backward_is_read_where_it_now_lives(change):
     """The Triton kernels read float32 W through a table of the layers' addresses. A W given new storage (and
-    other values) after the forward: the commitment term's backward reads the weights as they are now, as
-    concatenating them does, never the table's old address (freed memory)."""
+    other values), or the same storage in another layout (same address, other strides), after the forward:
+    the commitment term's backward reads the weights as they are now, as concatenating them does, never
+    through the table's old address (freed memory) or layout."""
     if not fused_search.available(DEVICE):
         pytest.skip("needs Triton (the engine's address table)")
     base = small_net()
@@ -140,7 +142,8 @@ def test_a_weight_given_new_storage_between_forward_and_backward_is_read_where_i
             loss = F.cross_entropy(model(x), y)
             assert all((g.w_table is not None) == table for g in engine.groups)
             holder = nws_layers(model)[1].module.parametrizations.weight
-            holder.original.data = holder.original.detach() * 2  # .data: no version counter moves
+            w = holder.original.detach()  # .data: no version counter moves
+            holder.original.data = w * 2 if change == "new storage" else w.transpose(2, 3)
             loss.backward()
             grads.append(holder.original.grad.clone())
     assert torch.equal(grads[0], grads[1])

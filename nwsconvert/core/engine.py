@@ -124,7 +124,7 @@ class _GroupSTE(torch.autograd.Function):
         ctx.shapes, ctx.commit, ctx.has_src = [w.shape for w in weights], commit, src is not None
         if commit is not None:
             ctx.save_for_backward(k, *weights, *((src,) if src is not None else ()))
-            ctx.ptrs = tuple(w.data_ptr() for w in weights) if src is not None and src.dim() == 1 else None
+            ctx.ptrs = _layout(weights) if src is not None and src.dim() == 1 else None
         return k.view_as(k)
 
     @staticmethod
@@ -132,11 +132,16 @@ class _GroupSTE(torch.autograd.Function):
         if ctx.commit is not None:
             k, *weights = ctx.saved_tensors
             src = weights.pop() if ctx.has_src else None
-            if ctx.ptrs is not None and ctx.ptrs != tuple(w.data_ptr() for w in weights):
-                src = None  # a weight now lives elsewhere: concatenate them
+            if ctx.ptrs is not None and ctx.ptrs != _layout(weights):
+                src = None  # a weight now lives elsewhere, or in another layout: concatenate them
             grad = ctx.commit(grad, k, weights, src)
         pieces = grad.reshape(-1).split([s.numel() for s in ctx.shapes])
         return (None, None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
+
+
+def _layout(weights) -> tuple:
+    """Where and how the weights lie (address, strides, dtype each): what an address table of them assumes."""
+    return tuple((w.data_ptr(), w.stride(), w.dtype) for w in weights)
 
 
 class _Commit:
@@ -279,7 +284,9 @@ class _Group:
         clone = _Group.__new__(_Group)
         memo[id(self)] = clone
         for name, value in vars(self).items():
-            setattr(clone, name, None if name == "pieces" else copy.deepcopy(value, memo))
+            # (the address table is the original's W's: the copy makes its own at its first update)
+            dropped = name in ("pieces", "w_table", "_w_ptrs")
+            setattr(clone, name, None if dropped else copy.deepcopy(value, memo))
         return clone
 
     def _start_tracking(self) -> None:
@@ -334,15 +341,18 @@ class _Group:
         backward still holding the old one reads the old, saved W); built through pinned memory on CUDA
         (no host sync)."""
         weights = [holder.original for holder in self.holders]
+        device = self.index.device
+        if device.type != "cpu" and fused_search._interpreting():
+            return None  # the interpreter copies tensors to the host, but not the memory a table points at
         if not all(w.dtype == torch.float32 and w.is_contiguous() for w in weights):
             return None
         ptrs = tuple(w.data_ptr() for w in weights)
         if ptrs != self._w_ptrs:
-            table = torch.tensor(ptrs, dtype=torch.int64)
-            device = self.index.device
-            if device.type == "cuda":
-                table = table.pin_memory().to(device, non_blocking=True)
-            self.w_table, self._w_ptrs = table.to(device), ptrs
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None  # no host copy into a graph being captured: concatenate, which captures
+            cuda = device.type == "cuda"
+            table = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
+            self.w_table, self._w_ptrs = table.to(device, non_blocking=cuda), ptrs
         return self.w_table
 
     @full_precision

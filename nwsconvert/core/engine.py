@@ -107,10 +107,11 @@ class _TorchSearch:
 class _GroupSTE(torch.autograd.Function):
     """Every layer's ``K = M[index]`` of one group at once, straight-through gradient to each layer's W.
 
-    The forward value is exactly the gathered pool vectors ``k`` ``(R, D)``. The backward hands each
-    weight its slice of the incoming gradient; with ``commit`` (:class:`_Commit`, or None) it first adds
-    ``scale * (W - K)`` per layer, the gradient of every layer's commitment term (see
-    :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group. ``src``: where the
+    The forward returns each layer's weight, exactly its gathered pool vectors: a view of ``k`` ``(R, D)``
+    in W's shape (one autograd node for the group, not a split and a view per layer). The backward hands
+    each weight its gradient; with ``commit`` (:class:`_Commit`, or None) it first joins them into one
+    ``(R, D)`` buffer and adds ``scale * (W - K)`` per layer, the gradient of every layer's commitment term
+    (see :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group. ``src``: where the
     backward reads W: the layers' W address table ``(L,)`` int64 (float32 W, read where each layer keeps
     it), or W as the update concatenated it ``(R, D)`` float32 where that buffer lives through the step
     anyway (a graphed update's), or None (W concatenated again in the backward: an eager forward keeps no
@@ -125,16 +126,19 @@ class _GroupSTE(torch.autograd.Function):
         if commit is not None:
             ctx.save_for_backward(k, *weights, *((src,) if src is not None else ()))
             ctx.ptrs = _layout(weights) if src is not None and src.dim() == 1 else None
-        return k.view_as(k)
+        rows = k.split([w.numel() // k.shape[1] for w in weights])
+        return tuple(piece.view(shape) for piece, shape in zip(rows, ctx.shapes))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if ctx.commit is not None:
-            k, *weights = ctx.saved_tensors
-            src = weights.pop() if ctx.has_src else None
-            if ctx.ptrs is not None and ctx.ptrs != _layout(weights):
-                src = None  # a weight now lives elsewhere, or in another layout: concatenate them
-            grad = ctx.commit(grad, k, weights, src)
+    def backward(ctx, *grads: torch.Tensor):
+        if ctx.commit is None:  # each weight's gradient is its layer's, as it came
+            return (None, None, None, *grads)
+        k, *weights = ctx.saved_tensors
+        src = weights.pop() if ctx.has_src else None
+        if ctx.ptrs is not None and ctx.ptrs != _layout(weights):
+            src = None  # a weight now lives elsewhere, or in another layout: concatenate them
+        # One (R, D) buffer of this backward's own, which the commitment term then takes in place.
+        grad = ctx.commit(torch.cat([g.reshape(-1, k.shape[1]) for g in grads]), k, weights, src)
         pieces = grad.reshape(-1).split([s.numel() for s in ctx.shapes])
         return (None, None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
 
@@ -364,10 +368,9 @@ class _Group:
         weights = [holder.original for holder in self.holders]
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             exact = src is not None and all(w.dtype == torch.float32 for w in weights)  # then src reads W bit for bit
-            k = _GroupSTE.apply(k, self._commit(), src if exact else None, *weights)
-        # Split by rows, not through a flat view: the backward then concatenates the layers' gradients into
-        # a tensor of K's shape that is no view, which the commitment term may take in place (_Commit).
-        self.pieces = [piece.view(shape) for piece, shape in zip(k.split(self.row_counts), self.shapes)]
+            self.pieces = list(_GroupSTE.apply(k, self._commit(), src if exact else None, *weights))
+        else:
+            self.pieces = [piece.view(shape) for piece, shape in zip(k.split(self.row_counts), self.shapes)]
         return weights
 
     def _track_pools(self) -> bool:

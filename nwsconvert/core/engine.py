@@ -160,9 +160,9 @@ class _Commit:
     def __call__(self, grad: torch.Tensor, k: torch.Tensor, weights, src: torch.Tensor | None = None) -> torch.Tensor:
         """``src``: as :class:`_GroupSTE`'s (an address table only with the Triton kernel)."""
         w = src if src is not None else torch.cat([w.reshape(-1, self.dim) for w in weights])
-        # The group's incoming gradient is a buffer autograd made for K alone (the layers' weight gradients
-        # concatenated), which nothing else reads: the term goes into it in place, so the backward's peak
-        # holds no second (R, D) buffer (the kernel reads and writes each element in the same program).
+        # The group's incoming gradient is the layers' weight gradients joined into a buffer of the backward's
+        # own, which nothing else reads: the term goes into it in place, so the backward's peak holds no
+        # second (R, D) buffer (the kernel reads and writes each element in the same program).
         own = writable_gradient(grad)
         if self.wide is not None:
             out = grad if own else torch.empty_like(grad)
@@ -198,6 +198,7 @@ class _Group:
             itself when float32). move: ``(L,)`` float64 largest pool-entry movement at the last change.
             stale: ``(L,)`` int8, scalar pools no longer the ones the exact intervals were cut from.
         pieces: per layer, its gathered weight in W's shape (views of one buffer) from the last update.
+        w_table: the layers' W address table (:meth:`_w_table`), once built; None while W is concatenated.
         need: ``(R,)`` int8: 0 where the last update did not search the row, 1 where it did, 2 where it
             searched it in float64; per-layer counts are taken from it when read (:meth:`counts`).
     """

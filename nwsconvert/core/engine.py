@@ -347,8 +347,8 @@ class _Group:
         (no host sync)."""
         weights = [holder.original for holder in self.holders]
         device = self.index.device
-        if device.type != "cpu" and fused_search._interpreting():
-            return None  # the interpreter copies tensors to the host, but not the memory a table points at
+        if device.type == "cuda" and fused_search._interpreting():
+            return None  # the interpreter copies CUDA tensors to the host, but not the memory a table points at
         if not all(w.dtype == torch.float32 and w.is_contiguous() for w in weights):
             return None
         ptrs = tuple(w.data_ptr() for w in weights)

@@ -72,9 +72,9 @@ def measure(bundle: Path, config: dict, device: str, threads: int | None) -> dic
     if config["kind"] == "dense":
         # "sessions": N > 1 sessions of the dense model sharing one CPU arena, as the Runtime's session
         # mode shares one among its cached task sessions: what a dense session costs beside another.
-        from nwsconvert.export.runtime import _shared_cpu_arena, session_providers
+        from nwsconvert.export.runtime import _shared_arena, session_providers
 
-        shared = config.get("sessions", 1) > 1 and device == "cpu" and _shared_cpu_arena(ort)
+        shared = config.get("sessions", 1) > 1 and device == "cpu" and _shared_arena(ort)
         providers = session_providers(device == "cuda")  # TF32 off, as the Runtime's default
         sessions = []
         for _ in range(config.get("sessions", 1)):

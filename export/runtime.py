@@ -114,40 +114,27 @@ class _Task:
     error: Exception | None = None
 
 
-_ENV_ARENA: bool | None = None  # None: not tried yet in this process
+_ENV_ARENAS: dict[str, bool] = {}  # "cpu" / "cuda" -> registered; absent: not tried yet in this process
 
 
-def _shared_cpu_arena(ort) -> bool:
-    """Register one CPU arena allocator for the process, which sessions asking for it share (session mode:
-    one arena for every cached session, not one each). False where this onnxruntime cannot."""
-    global _ENV_ARENA
-    if _ENV_ARENA is None:
+def _shared_arena(ort, device: str = "cpu") -> bool:
+    """Register one arena allocator on ``device`` for the process, which sessions asking for it share. On the
+    CPU: every cached session of the session mode, not one each. On CUDA (device 0, growing by what is
+    asked, not to the next power of two): the switch mode's graph and its fill graph, or every cached task
+    session. False where this onnxruntime cannot."""
+    if device not in _ENV_ARENAS:
         try:
-            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
-            _ENV_ARENA = True
+            if device == "cpu":
+                info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+                ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+            else:
+                info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+                # OrtArenaCfg(max_mem: no limit, extend strategy 1: kSameAsRequested, initial chunk, max dead bytes)
+                ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, {}, ort.OrtArenaCfg(0, 1, -1, -1))
+            _ENV_ARENAS[device] = True
         except Exception:  # noqa: BLE001 (one the caller registered already, or a build without it)
-            _ENV_ARENA = False
-    return _ENV_ARENA
-
-
-_ENV_CUDA_ARENA: bool | None = None
-
-
-def _shared_cuda_arena(ort) -> bool:
-    """Register one CUDA arena allocator (device 0, growing by what is asked, not to the next power of two)
-    for the process, which sessions asking for it share: the switch mode's graph and its fill graph, or
-    every cached task session. False where this onnxruntime cannot."""
-    global _ENV_CUDA_ARENA
-    if _ENV_CUDA_ARENA is None:
-        try:
-            info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-            # OrtArenaCfg(max_mem: no limit, extend strategy 1: kSameAsRequested, initial chunk, max dead bytes)
-            ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, {}, ort.OrtArenaCfg(0, 1, -1, -1))
-            _ENV_CUDA_ARENA = True
-        except Exception:  # noqa: BLE001 (one registered already, or a build without it)
-            _ENV_CUDA_ARENA = False
-    return _ENV_CUDA_ARENA
+            _ENV_ARENAS[device] = False
+    return _ENV_ARENAS[device]
 
 
 class Runtime:
@@ -245,7 +232,7 @@ class Runtime:
         self.providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if gpu else ["CPUExecutionProvider"]
         self.tf32 = bool(tf32)
         self._provider_args = session_providers(gpu, self.tf32)  # what sessions are built with
-        shared = gpu and cuda_arena == "shared" and _shared_cuda_arena(ort)
+        shared = gpu and cuda_arena == "shared" and _shared_arena(ort, "cuda")
         if gpu and cuda_arena == "shared" and not shared:
             warnings.warn(
                 "cuda_arena='shared': this onnxruntime cannot register one; each session keeps its own", stacklevel=2
@@ -318,10 +305,8 @@ class Runtime:
             opts.graph_optimization_level = level
         if external:
             opts.add_external_initializers(list(external), list(external.values()))
-        if shared_arena and not self.cuda and _shared_cpu_arena(self.ort):
-            opts.add_session_config_entry("session.use_env_allocators", "1")
-        if self.cuda_arena == "shared":
-            opts.add_session_config_entry("session.use_env_allocators", "1")
+        if self.cuda_arena == "shared" or (shared_arena and not self.cuda and _shared_arena(self.ort)):
+            opts.add_session_config_entry("session.use_env_allocators", "1")  # the arena registered with the process
         return opts
 
     def _check_providers(self, sess, what: str) -> None:

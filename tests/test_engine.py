@@ -202,24 +202,54 @@ def _addresses(engine) -> list[int]:
     return out
 
 
-#: What the engine's Triton kernels were launched with: (kernel, grid, each argument's dtype and shape or
-#: value, constexprs), filled while _LoggedKernels is installed.
-LAUNCHES: list = []
+ENGINE_KERNELS = (
+    "engine_flag_kernel",
+    "engine_compact_kernel",
+    "engine_search_kernel",
+    "engine_gather_kernel",
+    "engine_commit_kernel",
+)
 
 
-class _LoggedKernel:
-    def __init__(self, name, kernel):
-        self.name, self.kernel = name, kernel
+class Recorder:
+    """Stands in for one Triton kernel: records each launch (name, kernel, grid, arguments, keywords) in
+    ``log``, then launches the real kernel."""
+
+    inside = False  # set while a kernel runs (the interpreter's own tensor ops are not the step's)
+
+    def __init__(self, kernel, name: str, log: list):
+        self.kernel, self.name, self.log = kernel, name, log
 
     def __getitem__(self, grid):
-        launch = self.kernel[grid]
+        def launch(*args, **kwargs):
+            self.log.append((self.name, self.kernel, tuple(grid), args, kwargs))
+            Recorder.inside = True
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                Recorder.inside = False
 
-        def run(*args, **kwargs):
-            shown = tuple((a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args)
-            LAUNCHES.append((self.name, tuple(grid), shown, tuple(sorted(kwargs.items()))))
-            return launch(*args, **kwargs)
+        return launch
 
-        return run
+
+def record_engine_kernels(monkeypatch) -> list:
+    """Every engine kernel's launches, recorded (:class:`Recorder`) in the returned list while the test runs."""
+    from nwsconvert.core import triton_kernels
+
+    log: list = []
+    for name in ENGINE_KERNELS:
+        monkeypatch.setattr(triton_kernels, name, Recorder(getattr(triton_kernels, name), name, log))
+    return log
+
+
+def _launched(log: list) -> list:
+    """What a real replay could not change of the recorded launches: each kernel, its grid, its arguments'
+    dtypes and shapes (values for scalars) and its keywords (constexprs)."""
+    return [
+        (name, grid, tuple((a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args),
+         tuple(sorted(kwargs.items())))
+        for name, _, grid, args, kwargs in log
+    ]  # fmt: skip
 
 
 class _StandInGraph(_UpdateGraph):
@@ -230,12 +260,13 @@ class _StandInGraph(_UpdateGraph):
     other Python decisions). ``fail``: the capture raises, as one a driver refuses would."""
 
     fail = False
+    log: list = []  # the engine kernels' launches (record_engine_kernels)
 
     def __init__(self, engine):
         self.engine, self.outputs, self.error = engine, None, None
-        LAUNCHES.clear()
+        self.log.clear()
         self.warm = engine._refresh_groups()  # the capture step's eager update (the real one: on a side stream)
-        self.launches = list(LAUNCHES)
+        self.launches = _launched(self.log)
         self.captured = _addresses(engine)
         if _StandInGraph.fail:
             self.error = "RuntimeError: operation not permitted when stream is capturing"
@@ -253,13 +284,13 @@ class _StandInGraph(_UpdateGraph):
         held = [nws.indices for nws in layers]
         for nws, t in zip(layers, held):
             nws.indices = t.data
-        LAUNCHES.clear()
+        self.log.clear()
         try:
             outs = engine._refresh_groups()
         finally:
             for nws, t in zip(layers, held):
                 nws.indices = t
-        assert LAUNCHES == self.launches, "a replay would launch what was captured, not this"
+        assert _launched(self.log) == self.launches, "a replay would launch what was captured, not this"
         if self.outputs is None:
             self.outputs = outs
         else:
@@ -273,14 +304,11 @@ class _StandInGraph(_UpdateGraph):
 def stand_in(monkeypatch):
     """The graphed engine's capture replaced by :class:`_StandInGraph`, the engine's kernels logged."""
     from nwsconvert.core import engine as engine_module
-    from nwsconvert.core import triton_kernels
 
     if not fused_search.available(DEVICE):
         pytest.skip("needs Triton (the engine's graphed update)")
     monkeypatch.setattr(engine_module, "GRAPH_CAPTURE", _StandInGraph)
-    for name in triton_kernels.__all__:
-        if name.startswith("engine_"):
-            monkeypatch.setattr(triton_kernels, name, _LoggedKernel(name, getattr(triton_kernels, name)))
+    monkeypatch.setattr(_StandInGraph, "log", record_engine_kernels(monkeypatch))
     monkeypatch.setattr(_StandInGraph, "fail", False)
     return _StandInGraph
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_engine import assert_exact, batches, sgd_step
+from test_engine import ENGINE_KERNELS, Recorder, assert_exact, batches, record_engine_kernels, sgd_step
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -28,35 +28,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs Triton >= 3.3 (CPU-only torch wheels ship without it; torch 2.7 brings 3.3)",
 )
 
-ENGINE_KERNELS = (
-    "engine_flag_kernel",
-    "engine_compact_kernel",
-    "engine_search_kernel",
-    "engine_gather_kernel",
-    "engine_commit_kernel",
-)
-
-
-class _Recorder:
-    """Stands in for one Triton kernel: records each launch's arguments, then launches the real kernel."""
-
-    inside = False  # set while a kernel runs (the interpreter's own tensor ops are not the step's)
-
-    def __init__(self, kernel, name: str, log: list):
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append((self.name, self.kernel, args, kwargs))
-            _Recorder.inside = True
-            try:
-                return self.kernel[grid](*args, **kwargs)
-            finally:
-                _Recorder.inside = False
-
-        return launch
-
-
 #: aten ops that launch no kernel: views, allocations without a fill, metadata
 _NO_LAUNCH = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "set_", "detach", "lift_fresh"}
 
@@ -70,7 +41,7 @@ class _Launches(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not _Recorder.inside and not func.is_view and name not in _NO_LAUNCH:
+        if not Recorder.inside and not func.is_view and name not in _NO_LAUNCH:
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
 
@@ -78,12 +49,7 @@ class _Launches(TorchDispatchMode):
 @pytest.fixture
 def launches(monkeypatch):
     """The engine kernels' launches, recorded while the test runs."""
-    from nwsconvert.core import triton_kernels
-
-    log: list = []
-    for name in ENGINE_KERNELS:
-        monkeypatch.setattr(triton_kernels, name, _Recorder(getattr(triton_kernels, name), name, log))
-    return log
+    return record_engine_kernels(monkeypatch)
 
 
 def _net(dtype=torch.float32) -> nn.Module:
@@ -427,7 +393,7 @@ if __name__ == "__main__":
 def _recorded_variants(log) -> list:
     """One ``[name, signature, constexprs, options]`` per distinct launch among the recorded ones."""
     variants = {}
-    for name, kernel, args, kwargs in log:
+    for name, kernel, _, args, kwargs in log:
         arg_names = list(kernel.arg_names)
         constexprs = {k: v for k, v in kwargs.items() if k in arg_names}
         options = {k: v for k, v in kwargs.items() if k not in arg_names}

@@ -523,7 +523,7 @@ for mode in ('session', 'switch'):
     out[mode] = {t: rt.run(t, x).tolist() for t in rt.tasks}
 text = io.StringIO()
 with contextlib.redirect_stdout(text):
-    infer_main(['--bundle', sys.argv[1], '--task', '1', '--device', 'cpu', '--mode', 'switch', sys.argv[3]])
+    out['infer_rc'] = infer_main(['--bundle', sys.argv[1], '--task', '1', '--device', 'cpu', '--mode', 'switch', '--bench', sys.argv[3]])
 out['infer'] = text.getvalue()
 try:
     nwsconvert.convert
@@ -578,6 +578,8 @@ def test_the_runtime_wheel_needs_neither_torch_nor_timm(run, tmp_path):
     got = json.loads(proc.stdout)
     assert Path(got["file"]).is_relative_to(site)  # the wheel's modules ran, not this checkout's
     assert "img.png" in got["infer"] and "needs the full nwsconvert install" in got["convert"]
+    assert got["infer_rc"] == 0, proc.stderr[-2000:]
+    assert "latency (batch 1)" in got["infer"] and "task switch (first run after it" in got["infer"]  # --bench
     for mode in ("session", "switch"):
         rt = Runtime(tmp_path / "b", device="cpu", mode=mode)
         for t in (0, 1):

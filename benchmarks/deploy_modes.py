@@ -44,6 +44,7 @@ from torch.utils.data import TensorDataset
 import nwsconvert
 from nwsconvert import TrainConfig, Trainer
 from nwsconvert.export import Runtime, export_bundle
+from nwsconvert.export.graphruns import GraphRuns
 from nwsconvert.export.runtime import session_providers
 from nwsconvert.export.switch import SWITCH_FILE
 
@@ -90,26 +91,34 @@ def _initializer_bytes(path: Path) -> int:
 
 
 class _Dense:
-    """A plain onnxruntime session over the dense model, called like a Runtime."""
+    """A plain onnxruntime session over the dense model, called like a Runtime; ``graph``: through
+    onnxruntime's CUDA graph, its runs at fixed addresses as the Runtime's (:class:`GraphRuns`)."""
 
-    def __init__(self, path: Path, device: str, threads: int | None):
+    def __init__(self, path: Path, device: str, threads: int | None, graph: bool = False):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
         # TF32 off, as the Runtime's default: like with like (onnxruntime's own default rounds to TF32).
-        self.sess = ort.InferenceSession(str(path), opts, providers=session_providers(device == "cuda"))
+        self.sess = ort.InferenceSession(str(path), opts, providers=session_providers(device == "cuda", graph=graph))
+        self.graphs = GraphRuns(ort, self.sess, device, "input", self.sess.get_outputs()[0].name) if graph else None
+        self.binding = self.sess.io_binding()
 
     def run(self, task: int, x: np.ndarray) -> np.ndarray:
-        return self.sess.run(None, {"input": x})[0]
+        if self.graphs is None:
+            return self.sess.run(None, {"input": x})[0]
+        out = self.graphs.run(self.binding, x)
+        if out is None:
+            raise RuntimeError(f"the dense model's CUDA graph: {self.graphs.failed or 'no graph for this shape'}")
+        return out
 
 
 def _child(bundle: Path, config: dict, device: str, threads: int | None, cuda_arena: str = "own") -> dict:
     """``benchmarks/runtime_memory.py`` in a fresh process: what ``config`` holds, from a runtime's imports on
-    (a Runtime built with ``cuda_arena``)."""
+    (a Runtime built with ``cuda_arena`` unless ``config`` names its own)."""
     if config.get("kind") == "runtime":
-        config = {**config, "cuda_arena": cuda_arena}
+        config = {"cuda_arena": cuda_arena, **config}
     cmd = [sys.executable, str(Path(__file__).with_name("runtime_memory.py")), str(bundle), json.dumps(config)]
     cmd += ["--device", device] + (["--threads", str(threads)] if threads else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -143,6 +152,7 @@ def measure(
     cycles: int,
     memory: str = "all",
     cuda_arena: str = "own",
+    cuda_graph: bool = False,
 ) -> dict:
     from nwsconvert.export.timing import summary, switch_costs
 
@@ -163,6 +173,9 @@ def measure(
         sub = _first_tasks(run, bundle, n, bundle.parent / f"first_{n}")
         out["memory"][f"switch_{n}"] = child(sub, {"kind": "runtime", "mode": "switch"})
     out["memory"]["switch_keep_pack"] = child(bundle, {"kind": "runtime", "mode": "switch", "keep": "pack"})
+    if cuda_graph:  # every task, each run through the graph (captured at its first runs)
+        graphed = {"kind": "runtime", "mode": "switch", "cuda_graph": True, "cuda_arena": "own"}
+        out["memory"]["switch_graph"] = child(bundle, graphed)
     out["memory"]["session_all_cached"] = child(bundle, {"kind": "runtime", "mode": "session", "max_sessions": ntasks})
     if ntasks > 1 and memory == "all":  # every task held ready (a buffer each) against one: what each further one adds
         out["memory"]["switch_all_ready"] = child(bundle, {"kind": "runtime", "mode": "switch", "ready": ntasks})
@@ -175,6 +188,9 @@ def measure(
         "session": Runtime(bundle, device=device, mode="session", threads=threads, cuda_arena=cuda_arena),
         "dense": _Dense(dense, device, threads),
     }
+    if cuda_graph:  # both through onnxruntime's CUDA graph (own arenas, whatever --cuda-arena says)
+        rts["switch_graph"] = Runtime(bundle, device=device, mode="switch", cuda_graph=True)
+        rts["dense_graph"] = _Dense(dense, device, threads, graph=True)
     out["layout"] = rts["switch"].info()["layout"]
     for rt in rts.values():
         rt.run(0, x1)
@@ -194,6 +210,9 @@ def measure(
         out[f"latency_b{batch}"] = {
             m: {"median_ms": 1e3 * float(np.median(lat[m])), "ratio": summary(list(ratios[m]))} for m in rts
         }
+        if cuda_graph:
+            graphed = np.array(lat["switch_graph"]) / np.array(lat["dense_graph"])
+            out[f"latency_b{batch}"]["switch_graph"]["ratio_vs_dense_graph"] = summary(list(graphed))
     # Switch cost: first run after a switch minus a steady run, every task in turn.
     out["switch_cost"] = {
         "switch": summary(switch_costs(rts["switch"], x1, cycles)),
@@ -204,6 +223,15 @@ def measure(
         ),
         "session": summary(switch_costs(rts["session"], x1, cycles)),
     }
+    if cuda_graph:
+        rt = rts["switch_graph"]
+        out["switch_cost"]["switch_graph"] = summary(switch_costs(rt, x1, cycles))
+        worst = 0.0  # every task at both batch sizes, graphed against the plain switch mode
+        for t in rt.tasks:
+            for x in (x1, x32):
+                ref = rts["switch"].run(t, x)
+                worst = max(worst, float(np.abs(rt.run(t, x) - ref).max() / np.abs(ref).max()))
+        out["graph"] = {"on": rt.cuda_graph, "graphs": rt.info()["graphs"], "parity": worst}
     return out
 
 
@@ -237,8 +265,16 @@ def main() -> None:
         default="own",
         help="CUDA: the Runtime's sessions each with their own memory arena (default) or one shared",
     )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="CUDA: also the switch mode and the dense model through onnxruntime's CUDA graph, each session with "
+        "its own arena (latency, switch cost, memory, parity with the plain switch mode)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.cuda_graph and args.device != "cuda":
+        p.error("--cuda-graph: onnxruntime's CUDA graph needs --device cuda")
     import onnxruntime as ort
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -249,6 +285,7 @@ def main() -> None:
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "cuda_arena": args.cuda_arena,
+        "cuda_graph": args.cuda_graph,
         "models": {},
     }
     for name in [args.run.name] if args.run else args.models:
@@ -288,7 +325,7 @@ def main() -> None:
             built = time.perf_counter() - tic
             r = measure(
                 run, bundle, d / "dense.onnx", args.device, args.threads, args.rounds, args.cycles, args.memory,
-                args.cuda_arena,
+                args.cuda_arena, args.cuda_graph,
             )  # fmt: skip
         r["files"] = sizes
         r["build_seconds"] = built
@@ -311,17 +348,33 @@ def report(name: str, args, r: dict) -> None:
             f"[{lat['switch']['ratio']['q25']:.2f}, {lat['switch']['ratio']['q75']:.2f}], "
             f"session x{lat['session']['ratio']['median']:.2f}"
         )
+    for b in (1, 32) if "graph" in r else ():
+        g = r[f"latency_b{b}"]
+        print(
+            f"  latency b{b}, CUDA graphs: dense {g['dense_graph']['median_ms']:.2f} ms, switch "
+            f"{g['switch_graph']['median_ms']:.2f} ms = x{g['switch_graph']['ratio_vs_dense_graph']['median']:.2f} the "
+            f"graphed dense model, x{g['switch_graph']['ratio']['median']:.2f} the plain one"
+        )
+    if "graph" in r:
+        g = r["graph"]
+        print(
+            f"  CUDA graph: {'on' if g['on'] else 'REFUSED'}, {g['graphs']} graphs; largest difference from the plain "
+            f"switch mode {g['parity']:.1e} of the largest logit"
+        )
     for key, what in (
         ("switch", "switch mode (indices kept)"),
+        ("switch_graph", "switch mode, CUDA graph"),
         ("switch_keep_pack", "switch mode (pack only)"),
         ("session", "session mode (4 cached)"),
     ):
+        if key not in r["switch_cost"]:
+            continue
         c = r["switch_cost"][key]
         print(
             f"  switch cost, {what}: {1e3 * c['median']:.1f} ms [{1e3 * c['q25']:.1f}, {1e3 * c['q75']:.1f}] over {c['n']}"
         )
     for key, m in mem.items():
-        if not key.startswith("switch_") or key in ("switch_keep_pack", "switch_all_ready"):
+        if not key.startswith("switch_") or key in ("switch_keep_pack", "switch_all_ready", "switch_graph"):
             continue
         kept = sum(m["info"]["bytes_per_task"].values())
         n = len(m["info"]["bytes_per_task"])
@@ -340,6 +393,14 @@ def report(name: str, args, r: dict) -> None:
             f"  memory, switch mode with all {r['tasks']} tasks ready: {mem['switch_all_ready']['rss'] / 1e6:.1f} MB; each "
             f"further ready task adds {added / 1e6:.1f} MB ({added / sizes['dense_weights']:.2f}x its dense weights)"
         )
+    if "switch_graph" in mem:
+        m = mem["switch_graph"]
+        gpu = (
+            f", device {m['gpu'] / 1e6:.0f} MB against the dense session's {mem['dense']['gpu'] / 1e6:.0f} MB"
+            if m.get("gpu")
+            else ""
+        )
+        print(f"  memory, switch mode with the CUDA graph, every task: {m['rss'] / 1e6:.1f} MB RSS{gpu}")
     sc = mem["session_all_cached"]
     print(
         f"  memory, session mode with all {r['tasks']} cached: {sc['rss'] / 1e6:.1f} MB, "

@@ -10,6 +10,8 @@
 # MEMORY=core (default) measures deploy_modes.py's core memory rows only (three processes fewer a bundle);
 # MEMORY=all adds what each further ready task, cached session and dense session costs. MODELS picks the
 # models part's models; ARENA=shared builds every Runtime with cuda_arena='shared' (files *_shared.*).
+# GRAPH=1 adds the switch mode and the dense model through onnxruntime's CUDA graph (deploy_modes.py
+# --cuda-graph; files *_graph.*). The part gputests runs the runtime's GPU tests alone (pytest -m gpu, ~30 s).
 set -u
 OUT=${OUT:-/tmp/gpu_runtime}
 PARTS=${PARTS:-"tests models demo long20"}
@@ -17,6 +19,7 @@ MEMORY=${MEMORY:-core}
 MODELS=${MODELS:-"resnet18 mobilenetv2_100 efficientnet_b0"}  # the models part's models
 ARENA=${ARENA:-own}  # deploy_modes.py --cuda-arena: own or shared (its files then end in _shared)
 TAG=""; [ "$ARENA" = own ] || TAG="_$ARENA"
+GRAPH_FLAG=""; [ "${GRAPH:-0}" = 1 ] && { GRAPH_FLAG="--cuda-graph"; TAG="${TAG}_graph"; }
 PY=${PY:-$(command -v python || command -v python3)}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
@@ -29,22 +32,26 @@ if ! grep -q CUDAExecutionProvider "$OUT/versions.txt"; then
 fi
 for part in $PARTS; do
     case $part in
+    gputests)
+        $PY -m pytest -q -m gpu tests/test_export.py > "$OUT/pytest_runtime_gpu.log" 2>&1
+        echo "pytest rc=$?" >> "$OUT/pytest_runtime_gpu.log"
+        tail -3 "$OUT/pytest_runtime_gpu.log" ;;
     tests)
         $PY -m pytest -q -n "${RT_N:-1}" tests/test_export.py tests/test_layout.py tests/test_demo.py > "$OUT/pytest_runtime.log" 2>&1
         echo "pytest rc=$?" >> "$OUT/pytest_runtime.log" ;;
     models)
-        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --cuda-arena "$ARENA" --models $MODELS --size 224 \
+        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --cuda-arena "$ARENA" $GRAPH_FLAG --models $MODELS --size 224 \
             --tasks 6 --json "$OUT/deploy_cuda_224$TAG.json" > "$OUT/deploy_cuda_224$TAG.log" 2>&1 ;;
     demo)  # DEMO_RUN: a demo run already trained on this machine (gpu_checks.sh's make demo writes runs/demo)
         run=${DEMO_RUN:-/tmp/gpu_demo}
         [ -f "$run/manifest.json" ] || $PY -m nwsconvert.cli.demo out="$run" progress=false > "$OUT/demo_train.log" 2>&1
-        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --cuda-arena "$ARENA" --run "$run" \
+        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --cuda-arena "$ARENA" $GRAPH_FLAG --run "$run" \
             --json "$OUT/deploy_cuda_demo$TAG.json" > "$OUT/deploy_cuda_demo$TAG.log" 2>&1 ;;
     long20)  # LONG20_RUN: a long-mixed-20 run trained elsewhere and carried (its manifest, pools and packs suffice)
         run=${LONG20_RUN:-/tmp/gpu_long20}
         [ -f "$run/manifest.json" ] || $PY -m nwsconvert.cli.train suite=long-mixed-20 "suite.fashion_root=${FASHION:-.dev/fashion}" \
             out="$run" progress=false > "$OUT/long20_train.log" 2>&1
-        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --cuda-arena "$ARENA" --run "$run" \
+        $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --cuda-arena "$ARENA" $GRAPH_FLAG --run "$run" \
             --json "$OUT/deploy_cuda_long20$TAG.json" > "$OUT/deploy_cuda_long20$TAG.log" 2>&1 ;;
     esac
 done

@@ -8,8 +8,9 @@
 #                  and fused cases on CUDA (the GPU's tiles and FMA), step
 #                  rows (ROWS, MODES; default: the five rows, eager then graphed) and (PROFILE) a profile:
 #                  needs no onnxruntime-gpu, so it can run in the call that brings the first part
-#   PHASE=runtime  deploy_modes.py on CUDA (gpu_runtime.sh; RT_PARTS picks the parts: demo (the run PHASE=suite
-#                  trained), long20 (LONG20_RUN: a carried run), models (three short runs at 224x224), each
+#   PHASE=runtime  deploy_modes.py on CUDA (gpu_runtime.sh; RT_PARTS picks the parts: gputests (the runtime's GPU
+#                  tests), demo (the run PHASE=suite trained), long20 (LONG20_RUN: a carried run), models (three
+#                  short runs at 224x224; ARENA and GRAPH as gpu_runtime.sh reads them), each
 #                  bounded by PART_CAP), then (PROFILE="model size batch") a profile and (ROWS="model size
 #                  batch;...", MODES) step rows on the quiet GPU
 # Everything runs in the foreground: the device tool replaces the working tree at every call, so work left
@@ -40,10 +41,12 @@
 #      the graphed update, side by side (about 60 + 40 + 10 x 30 s)
 #   2-5. carry .dev/base .dev/ortK: PHASE=parts (timeout_s 60 each)
 #   6. carry .dev/base .dev/long20, with what is left (budget_left_s less 40 s): PHASE=runtime
-#      LONG20_RUN=.dev/long20 ARENA=shared RT_PARTS=long20 PART_CAP=100 (the shared CUDA arena against 51a292a's
-#      own-arena figures), then in the same call ARENA=own MODELS="mobilenetv2_100 efficientnet_b0"
-#      RT_PARTS=models PART_CAP=150, chained with &&; if time is left, ROWS="resnet18 32 64;resnet18 224 32"
-#      MODES=graph PROFILE="resnet18 32 64" (the graphed rows and the profile are the first to go)
+#      LONG20_RUN=.dev/long20 ARENA=shared GRAPH=1 RT_PARTS="gputests long20" PART_CAP=130 (the runtime's GPU
+#      tests, the cuda_graph one included; the shared CUDA arena against 51a292a's own-arena figures, and
+#      onnxruntime's CUDA graph, switch mode against the dense model, both graphed), then in the same call
+#      ARENA=own MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models PART_CAP=150, chained with &&; if
+#      time is left, ROWS="resnet18 32 64;resnet18 224 32" MODES=graph PROFILE="resnet18 32 64" (the graphed
+#      rows and the profile are the first to go)
 # A lease that has to check the suite again: PHASE=suite BUDGET=400 before 6.
 set -u
 PHASE=${PHASE:-parts}
@@ -95,7 +98,7 @@ runtime)
     # others their time, and what came before comes back
     for part in ${RT_PARTS:-demo long20 models}; do
         DEMO_RUN=$PWD/runs/demo OUT=/tmp/gpu_rt PARTS=$part bounded "${PART_CAP:-200}" bash benchmarks/gpu_runtime.sh
-        echo "== $part (rc $?)"; tail -n 22 "$(ls -t /tmp/gpu_rt/deploy_cuda_*.log 2>/dev/null | head -1)" 2>/dev/null
+        echo "== $part (rc $?)"; tail -n 30 "$(ls -t /tmp/gpu_rt/deploy_cuda_*.log 2>/dev/null | head -1)" 2>/dev/null
         pack /tmp/gpu_rt runtime
     done
     [ -n "${PROFILE:-}" ] && profiles "$PROFILE"

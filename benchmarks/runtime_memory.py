@@ -96,6 +96,7 @@ def measure(bundle: Path, config: dict, device: str, threads: int | None) -> dic
         max_sessions=config.get("max_sessions", 4),
         ready=config.get("ready", 1),
         cuda_arena=config.get("cuda_arena", "own"),
+        cuda_graph=config.get("cuda_graph", False),
     )
     started = time.perf_counter() - tic
     for _ in range(RUNS):

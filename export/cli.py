@@ -156,9 +156,18 @@ def _infer(argv: list[str] | None) -> int:
         "model); session: one session per task graph (dense speed; each cached task holds its own weights, "
         "another costs a session creation)",
     )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="CUDA, switch mode (experimental): replay each batch size's run from onnxruntime's CUDA graph, one "
+        "launch a run; a switch rewrites the weights the graph reads",
+    )
     p.add_argument("--bench", action="store_true", help="print latency and the task-switch cost")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = p.parse_args(argv)
+    if args.cuda_graph and (args.device == "cpu" or args.mode == "session"):
+        flag = "--device cpu" if args.device == "cpu" else "--mode session"
+        raise UsageError(f"--cuda-graph replays the switch mode's session on CUDA; {flag} has none")
     if args.k < 1:
         raise UsageError(f"-k {args.k}: give how many classes to print, at least 1")
     missing = [path for path in args.images if not Path(path).is_file()]
@@ -187,9 +196,10 @@ def _infer(argv: list[str] | None) -> int:
             if have
             else f"--task {args.task}: bundle {args.bundle} holds no ONNX graphs (exported without --onnx): {again}"
         )
-    rt = Runtime(args.bundle, device=args.device, mode=args.mode, tf32=args.tf32)
+    rt = Runtime(args.bundle, device=args.device, mode=args.mode, tf32=args.tf32, cuda_graph=args.cuda_graph)
     rt.session(args.task)
     layout = f", layout {rt.info()['layout']}" if rt.mode == "switch" else ""
+    layout += ", CUDA graph" if rt.cuda_graph else ""
     print(f"mode: {rt.mode}; providers: {rt.session(args.task).get_providers()}{layout}")
     if args.images:
         for path, top in zip(args.images, rt.predict(args.task, _load_images(args.images, rt, args.task), k=args.k)):

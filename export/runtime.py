@@ -55,6 +55,7 @@ from nwsconvert.formats.stfile import nws_header, raw_digest, read_header
 
 from .bundlefile import file_sha256, read_bundle, recipe_sha256
 from .densify import iter_dense_tensors, task_values
+from .graphruns import GraphRuns
 from .layout import aligned_empty, prepare
 
 #: onnxruntime graph rewrites every session runs without. ``Pad_Fusion`` folds a zero-valued
@@ -70,13 +71,17 @@ __all__ = ["DISABLED_OPTIMIZERS", "Runtime", "session_providers"]
 _POOL_NUMPY = {"F32": np.float32, "F16": np.float16}
 
 
-def session_providers(cuda: bool, tf32: bool = False) -> list:
+def session_providers(cuda: bool, tf32: bool = False, graph: bool = False) -> list:
     """The ``providers`` a session is built with: the CUDA provider first when ``cuda``, with TF32 as asked
-    (onnxruntime's own default rounds to TF32), then the CPU's. What :class:`Runtime` and a dense baseline
-    meant to match it pass to ``InferenceSession``."""
+    (onnxruntime's own default rounds to TF32) and its CUDA graph when ``graph`` (runs then go through
+    :class:`~nwsconvert.export.graphruns.GraphRuns`), then the CPU's. What :class:`Runtime` and a dense
+    baseline meant to match it pass to ``InferenceSession``."""
     if not cuda:
         return ["CPUExecutionProvider"]
-    return [("CUDAExecutionProvider", {"use_tf32": "1" if tf32 else "0"}), "CPUExecutionProvider"]
+    options = {"use_tf32": "1" if tf32 else "0"}
+    if graph:
+        options["enable_cuda_graph"] = "1"
+    return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
 
 def _gpu_present() -> bool:
@@ -167,11 +172,19 @@ class Runtime:
             is not handed back when a Runtime is dropped. Experimental: on an H100 the switch mode took 948 MB
             against the dense session's 778 MB with its own arenas; ``shared`` is not measured on a GPU yet
             (``info()`` says the arena was registered, not what the sessions drew from it).
+        cuda_graph: CUDA, switch mode: run the session through onnxruntime's CUDA graph (experimental). Each
+            pair (buffer set of ``ready``, input shape) is captured at its first runs and replayed after, one
+            launch a run; a switch rewrites the weight buffers the graphs read, so it holds for every task.
+            Images are copied into a fixed input buffer and the logits out of a fixed output buffer (an
+            OrtValue in gives an OrtValue copy out; onnxruntime before 1.20 runs those without the graph).
+            Up to four input shapes get graphs; further ones run without. Where onnxruntime refuses the
+            graph, it warns once and runs without. Without CUDA it warns and is off. Not measured on a GPU yet.
 
     Attributes:
         providers: the providers requested (names); ``session(task).get_providers()`` says what runs.
         cuda_arena: CUDA: ``own`` or ``shared``, the arena the sessions are built with (``own`` where a shared
             one could not be registered); None on a CPU.
+        cuda_graph: whether the switch session runs through onnxruntime's CUDA graph (False once refused).
         last_switch_seconds: the work of the last switch to a task not held ready, in seconds: decoding
             (``keep="pack"``), the gather and fold, and writing the buffers (switch mode); the session
             creation (session mode). A switch to a task held ready or cached costs a look-up.
@@ -195,6 +208,7 @@ class Runtime:
         fill: str = "auto",
         tf32: bool = False,
         cuda_arena: str = "own",
+        cuda_graph: bool = False,
     ):
         import onnxruntime as ort
 
@@ -221,6 +235,10 @@ class Runtime:
             raise FileNotFoundError(
                 f"{self.path} has no switch.onnx (one-session mode): export it again with nws-export --onnx"
             )
+        if cuda_graph and mode != "switch":
+            raise ValueError(
+                "cuda_graph=True runs the switch mode's one session through a CUDA graph; mode='session' has none"
+            )
         self.mode = mode
         gpu = device != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers() and _gpu_present()
         if device == "cuda" and not gpu:
@@ -238,6 +256,10 @@ class Runtime:
                 "cuda_arena='shared': this onnxruntime cannot register one; each session keeps its own", stacklevel=2
             )
         self.cuda_arena = ("shared" if shared else "own") if gpu else None  # what the sessions are built with
+        if cuda_graph and not gpu:
+            warnings.warn("cuda_graph=True needs onnxruntime's CUDA provider and a GPU: running without", stacklevel=2)
+        self.cuda_graph = bool(cuda_graph) and gpu
+        self._graph_runs: GraphRuns | None = None
         self.threads = threads
         self.max_sessions = max_sessions
         self.ready, self.keep, self.layout_request = ready, keep, layout
@@ -428,12 +450,7 @@ class Runtime:
                 fill=(self._recipe, pools) if self.fill == "onnxruntime" else None,
             )
             level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL if self._graph.optimised else None
-            self._session = ort.InferenceSession(
-                self._graph.model,
-                sess_options=self._options(level=level),
-                providers=self._provider_args,
-                disabled_optimizers=DISABLED_OPTIMIZERS,
-            )
+            self._session = self._switch_session(level)
             self._filler = None
             if filler is not None:
                 sess = ort.InferenceSession(filler, sess_options=self._options(), providers=self._provider_args)
@@ -452,6 +469,8 @@ class Runtime:
         self._check_providers(self._session, graph_file.name)
         self._output = self._session.get_outputs()[0].name
         self._input = self._session.get_inputs()[0].name
+        if self.cuda_graph:
+            self._graph_runs = GraphRuns(ort, self._session, self._device_kind, self._input, self._output)
         self._pool_shapes = {name: tuple(p.shape) for name, p in self._pool_arrays.items()}
         small = max((p.shape[0] for p in self._pool_arrays.values()), default=0) <= 1 << 16
         self._index_dtype = np.uint16 if small and self.fill == "numpy" else np.int32
@@ -468,6 +487,32 @@ class Runtime:
                     self._tasks[t] = _Task(error=e)  # raised at a switch to it; the others run
             clear_cached_bases()  # every task decoded: the base they were changes against is not needed again
             _release_freed_memory()
+
+    def _switch_session(self, level):
+        """The switch mode's session over the prepared template, with the CUDA graph where asked and taken."""
+        build = lambda graph: self.ort.InferenceSession(  # noqa: E731
+            self._graph.model,
+            sess_options=self._options(level=level),
+            providers=session_providers(True, self.tf32, graph=True) if graph else self._provider_args,
+            disabled_optimizers=DISABLED_OPTIMIZERS,
+        )
+        if not self.cuda_graph:
+            return build(False)
+        try:
+            return build(True)
+        except Exception as e:  # noqa: BLE001 (onnxruntime's own types)
+            self._graph_refused(e, stacklevel=5)  # the user's Runtime(...)
+            return build(False)
+
+    def _graph_refused(self, e: Exception, stacklevel: int) -> None:
+        """Warn that the graph was refused; the session runs without it from here (a session built with the
+        option still takes ``gpu_graph_id=-1`` on every run, through ``_graph_runs``)."""
+        self.cuda_graph = False
+        warnings.warn(
+            f"cuda_graph=True: onnxruntime refused the CUDA graph ({type(e).__name__}: {str(e)[:200]}); "
+            "running without",
+            stacklevel=stacklevel,
+        )
 
     def _new_slot(self) -> _Slot:
         ort = self.ort
@@ -606,6 +651,8 @@ class Runtime:
                 "bytes_per_task": kept,
                 "keep": self.keep,
                 "cuda_arena": self.cuda_arena,
+                "cuda_graph": self.cuda_graph,
+                "graphs": len(self._graph_runs.ids) if self._graph_runs is not None else 0,
             }
         sessions = list(self._sessions.values())
         providers = sorted({p for s in sessions for p in s.get_providers()})
@@ -633,15 +680,27 @@ class Runtime:
             return self.session(task).run(None, {"input": x})[0]
         slot = self._ready(task)
         binding = slot.binding
-        if isinstance(images, self.ort.OrtValue):
-            binding.bind_ortvalue_input(self._input, images)
+        device = isinstance(images, self.ort.OrtValue)
+        x = images if device else np.ascontiguousarray(np.asarray(images, dtype=np.float32))
+        graphs = self._graph_runs
+        if graphs is not None:
+            out = graphs.run(binding, x, self._slots.index(slot))
+            if graphs.failed is not None and self.cuda_graph:
+                self._graph_refused(graphs.failed, stacklevel=3)  # the user's run(...)
+            elif out is not None:
+                return out if device else out[:, : self.num_classes(task)]
+        if device:
+            binding.bind_ortvalue_input(self._input, x)
             binding.bind_output(self._output, self._device_kind)
+        else:
+            binding.bind_cpu_input(self._input, x)
+            binding.bind_output(self._output, "cpu")
+        if graphs is not None:
+            graphs.ungraphed(binding)  # the session was built with the graph: this run must say it has none
+        else:
             self._session.run_with_iobinding(binding)
+        if device:
             return binding.get_outputs()[0]
-        x = np.ascontiguousarray(np.asarray(images, dtype=np.float32))
-        binding.bind_cpu_input(self._input, x)
-        binding.bind_output(self._output, "cpu")
-        self._session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()[0][:, : self.num_classes(task)]
 
     def predict(self, task: int, images, k: int = 1) -> list[list[tuple[str, float]]]:

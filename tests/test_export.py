@@ -137,10 +137,19 @@ def test_stale_bundle_and_cli_errors(run, tmp_path, capsys):
         lat = re.search(r"latency \(batch 1\): median ([\d.]+) ms \(IQR ([\d.]+)-([\d.]+)\) over 50 runs", out)
         assert lat and 0 < float(lat[2]) <= float(lat[1]) <= float(lat[3]), out
         assert "the bundle holds one task, nothing to switch to" in out
-    # -k below 1 and a folder given as an image: one line each, exit 2, before the bundle is read.
+    # -k below 1, a folder given as an image, --cuda-graph where it has no meaning: one line each, exit 2,
+    # before the bundle is read.
     for argv, said in (
         (["-k", "0"], "-k 0: give how many classes to print, at least 1"),
         ([str(tmp_path)], f"{tmp_path}: a folder, not an image file"),
+        (
+            ["--cuda-graph", "--device", "cpu"],
+            "--cuda-graph replays the switch mode's session on CUDA; --device cpu has none",
+        ),
+        (
+            ["--cuda-graph", "--mode", "session"],
+            "--cuda-graph replays the switch mode's session on CUDA; --mode session has none",
+        ),
     ):
         assert infer_main(["--bundle", str(tmp_path / "d"), "--task", "1", *argv]) == 2
         assert capsys.readouterr().err.strip() == f"nws-infer: {said}"
@@ -406,6 +415,125 @@ def test_on_cuda_a_shared_arena_serves_both_modes_with_the_same_logits(bundle3):
         for t in (0, 1, 2, 0):
             ref = own.run(t, x)
             np.testing.assert_allclose(shared.run(t, x), ref, atol=1e-4 * float(np.abs(ref).max()), rtol=0)
+
+
+class _RunRecorder:
+    """A session standing in for one built with onnxruntime's CUDA graph: runs ``real`` and records each
+    run's ``gpu_graph_id``; ``refuse``: a graph id whose run raises, as a capture the provider refuses."""
+
+    def __init__(self, real, refuse: int | None = None):
+        self.real, self.refuse, self.ids = real, refuse, []
+
+    def get_inputs(self):
+        return self.real.get_inputs()
+
+    def get_outputs(self):
+        return self.real.get_outputs()
+
+    def run_with_iobinding(self, binding, options=None):
+        graph_id = int(options.get_run_config_entry("gpu_graph_id"))
+        self.ids.append(graph_id)
+        if graph_id == self.refuse:
+            raise RuntimeError("CUDA failure 900: operation not permitted when stream is capturing")
+        self.real.run_with_iobinding(binding, options)
+
+
+def test_graphed_runs_bind_one_buffer_pair_a_shape_and_ask_one_graph_per_buffer_set_and_shape(bundle3):
+    """``cuda_graph=True``'s bookkeeping, on the CPU provider (what onnxruntime's CUDA graph needs, and what
+    a CUDA run then does: :class:`GraphRuns` as the Runtime drives it; the capture itself is the GPU test's).
+    Every run is bit for bit the plain switch mode's; each (buffer set, input shape) asks its own graph id
+    and each run the id of the buffer set holding its task; the logits handed out are copies (a later run
+    leaves them); a shape the model does not take raises onnxruntime's own error, not a refused graph; a
+    fifth input shape, and every run after a graph the provider refused (one warning), say
+    ``gpu_graph_id=-1``."""
+    from nwsconvert.export.graphruns import GRAPH_SHAPES, GraphRuns
+
+    _, bundle = bundle3
+    rng = np.random.default_rng(3)
+    plain = Runtime(bundle, device="cpu", ready=2)
+    rt = Runtime(bundle, device="cpu", ready=2)
+    rec = _RunRecorder(rt._session)
+    rt._graph_runs, rt.cuda_graph = GraphRuns(ort, rec, "cpu", rt._input, rt._output), True
+    xs = {b: rng.standard_normal((b, 1, 16, 16)).astype(np.float32) for b in (4, 1)}
+    first = {}
+    for t in (0, 1, 2, 0, 1, 2, 1):
+        for b, x in xs.items():
+            y = rt.run(t, x)
+            assert np.array_equal(y, plain.run(t, x))
+            slot = rt._slots.index(rt._held[t])
+            assert rec.ids[-1] == rt._graph_runs.ids[(slot, x.shape)]
+            first.setdefault((t, b), y.copy())
+            assert np.array_equal(first[(t, b)], y)
+    # Three channels where the model takes one: onnxruntime's own error, as a plain run gives it.
+    with pytest.raises(Exception, match="(?i)invalid dimensions|got invalid"):
+        rt.run(0, np.zeros((1, 3, 16, 16), np.float32))
+    assert rec.ids[-1] == -1 and rt._graph_runs.failed is None and len(rt._graph_runs.buffers) == 2
+    assert sorted(rt._graph_runs.ids.values()) == [1, 2, 3, 4] and rt.info()["graphs"] == 4
+    assert {slot for slot, _ in rt._graph_runs.ids} == {0, 1}  # three tasks over two buffer sets
+    kept = rt.run(0, xs[4])
+    rt.run(1, xs[4])
+    assert np.array_equal(kept, first[(0, 4)])  # not a view of the output buffer the next run wrote
+    out = rt.run(2, ort.OrtValue.ortvalue_from_numpy(xs[1]))
+    assert isinstance(out, ort.OrtValue) and out.data_ptr() != rt._graph_runs.buffers[(1, 1, 16, 16)][1].data_ptr()
+    assert np.array_equal(out.numpy()[:, : rt.num_classes(2)], plain.run(2, xs[1]))
+    for b in range(2, GRAPH_SHAPES + 2):
+        x = rng.standard_normal((b, 1, 16, 16)).astype(np.float32)
+        assert np.array_equal(rt.run(0, x), plain.run(0, x))
+    assert len(rt._graph_runs.buffers) == GRAPH_SHAPES and rec.ids[-1] == -1  # the fifth shape: no graph
+    # A graph the provider refuses: one warning, this run and every later one without a graph.
+    rec.refuse = rt._graph_runs.ids[(rt._slots.index(rt._held[0]), (4, 1, 16, 16))]
+    with pytest.warns(UserWarning, match=r"cuda_graph=True: onnxruntime refused the CUDA graph \(RuntimeError"):
+        assert np.array_equal(rt.run(0, xs[4]), first[(0, 4)])
+    assert rec.ids[-2:] == [rec.refuse, -1] and not rt.cuda_graph and not rt.info()["cuda_graph"]
+    rec.ids.clear()
+    for t in (1, 2):
+        assert np.array_equal(rt.run(t, xs[1]), plain.run(t, xs[1]))
+    assert rec.ids == [-1, -1]
+
+
+def test_cuda_graph_is_a_switch_mode_option_and_off_without_cuda(bundle3):
+    """``cuda_graph=True`` in the session mode is refused in one line naming it; on a CPU it warns and runs
+    the plain switch mode (the same logits)."""
+    _, bundle = bundle3
+    with pytest.raises(ValueError, match=r"^cuda_graph=True runs the switch mode's one session"):
+        Runtime(bundle, device="cpu", mode="session", cuda_graph=True)
+    with pytest.warns(UserWarning, match="cuda_graph=True needs onnxruntime's CUDA provider and a GPU"):
+        rt = Runtime(bundle, device="cpu", cuda_graph=True)
+    assert rt.info()["cuda_graph"] is False and rt._graph_runs is None
+    x = np.random.default_rng(4).standard_normal((2, 1, 16, 16)).astype(np.float32)
+    assert np.array_equal(rt.run(1, x), Runtime(bundle, device="cpu").run(1, x))
+
+
+@pytest.mark.gpu  # onnxruntime-gpu's CUDA provider
+def test_on_cuda_the_graph_replays_every_task_a_switch_wrote(bundle3):
+    """``cuda_graph=True`` on a GPU: two buffer sets, three tasks in turn, two batch sizes: every run (the
+    regular runs before a capture, the capture, the replays) gives the plain switch mode's logits within
+    float32 (two sessions' cuDNN algorithms: 1e-4 of the largest logit), and a replay of a task gives what
+    its earlier graphed runs gave, bit for bit, after other tasks rewrote the buffers. A device OrtValue in
+    gives a device OrtValue out."""
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu (the CUDA provider) is not installed")
+    _, bundle = bundle3
+    rt = Runtime(bundle, device="cuda", cuda_graph=True, ready=2)
+    plain = Runtime(bundle, device="cuda")
+    assert rt.cuda_graph and rt._graph_runs is not None
+    rng = np.random.default_rng(8)
+    xs = {b: rng.standard_normal((b, 1, 16, 16)).astype(np.float32) for b in (4, 1)}
+    seen = {}
+    for _ in range(3):
+        for t in (0, 1, 2):
+            for b, x in xs.items():
+                for _ in range(3):  # past onnxruntime's regular runs before its capture
+                    y = rt.run(t, x)
+                    ref = plain.run(t, x)
+                    np.testing.assert_allclose(y, ref, atol=1e-4 * float(np.abs(ref).max()), rtol=0)
+                if (t, b) in seen:
+                    assert np.array_equal(y, seen[(t, b)])
+                seen[(t, b)] = y
+    assert rt.cuda_graph and rt.info()["graphs"] == 4  # no refusal; 2 buffer sets x 2 shapes
+    out = rt.run(1, ort.OrtValue.ortvalue_from_numpy(xs[4], "cuda", 0))
+    assert out.device_name().lower() == "cuda"
+    assert np.array_equal(out.numpy()[:, : rt.num_classes(1)], seen[(1, 4)])
 
 
 _FLAT = """

@@ -12,7 +12,7 @@ buffer set, input shape) gets its own graph, ``gpu_graph_id`` ``1, 2, ...`` (onn
 captured graph per id); the weight buffers are the caller's, bound at fixed addresses already, and may be
 rewritten between runs (a replay reads what they hold then). Every other run of a session built with the
 option must say ``gpu_graph_id=-1`` (:meth:`GraphRuns.ungraphed`): with the default id onnxruntime would
-capture that run's addresses and replay them later.
+capture that run's addresses and replay them later. Graphs are per thread: run a session so from one.
 
 NumPy and onnxruntime only (the Runtime's wheel imports it).
 """
@@ -42,6 +42,7 @@ class GraphRuns:
         self.buffers: dict[tuple[int, ...], tuple] = {}  # input shape -> (input OrtValue, output OrtValue)
         self.ids: dict[tuple[int, tuple[int, ...]], int] = {}
         self.failed: Exception | None = None
+        self.device_copy = True  # whether this onnxruntime's update_inplace takes an OrtValue (a device copy)
         self._options: dict[int, object] = {}
 
     def options(self, graph_id: int):
@@ -82,17 +83,20 @@ class GraphRuns:
         device. ``binding`` holds the weight buffers of ``slot``; the input and output buffers are bound here.
         None where this run cannot be graphed (a shape beyond ``limit`` or one the session does not take, an
         OrtValue this onnxruntime cannot copy on the device, a graph refused before): the caller runs it with
-        :meth:`ungraphed`."""
-        if self.failed is not None:
+        :meth:`ungraphed`, its output bound to memory of its own, not the session's arena (a replay writes
+        its intermediates where the capture had them, in arena memory free between runs)."""
+        device = isinstance(images, self.ort.OrtValue)
+        if self.failed is not None or (device and not self.device_copy):
             return None
-        shape = tuple(images.shape()) if isinstance(images, self.ort.OrtValue) else images.shape
+        shape = tuple(images.shape()) if device else images.shape
         io = self._buffers(shape)
         if io is None:
             return None
         x, y = io
         try:
-            x.update_inplace(images)  # an OrtValue: onnxruntime >= 1.20 copies on the device
-        except TypeError:
+            x.update_inplace(images)  # an OrtValue: onnxruntime 1.31 copies it on the device
+        except TypeError:  # an onnxruntime whose update_inplace takes NumPy only
+            self.device_copy = False
             return None
         key = (slot, shape)
         graph_id = self.ids.setdefault(key, len(self.ids) + 1)
@@ -104,7 +108,7 @@ class GraphRuns:
             self.failed = e
             del self.ids[key]
             return None
-        if isinstance(images, self.ort.OrtValue):
+        if device:
             out = self.ort.OrtValue.ortvalue_from_shape_and_type(y.shape(), np.float32, self.device, 0)
             out.update_inplace(y)
             return out

@@ -176,9 +176,11 @@ class Runtime:
             pair (buffer set of ``ready``, input shape) is captured at its first runs and replayed after, one
             launch a run; a switch rewrites the weight buffers the graphs read, so it holds for every task.
             Images are copied into a fixed input buffer and the logits out of a fixed output buffer (an
-            OrtValue in gives an OrtValue copy out; onnxruntime before 1.20 runs those without the graph).
-            Up to four input shapes get graphs; further ones run without. Where onnxruntime refuses the
-            graph, it warns once and runs without. Without CUDA it warns and is off. Not measured on a GPU yet.
+            OrtValue in gives an OrtValue copy out, where onnxruntime's ``update_inplace`` copies OrtValues
+            on the device; otherwise those run without the graph). Up to four input shapes get graphs;
+            further ones run without. Where onnxruntime refuses the graph, it warns once and runs without.
+            Without CUDA it warns and is off; with ``cuda_arena="shared"`` it is refused. Call ``run`` from
+            one thread (onnxruntime keeps graphs per thread). Not measured on a GPU yet.
 
     Attributes:
         providers: the providers requested (names); ``session(task).get_providers()`` says what runs.
@@ -238,6 +240,11 @@ class Runtime:
         if cuda_graph and mode != "switch":
             raise ValueError(
                 "cuda_graph=True runs the switch mode's one session through a CUDA graph; mode='session' has none"
+            )
+        if cuda_graph and cuda_arena == "shared":
+            raise ValueError(
+                "cuda_graph=True with cuda_arena='shared': a replay writes its intermediates into arena memory "
+                "free between runs, which other sessions sharing the arena may hold; use cuda_arena='own'"
             )
         self.mode = mode
         gpu = device != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers() and _gpu_present()
@@ -691,7 +698,14 @@ class Runtime:
                 return out if device else out[:, : self.num_classes(task)]
         if device:
             binding.bind_ortvalue_input(self._input, x)
-            binding.bind_output(self._output, self._device_kind)
+            width = self._session.get_outputs()[0].shape[-1]
+            if graphs is None or not isinstance(width, int):
+                binding.bind_output(self._output, self._device_kind)
+            else:  # logits the caller keeps: not in the arena memory a later replay writes
+                logits = self.ort.OrtValue.ortvalue_from_shape_and_type(
+                    [x.shape()[0], width], np.float32, self._device_kind, 0
+                )
+                binding.bind_ortvalue_output(self._output, logits)
         else:
             binding.bind_cpu_input(self._input, x)
             binding.bind_output(self._output, "cpu")

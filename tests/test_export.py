@@ -475,7 +475,13 @@ def test_graphed_runs_bind_one_buffer_pair_a_shape_and_ask_one_graph_per_buffer_
     assert np.array_equal(kept, first[(0, 4)])  # not a view of the output buffer the next run wrote
     out = rt.run(2, ort.OrtValue.ortvalue_from_numpy(xs[1]))
     assert isinstance(out, ort.OrtValue) and out.data_ptr() != rt._graph_runs.buffers[(1, 1, 16, 16)][1].data_ptr()
-    assert np.array_equal(out.numpy()[:, : rt.num_classes(2)], plain.run(2, xs[1]))
+    assert np.array_equal(out.numpy()[:, : rt.num_classes(2)], plain.run(2, xs[1])) and rec.ids[-1] > 0
+    # An onnxruntime whose update_inplace takes NumPy only: an OrtValue runs without the graph, its logits in
+    # memory of their own (not the session's arena, where a later replay writes).
+    rt._graph_runs.device_copy = False
+    out = rt.run(1, ort.OrtValue.ortvalue_from_numpy(xs[4]))
+    assert rec.ids[-1] == -1 and np.array_equal(out.numpy()[:, : rt.num_classes(1)], first[(1, 4)])
+    rt._graph_runs.device_copy = True
     for b in range(2, GRAPH_SHAPES + 2):
         x = rng.standard_normal((b, 1, 16, 16)).astype(np.float32)
         assert np.array_equal(rt.run(0, x), plain.run(0, x))
@@ -492,11 +498,13 @@ def test_graphed_runs_bind_one_buffer_pair_a_shape_and_ask_one_graph_per_buffer_
 
 
 def test_cuda_graph_is_a_switch_mode_option_and_off_without_cuda(bundle3):
-    """``cuda_graph=True`` in the session mode is refused in one line naming it; on a CPU it warns and runs
-    the plain switch mode (the same logits)."""
+    """``cuda_graph=True`` in the session mode, or with a shared CUDA arena, is refused in one line naming
+    it; on a CPU it warns and runs the plain switch mode (the same logits)."""
     _, bundle = bundle3
     with pytest.raises(ValueError, match=r"^cuda_graph=True runs the switch mode's one session"):
         Runtime(bundle, device="cpu", mode="session", cuda_graph=True)
+    with pytest.raises(ValueError, match=r"^cuda_graph=True with cuda_arena='shared': a replay writes"):
+        Runtime(bundle, device="cpu", cuda_graph=True, cuda_arena="shared")
     with pytest.warns(UserWarning, match="cuda_graph=True needs onnxruntime's CUDA provider and a GPU"):
         rt = Runtime(bundle, device="cpu", cuda_graph=True)
     assert rt.info()["cuda_graph"] is False and rt._graph_runs is None
@@ -510,7 +518,7 @@ def test_on_cuda_the_graph_replays_every_task_a_switch_wrote(bundle3):
     regular runs before a capture, the capture, the replays) gives the plain switch mode's logits within
     float32 (two sessions' cuDNN algorithms: 1e-4 of the largest logit), and a replay of a task gives what
     its earlier graphed runs gave, bit for bit, after other tasks rewrote the buffers. A device OrtValue in
-    gives a device OrtValue out."""
+    gives a device OrtValue out, which later replays leave as it was."""
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu (the CUDA provider) is not installed")
     _, bundle = bundle3
@@ -533,7 +541,11 @@ def test_on_cuda_the_graph_replays_every_task_a_switch_wrote(bundle3):
     assert rt.cuda_graph and rt.info()["graphs"] == 4  # no refusal; 2 buffer sets x 2 shapes
     out = rt.run(1, ort.OrtValue.ortvalue_from_numpy(xs[4], "cuda", 0))
     assert out.device_name().lower() == "cuda"
-    assert np.array_equal(out.numpy()[:, : rt.num_classes(1)], seen[(1, 4)])
+    got = out.numpy()[:, : rt.num_classes(1)]
+    np.testing.assert_allclose(got, seen[(1, 4)], atol=1e-4 * float(np.abs(got).max()), rtol=0)
+    for t in (0, 2, 1):  # replays after it leave the logits the caller holds as they were
+        rt.run(t, xs[4])
+    assert np.array_equal(out.numpy()[:, : rt.num_classes(1)], got)
 
 
 _FLAT = """

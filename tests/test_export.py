@@ -171,6 +171,22 @@ def test_nws_infer_without_a_gpu_names_its_own_option(tmp_path, capsys, monkeypa
     )
 
 
+def test_nws_infer_warns_in_one_line_where_cuda_graph_has_no_gpu(run, tmp_path, capsys, monkeypatch):
+    """``nws-infer --cuda-graph`` where onnxruntime finds no GPU: it runs the plain switch mode and says so on
+    stderr in one line, as every command's warnings (``--debug`` keeps Python's own format)."""
+    import nwsconvert.export.runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "_gpu_present", lambda: False)
+    export_bundle(run, tmp_path / "b", "all", onnx=True)
+    assert infer_main(["--bundle", str(tmp_path / "b"), "--task", "1", "--cuda-graph"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("mode: switch; providers: ['CPUExecutionProvider']") and "CUDA graph" not in out
+    assert err == "nws-infer: warning: cuda_graph=True needs onnxruntime's CUDA provider and a GPU: running without\n"
+    with pytest.warns(UserWarning, match="cuda_graph=True needs"):  # Python's own warning, as without the CLI
+        assert infer_main(["--bundle", str(tmp_path / "b"), "--task", "1", "--cuda-graph", "--debug"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_session_cache_that_thrashes_warns_once(run, tmp_path):
     export_bundle(run, tmp_path / "b", "all", onnx=True)
     rt = Runtime(tmp_path / "b", device="cpu", max_sessions=1, mode="session")

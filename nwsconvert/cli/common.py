@@ -3,8 +3,9 @@
 Exit codes: 0 done; 2 a usage error (a bad value, a path that is not what
 the command needs: nothing was started); 1 a failure while working (a
 damaged file, a full disk, another process writing the run); 130 interrupted.
-A failure is one line on stderr; ``--debug`` (or ``NWS_DEBUG=1``) shows the
-traceback instead. Imports nothing heavy.
+A failure is one line on stderr, and so is a warning (``prog: warning: ...``);
+``--debug`` (or ``NWS_DEBUG=1``) shows the traceback, and warnings with their
+source line, instead. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import warnings
 from collections.abc import Callable
 
 from ..errors import NWSError, UsageError
@@ -39,6 +41,12 @@ def run_cli(
     """
     if debug_requested(argv):
         return main(argv)
+    with warnings.catch_warnings():  # restores the caller's warning display afterwards
+        warnings.showwarning = lambda message, *_: print(f"{prog}: warning: {message}", file=sys.stderr)
+        return _run(prog, main, argv, resume_hint)
+
+
+def _run(prog: str, main: Callable[[list[str] | None], int], argv: list[str] | None, resume_hint: str) -> int:
     try:
         return main(argv)
     except UsageError as e:

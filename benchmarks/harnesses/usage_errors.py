@@ -76,6 +76,8 @@ def _cases(tmp: Path, run: Path | None) -> list[tuple[str, list[str]]]:
             ("nws-infer", ["--bundle", bundle, "--task", "99"]),
             ("nws-infer", ["--bundle", bundle, "--task", "0", "-k", "0"]),
             ("nws-infer", ["--bundle", bundle, "--task", "0", str(tmp)]),  # a folder as an image
+            ("nws-infer", ["--bundle", bundle, "--task", "0", "--cuda-graph", "--device", "cpu"]),
+            ("nws-infer", ["--bundle", bundle, "--task", "0", "--cuda-graph", "--mode", "session"]),
             ("nws-report", [str(run), "--out", str(afile)]),
         ]
     return cases

@@ -11,6 +11,8 @@ dispatcher path, nothing is computed):
   dense and NWS, plus the engine's Triton launches;
 * of those, what ``engine_graph=true`` (``SearchEngine(graph=True)``) replays from a CUDA graph: the ops
   and Triton launches of the update's no-grad part (every group's ``refresh``), with its Python time;
+* memory: the engine's state, and what one update and one backward allocate (every non-view op's
+  output, however briefly it lives; the backward's beside dense's);
 * Python time of the NWS path: the self time (cProfile) of every ``nwsconvert`` function and of the
   autograd Function the engine's straight-through gradient runs, over one NWS step; the dense step
   runs no such code. cProfile adds its own overhead per call, so this is an upper bound.
@@ -163,6 +165,13 @@ def measure(name: str, args) -> dict:
     with torch.no_grad(), _Alloc() as alloc:
         engine.update()
     state = _state_bytes(engine)
+    backward = {}  # bytes the backward allocates (the forward's activations are not counted)
+    for k in models:
+        opts[k].zero_grad(set_to_none=True)
+        loss = F.cross_entropy(models[k](x), y)
+        with _Alloc() as grads:
+            loss.backward()
+        backward[k] = grads.bytes / 2**20
     runs = []
     for _ in range(args.rounds):
         prof = cProfile.Profile()
@@ -190,6 +199,7 @@ def measure(name: str, args) -> dict:
         "weight_mb": weight_bytes / 2**20,
         "engine_state_mb": state / 2**20,
         "update_alloc_mb": alloc.bytes / 2**20,
+        "backward_alloc_mb": backward,
         "python_ms": min(per_run) * 1e3,
         "python_ms_median": statistics.median(per_run) * 1e3,
         "top_python_ms": [(fn, t * 1e3) for t, fn in top[:6]],
@@ -223,7 +233,8 @@ def main() -> None:
         print(
             f"    NWS weights {r['weight_mb']:.1f} MB; engine state {r['engine_state_mb']:.1f} MB "
             f"({r['engine_state_mb'] / r['weight_mb']:.2f}x); one update allocates {r['update_alloc_mb']:.1f} MB "
-            f"({r['update_alloc_mb'] / r['weight_mb']:.2f}x)"
+            f"({r['update_alloc_mb'] / r['weight_mb']:.2f}x); the backward {r['backward_alloc_mb']['nws']:.1f} MB "
+            f"against dense's {r['backward_alloc_mb']['dense']:.1f} MB"
         )
     if args.json:
         from nwsconvert.formats.atomic import atomic_write_bytes

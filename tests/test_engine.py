@@ -121,6 +121,54 @@ def test_engine_commitment_gradient_is_the_layers_up_to_rounding(kernel):
             assert (lb.weight - start[lb.name]).abs().max() > 1e-3, lb.name
 
 
+class _CountCats(TorchDispatchMode):
+    """Counts ``aten.cat`` calls while active (a join of the layers' gradients is one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cats = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.cats += func is torch.ops.aten.cat.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_commitment_term_goes_into_each_layers_own_gradient_in_place(monkeypatch):
+    """With the Triton kernels, the commitment term is added to each layer's own float32 weight gradient in
+    place, through a table of their addresses (the linear head's, a transposed product the backward may not
+    write, copied first, its alone): the backward joins nothing (no ``cat``: no ``(R, D)`` buffer beside the
+    layers' gradients at the backward's end), and every gradient and weight is bit for bit what the joined
+    buffer gives (the same float32 sum per element), step after step."""
+    if not fused_search.available(DEVICE):
+        pytest.skip("needs Triton (the engine's address tables)")
+    from nwsconvert.core import engine as engine_module
+
+    base = small_net()
+    set_commitment(base, 1.0)
+    models = {"in place": base, "joined": copy.deepcopy(base)}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.5) for name, m in models.items()}
+    real = engine_module._Commit.in_place
+    cats = {}
+    with SearchEngine(models["in place"], kernel="triton"), SearchEngine(models["joined"], kernel="triton"):
+        for x, y in batches(3, seed=4):
+            for name, model in models.items():
+                joined = name == "joined"
+                monkeypatch.setattr(engine_module._Commit, "in_place", (lambda *a: None) if joined else real)
+                opts[name].zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                with _CountCats() as count:
+                    loss.backward()
+                cats[name] = count.cats
+                opts[name].step()
+            assert cats["in place"] == 0 and cats["joined"] >= 2  # a join per group (D = 9 and D = 1)
+            layers = zip(nws_layers(models["in place"]), nws_layers(models["joined"]))
+            for a, b in layers:
+                assert torch.equal(
+                    a.module.parametrizations.weight.original.grad, b.module.parametrizations.weight.original.grad
+                )
+                assert torch.equal(a.weight, b.weight) and torch.equal(a.nws.indices, b.nws.indices)
+
+
 @pytest.mark.parametrize("change", ["new storage", "transposed view"])
 def test_a_weight_given_new_storage_between_forward_and_backward_is_read_where_it_now_lives(change):
     """The Triton kernels read float32 W through a table of the layers' addresses. A W given new storage (and

@@ -330,8 +330,8 @@ def test_scalar_pools_keep_no_reference_or_budget_until_one_moves():
 @pytest.mark.parametrize("depth", [1, 12])
 def test_an_nws_step_launches_a_fixed_few_kernels_more_than_dense(launches, depth):
     """Task training (frozen pools, commitment on): the engine adds per vector size six Triton kernels
-    (flags, compaction, float32 and float64 search, gather; the commitment gradient) and a handful of
-    torch ops, whatever the depth:
+    (flags, compaction, float32 and float64 search, gather; the commitment gradient) and three torch ops,
+    whatever the depth, and one copy for the linear head:
     at most 60 launches a step (issue 38's target) for any model with three vector sizes."""
     model = _net()
     if depth > 1:  # the same vector sizes, 12 times the layers
@@ -350,11 +350,16 @@ def test_an_nws_step_launches_a_fixed_few_kernels_more_than_dense(launches, dept
     groups = 3
     assert triton_launches == 6 * groups
     total = triton_launches + len(nws_ops) - len(dense_ops)
-    # Per group: csum zeroed, its cumulative sum, the indices copied to the layers; in the backward the
-    # layers' gradients joined (the split's backward). W is read where the layers keep it (float32 W: an
-    # address table), neither concatenated for the search nor for the commitment gradient (a sixth Triton kernel).
-    assert +extra == Counter({"cat": groups, "zeros": groups, "cumsum": groups, "_foreach_copy_": groups}), +extra  # fmt: skip
-    assert total == 10 * groups <= 60, total
+    # Per group: csum zeroed, its cumulative sum, the indices copied to the layers. W is read where the layers
+    # keep it (float32 W: an address table), neither concatenated for the search nor for the commitment
+    # gradient (a sixth Triton kernel), which adds its term to the layers' own gradients in place through a
+    # table of theirs: no join, only the linear head's gradient (a transposed product, a view the backward
+    # may not write) copied. On CUDA a gradient table is copied to the device when the gradients' addresses
+    # changed since the last step (the caching allocator mostly hands out the same): at most one a group.
+    copies = extra.pop("_to_copy", 0) if DEVICE.type == "cuda" else 0
+    assert copies <= groups, copies
+    assert +extra == Counter({"zeros": groups, "cumsum": groups, "_foreach_copy_": groups, "clone": 1}), +extra  # fmt: skip
+    assert total - copies == 9 * groups + 1 <= 60, total
 
 
 # ----------------------------------------------------------------------------- compilation for the GPU

@@ -109,9 +109,10 @@ class _GroupSTE(torch.autograd.Function):
 
     The forward returns each layer's weight, exactly its gathered pool vectors: a view of ``k`` ``(R, D)``
     in W's shape (one autograd node for the group, not a split and a view per layer). The backward hands
-    each weight its gradient; with ``commit`` (:class:`_Commit`, or None) it first joins them into one
-    ``(R, D)`` buffer and adds ``scale * (W - K)`` per layer, the gradient of every layer's commitment term
-    (see :class:`~nwsconvert.core.layers._GatherSTE`), in one pass for the whole group. ``src``: where the
+    each weight its gradient; with ``commit`` (:class:`_Commit`, or None) it first adds ``scale * (W - K)``
+    per layer, the gradient of every layer's commitment term (see :class:`~nwsconvert.core.layers._GatherSTE`),
+    in one pass for the whole group: into each layer's own float32 gradient in place, through a table of
+    their addresses (Triton), or else into one ``(R, D)`` buffer joining them. ``src``: where the
     backward reads W: the layers' W address table ``(L,)`` int64 (float32 W, read where each layer keeps
     it), or W as the update concatenated it ``(R, D)`` float32 where that buffer lives through the step
     anyway (a graphed update's), or None (W concatenated again in the backward: an eager forward keeps no
@@ -137,10 +138,25 @@ class _GroupSTE(torch.autograd.Function):
         src = weights.pop() if ctx.has_src else None
         if ctx.ptrs is not None and ctx.ptrs != _layout(weights):
             src = None  # a weight now lives elsewhere, or in another layout: concatenate them
+        own = ctx.commit.in_place(grads, k, weights, src)  # each layer's own gradient takes its term
+        if own is not None:
+            return (None, None, None, *own)
         # One (R, D) buffer of this backward's own, which the commitment term then takes in place.
         grad = ctx.commit(torch.cat([g.reshape(-1, k.shape[1]) for g in grads]), k, weights, src)
         pieces = grad.reshape(-1).split([s.numel() for s in ctx.shapes])
         return (None, None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
+
+
+def _address_table(tensors, device: torch.device) -> torch.Tensor | None:
+    """An ``(L,)`` int64 table of ``tensors``' addresses on ``device`` for the Triton kernels, through pinned
+    memory on CUDA (no host sync); None where a table cannot be read or made: the interpreter with CUDA
+    tensors (it copies them to the host, but not the memory a table points at), or a CUDA graph being
+    captured (no host copy into it)."""
+    if device.type == "cuda" and (fused_search._interpreting() or torch.cuda.is_current_stream_capturing()):
+        return None
+    cuda = device.type == "cuda"
+    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=cuda)
+    return table.to(device, non_blocking=cuda)
 
 
 def _layout(weights) -> tuple:
@@ -156,6 +172,27 @@ class _Commit:
 
     def __init__(self, dim: int, scale: torch.Tensor, wide: tuple | None):
         self.dim, self.scale, self.wide = dim, scale, wide
+        self._grads: tuple | None = None  # (the last gradients' addresses, their table on the device)
+
+    def in_place(self, grads, k: torch.Tensor, weights, src: torch.Tensor | None) -> list[torch.Tensor] | None:
+        """Each layer's gradient with its term, added in place to the layers' own gradients ``grads`` through
+        a table of their addresses (one Triton launch, no ``(R, D)`` buffer joining them); a gradient the
+        backward may not write (a view, say a linear layer's transposed product) is copied first, that
+        layer's alone. None, with nothing done, where this cannot be: the torch ops' path, a gradient not
+        float32, or no table to be had (:func:`_address_table`)."""
+        if self.wide is None or not all(g.dtype == torch.float32 for g in grads):
+            return None
+        device = k.device
+        if device.type == "cuda" and (fused_search._interpreting() or torch.cuda.is_current_stream_capturing()):
+            return None  # no table to be had (:func:`_address_table`)
+        own = [g if writable_gradient(g) else g.clone(memory_format=torch.contiguous_format) for g in grads]
+        ptrs = tuple(g.data_ptr() for g in own)
+        if self._grads is None or self._grads[0] != ptrs:  # the caching allocator mostly gives the same ones
+            self._grads = (ptrs, _address_table(own, device))
+        table = self._grads[1]
+        w = src if src is not None else torch.cat([w.reshape(-1, self.dim) for w in weights])
+        fused_search.engine_commit(table, w, k, self.scale, self.wide, table)
+        return own
 
     def __call__(self, grad: torch.Tensor, k: torch.Tensor, weights, src: torch.Tensor | None = None) -> torch.Tensor:
         """``src``: as :class:`_GroupSTE`'s (an address table only with the Triton kernel)."""
@@ -348,16 +385,15 @@ class _Group:
         weights = [holder.original for holder in self.holders]
         device = self.index.device
         if device.type == "cuda" and fused_search._interpreting():
-            return None  # the interpreter copies CUDA tensors to the host, but not the memory a table points at
+            return None  # (the kept table too: the interpreter cannot read the memory it points at)
         if not all(w.dtype == torch.float32 and w.is_contiguous() for w in weights):
             return None
         ptrs = tuple(w.data_ptr() for w in weights)
         if ptrs != self._w_ptrs:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None  # no host copy into a graph being captured: concatenate, which captures
-            cuda = device.type == "cuda"
-            table = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
-            self.w_table, self._w_ptrs = table.to(device, non_blocking=cuda), ptrs
+            table = _address_table(weights, device)
+            if table is None:
+                return None  # a graph being captured: concatenate, which captures
+            self.w_table, self._w_ptrs = table, ptrs
         return self.w_table
 
     @full_precision

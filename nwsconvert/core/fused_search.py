@@ -402,13 +402,18 @@ def engine_gather(index, pool, wide, out) -> None:
 
 def engine_commit(grad, w, k, scale, wide, out) -> None:
     """``out = grad + scale[layer] * (w - k)`` per row (one launch): the group's straight-through gradient
-    with each layer's commitment term. ``grad``, ``k``, ``out``: ``(R, D)`` contiguous; ``w``: the same, or
-    the layers' W address table (:func:`w_rows`; float32 W); ``scale``: ``(L,)`` float32."""
+    with each layer's commitment term. ``k``: ``(R, D)`` contiguous; ``w``: the same, or the layers' W
+    address table (:func:`w_rows`; float32 W); ``scale``: ``(L,)`` float32; ``grad`` and ``out``: ``(R, D)``
+    contiguous, or both the same ``(L,)`` int64 table of the layers' own float32 weight gradients, which
+    then take the term in place."""
     from .triton_kernels import engine_commit_kernel
 
-    dim = grad.shape[1]
+    dim = k.shape[1]
     table = w.dim() == 1 and w_rows(w, dim)
+    grad_table = grad.dim() == 1
+    if grad_table and (grad.dtype != torch.int64 or out is not grad):
+        raise TypeError("a gradient address table is written in place: give it as both grad and out (int64)")
     engine_commit_kernel[(wide[0].numel(),)](
         grad, w, k, scale, out, wide[0], wide[1], wide[4], wide[5], D=dim, DP=_pow2(dim), TABLE=table,
-        BLOCK_R=wide_rows(dim),
+        GRAD_TABLE=grad_table, BLOCK_R=wide_rows(dim),
     )  # fmt: skip

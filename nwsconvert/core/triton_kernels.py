@@ -11,7 +11,8 @@ Block tables (:func:`~nwsconvert.core.fused_search.row_blocks`): program ``b`` w
 Rows of W: the engine's kernels read a group's temporary weights either from one ``(R, D)`` float32 buffer
 (``x``, the layers' W concatenated) or, with ``TABLE``, where each layer keeps them: ``x`` is then an
 ``(L,)`` int64 table of the layers' W addresses (float32, contiguous), and row ``r`` of layer ``l`` is at
-``table[l] + (r - first row of l) * D``. Both give the same values, so the same results bit for bit.
+``table[l] + (r - first row of l) * D``. Both give the same values, so the same results bit for bit. The
+commitment gradient reads and writes the layers' own weight gradients the same way (``GRAD_TABLE``).
 
 The engine's kernels (``engine_*``) take their float64 constants from a small tensor (``consts``, see
 :data:`~nwsconvert.core.fused_search.ENGINE_CONSTS`) rather than from literals, whose type Triton picks
@@ -334,20 +335,25 @@ def engine_gather_kernel(index_ptr, pool_ptr, out_ptr, blk_row_ptr, blk_end_ptr,
 @triton.jit
 def engine_commit_kernel(grad_ptr, w_ptr, k_ptr, scale_ptr, out_ptr, blk_row_ptr, blk_end_ptr, blk_start_ptr,
                          blk_layer_ptr, D: tl.constexpr, DP: tl.constexpr, TABLE: tl.constexpr,
-                         BLOCK_R: tl.constexpr):  # fmt: skip
+                         GRAD_TABLE: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
     """``out = grad + scale[layer] * (w - k)`` for every row, in float32, stored in ``out``'s dtype: the
     straight-through gradient with every layer's commitment term, in one pass. ``TABLE``: ``w`` is the
-    layers' W address table (module docstring)."""
+    layers' W address table (module docstring). ``GRAD_TABLE``: ``grad`` and ``out`` are one address table
+    of the layers' own float32 gradients, which take the term in place (each element read and written by
+    the same program)."""
     blk = tl.program_id(0)
     rows = tl.load(blk_row_ptr + blk) + tl.arange(0, BLOCK_R)
     live = rows < tl.load(blk_end_ptr + blk)
     layer = tl.load(blk_layer_ptr + blk)
     scale = tl.load(scale_ptr + layer)
-    w_base = _rows_base(w_ptr, layer, tl.load(blk_start_ptr + blk), D, TABLE)
+    first = tl.load(blk_start_ptr + blk)
+    w_base = _rows_base(w_ptr, layer, first, D, TABLE)
+    g_base = _rows_base(grad_ptr, layer, first, D, GRAD_TABLE)
+    out_base = _rows_base(out_ptr, layer, first, D, GRAD_TABLE)
     cols = tl.arange(0, DP)
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     inside2 = live[:, None] & (cols[None, :] < D)
-    g = tl.load(grad_ptr + offs, mask=inside2, other=0.0).to(tl.float32)
+    g = tl.load(g_base + offs, mask=inside2, other=0.0).to(tl.float32)
     w = tl.load(w_base + offs, mask=inside2, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + offs, mask=inside2, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (g + scale * (w - k)).to(out_ptr.dtype.element_ty), mask=inside2)
+    tl.store(out_base + offs, (g + scale * (w - k)).to(out_base.dtype.element_ty), mask=inside2)

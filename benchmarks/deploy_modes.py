@@ -110,7 +110,7 @@ class _Dense:
             return self.sess.run(None, {"input": x})[0]
         out = self.graphs.run(self.binding, x)
         if out is None:
-            raise RuntimeError(f"the dense model's CUDA graph: {self.graphs.failed or 'no graph for this shape'}")
+            raise RuntimeError(f"the dense model's CUDA graph: none for input shape {x.shape}")
         return out
 
 

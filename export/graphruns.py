@@ -33,7 +33,6 @@ class GraphRuns:
 
     Attributes:
         ids: ``{(slot, input shape): gpu_graph_id}``, the graphs asked for so far.
-        failed: the error of a graphed run onnxruntime refused (every run goes ungraphed after it), or None.
     """
 
     def __init__(self, ort, session, device: str, input_name: str, output_name: str, limit: int = GRAPH_SHAPES):
@@ -41,7 +40,7 @@ class GraphRuns:
         self.input_name, self.output_name, self.limit = input_name, output_name, limit
         self.buffers: dict[tuple[int, ...], tuple] = {}  # input shape -> (input OrtValue, output OrtValue)
         self.ids: dict[tuple[int, tuple[int, ...]], int] = {}
-        self.failed: Exception | None = None
+        self._next_id = 1  # ids are never given twice: a forgotten one's graph may still be onnxruntime's
         self.device_copy = True  # whether this onnxruntime's update_inplace takes an OrtValue (a device copy)
         self._options: dict[int, object] = {}
 
@@ -82,11 +81,12 @@ class GraphRuns:
         and replayed after: NumPy in, a NumPy copy out; an OrtValue in, an OrtValue copy out on the session's
         device. ``binding`` holds the weight buffers of ``slot``; the input and output buffers are bound here.
         None where this run cannot be graphed (a shape beyond ``limit`` or one the session does not take, an
-        OrtValue this onnxruntime cannot copy on the device, a graph refused before): the caller runs it with
-        :meth:`ungraphed`, its output bound to memory of its own, not the session's arena (a replay writes
-        its intermediates where the capture had them, in arena memory free between runs)."""
+        OrtValue this onnxruntime cannot copy on the device): the caller runs it with :meth:`ungraphed`, its
+        output bound to memory of its own, not the session's arena (a replay writes its intermediates where
+        the capture had them, in arena memory free between runs). A run that raises forgets its graph id (the
+        pair captures afresh at its next runs) and raises: the caller tells a graph refused from a bad run."""
         device = isinstance(images, self.ort.OrtValue)
-        if self.failed is not None or (device and not self.device_copy):
+        if device and not self.device_copy:
             return None
         shape = tuple(images.shape()) if device else images.shape
         io = self._buffers(shape)
@@ -99,15 +99,17 @@ class GraphRuns:
             self.device_copy = False
             return None
         key = (slot, shape)
-        graph_id = self.ids.setdefault(key, len(self.ids) + 1)
+        graph_id = self.ids.get(key)
+        if graph_id is None:
+            graph_id = self.ids[key] = self._next_id
+            self._next_id += 1
         binding.bind_ortvalue_input(self.input_name, x)
         binding.bind_ortvalue_output(self.output_name, y)
         try:
             self.session.run_with_iobinding(binding, self.options(graph_id))
-        except Exception as e:  # noqa: BLE001 (onnxruntime's own types: a capture the provider refuses)
-            self.failed = e
+        except BaseException:
             del self.ids[key]
-            return None
+            raise
         if device:
             out = self.ort.OrtValue.ortvalue_from_shape_and_type(y.shape(), np.float32, self.device, 0)
             out.update_inplace(y)

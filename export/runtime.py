@@ -456,8 +456,8 @@ class Runtime:
                 disabled_optimizers=DISABLED_OPTIMIZERS,
                 fill=(self._recipe, pools) if self.fill == "onnxruntime" else None,
             )
-            level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL if self._graph.optimised else None
-            self._session = self._switch_session(level)
+            self._level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL if self._graph.optimised else None
+            self._session = self._switch_session(self._level)
             self._filler = None
             if filler is not None:
                 sess = ort.InferenceSession(filler, sess_options=self._options(), providers=self._provider_args)
@@ -512,14 +512,24 @@ class Runtime:
             return build(False)
 
     def _graph_refused(self, e: Exception, stacklevel: int) -> None:
-        """Warn that the graph was refused; the session runs without it from here (a session built with the
-        option still takes ``gpu_graph_id=-1`` on every run, through ``_graph_runs``)."""
+        """Warn that the graph was refused; the session runs without it from here."""
         self.cuda_graph = False
         warnings.warn(
             f"cuda_graph=True: onnxruntime refused the CUDA graph ({type(e).__name__}: {str(e)[:200]}); "
             "running without",
             stacklevel=stacklevel,
         )
+
+    def _drop_graph(self, e: Exception) -> None:
+        """A graphed run failed where the same run without the graph works: warn, and build the session again
+        without the option (no state of a capture that failed part-way), each buffer set bound to it."""
+        self._graph_refused(e, stacklevel=4)  # the user's run(...)
+        self._graph_runs = None
+        self._session = self._switch_session(self._level)
+        for slot in self._slots:
+            slot.binding = self._session.io_binding()
+            for name, value in slot.inputs.items():
+                slot.binding.bind_ortvalue_input(name, value)
 
     def _new_slot(self) -> _Slot:
         ort = self.ort
@@ -691,11 +701,20 @@ class Runtime:
         x = images if device else np.ascontiguousarray(np.asarray(images, dtype=np.float32))
         graphs = self._graph_runs
         if graphs is not None:
-            out = graphs.run(binding, x, self._slots.index(slot))
-            if graphs.failed is not None and self.cuda_graph:
-                self._graph_refused(graphs.failed, stacklevel=3)  # the user's run(...)
-            elif out is not None:
+            try:
+                out = graphs.run(binding, x, self._slots.index(slot))
+            except Exception as e:  # noqa: BLE001 (onnxruntime's own types)
+                logits = self._run_plain(task, binding, x, graphs)  # a bad run raises here as it would plain
+                self._drop_graph(e)  # the run is fine: the graph is not
+                return logits
+            if out is not None:
                 return out if device else out[:, : self.num_classes(task)]
+        return self._run_plain(task, binding, x, graphs)
+
+    def _run_plain(self, task: int, binding, x, graphs: GraphRuns | None):
+        """``x`` (NumPy or an OrtValue) through ``binding`` outside any graph: NumPy logits of the task's
+        classes, or an OrtValue on the session's device."""
+        device = isinstance(x, self.ort.OrtValue)
         if device:
             binding.bind_ortvalue_input(self._input, x)
             width = self._session.get_outputs()[0].shape[-1]

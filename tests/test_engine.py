@@ -169,6 +169,43 @@ def test_the_commitment_term_goes_into_each_layers_own_gradient_in_place(monkeyp
                 assert torch.equal(a.weight, b.weight) and torch.equal(a.nws.indices, b.nws.indices)
 
 
+@pytest.mark.parametrize("path", KERNELS + ["layers"])
+def test_a_weight_gradient_autograd_hands_to_two_places_is_left_as_it_came(path):
+    """A layer whose weight is used as ``weight + delta`` (a LoRA-style adapter): the sum's backward hands the
+    same gradient tensor to the weight's straight-through node and to ``delta``'s backward. The commitment
+    term may not be written into it there: ``delta``'s gradient is the same with commitment as without
+    (the term belongs to W alone), bit for bit, while W's does take the term. For the engine's kernels and
+    the layers' own search."""
+    import types
+
+    results = {}
+    for commitment in (1.0, 0.0):
+        torch.manual_seed(0)
+        model = small_net()
+        set_commitment(model, commitment)
+        conv = model[3]
+        torch.manual_seed(1)
+        b, a = (
+            torch.randn(72, 2, device=DEVICE, requires_grad=True),
+            torch.randn(2, 8, device=DEVICE, requires_grad=True),
+        )
+        delta = {}
+        conv.forward = types.MethodType(
+            lambda self, x, delta=delta: self._conv_forward(x, self.weight + delta["v"], self.bias), conv
+        )
+        engine = SearchEngine(model, kernel=path) if path != "layers" else None
+        try:
+            x, y = next(batches(1, seed=4))
+            delta["v"] = (b @ a).t().reshape(8, 8, 3, 3) * 1e-3
+            F.cross_entropy(model(x), y).backward()
+        finally:
+            if engine is not None:
+                engine.close()
+        results[commitment] = (b.grad, a.grad, conv.parametrizations.weight.original.grad)
+    assert torch.equal(results[1.0][0], results[0.0][0]) and torch.equal(results[1.0][1], results[0.0][1])
+    assert not torch.equal(results[1.0][2], results[0.0][2])  # W's gradient took the term
+
+
 @pytest.mark.parametrize("change", ["new storage", "transposed view"])
 def test_a_weight_given_new_storage_between_forward_and_backward_is_read_where_it_now_lives(change):
     """The Triton kernels read float32 W through a table of the layers' addresses. A W given new storage (and

@@ -435,7 +435,8 @@ def test_on_cuda_a_shared_arena_serves_both_modes_with_the_same_logits(bundle3):
 
 class _RunRecorder:
     """A session standing in for one built with onnxruntime's CUDA graph: runs ``real`` and records each
-    run's ``gpu_graph_id``; ``refuse``: a graph id whose run raises, as a capture the provider refuses."""
+    run's ``gpu_graph_id``; ``refuse``: a graph id whose run raises, as a capture the provider refuses (-1:
+    every run raises, as a run that fails with or without a graph)."""
 
     def __init__(self, real, refuse: int | None = None):
         self.real, self.refuse, self.ids = real, refuse, []
@@ -449,7 +450,7 @@ class _RunRecorder:
     def run_with_iobinding(self, binding, options=None):
         graph_id = int(options.get_run_config_entry("gpu_graph_id"))
         self.ids.append(graph_id)
-        if graph_id == self.refuse:
+        if graph_id == self.refuse or self.refuse == -1:
             raise RuntimeError("CUDA failure 900: operation not permitted when stream is capturing")
         self.real.run_with_iobinding(binding, options)
 
@@ -483,7 +484,7 @@ def test_graphed_runs_bind_one_buffer_pair_a_shape_and_ask_one_graph_per_buffer_
     # Three channels where the model takes one: onnxruntime's own error, as a plain run gives it.
     with pytest.raises(Exception, match="(?i)invalid dimensions|got invalid"):
         rt.run(0, np.zeros((1, 3, 16, 16), np.float32))
-    assert rec.ids[-1] == -1 and rt._graph_runs.failed is None and len(rt._graph_runs.buffers) == 2
+    assert rec.ids[-1] == -1 and rt.cuda_graph and len(rt._graph_runs.buffers) == 2
     assert sorted(rt._graph_runs.ids.values()) == [1, 2, 3, 4] and rt.info()["graphs"] == 4
     assert {slot for slot, _ in rt._graph_runs.ids} == {0, 1}  # three tasks over two buffer sets
     kept = rt.run(0, xs[4])
@@ -502,15 +503,28 @@ def test_graphed_runs_bind_one_buffer_pair_a_shape_and_ask_one_graph_per_buffer_
         x = rng.standard_normal((b, 1, 16, 16)).astype(np.float32)
         assert np.array_equal(rt.run(0, x), plain.run(0, x))
     assert len(rt._graph_runs.buffers) == GRAPH_SHAPES and rec.ids[-1] == -1  # the fifth shape: no graph
-    # A graph the provider refuses: one warning, this run and every later one without a graph.
-    rec.refuse = rt._graph_runs.ids[(rt._slots.index(rt._held[0]), (4, 1, 16, 16))]
+    # A run that fails with and without its graph: its own error, the graphs kept, the pair's id forgotten.
+    pair = (rt._slots.index(rt._held[0]), (4, 1, 16, 16))
+    given = set(rt._graph_runs.ids.values())
+    rec.refuse = -1
+    with pytest.raises(RuntimeError, match="CUDA failure 900"):
+        rt.run(0, xs[4])
+    assert rt.cuda_graph and rt._graph_runs is not None and pair not in rt._graph_runs.ids
+    # A graph the provider refuses (the run works without it): one warning, the logits of the run without
+    # it, and the session built again without the option, each buffer set bound to it.
+    rec.refuse = None
+    assert np.array_equal(rt.run(0, xs[4]), first[(0, 4)])
+    assert rt._graph_runs.ids[pair] == max(given) + 1  # a new id: the forgotten one's graph may still exist
+    rec.refuse = rt._graph_runs.ids[pair]
     with pytest.warns(UserWarning, match=r"cuda_graph=True: onnxruntime refused the CUDA graph \(RuntimeError"):
         assert np.array_equal(rt.run(0, xs[4]), first[(0, 4)])
     assert rec.ids[-2:] == [rec.refuse, -1] and not rt.cuda_graph and not rt.info()["cuda_graph"]
-    rec.ids.clear()
-    for t in (1, 2):
-        assert np.array_equal(rt.run(t, xs[1]), plain.run(t, xs[1]))
-    assert rec.ids == [-1, -1]
+    assert rt._graph_runs is None and rt._session is not rec and rt._session is not rec.real
+    seen = len(rec.ids)
+    for t in (1, 2, 0):
+        for x in xs.values():
+            assert np.array_equal(rt.run(t, x), plain.run(t, x))
+    assert len(rec.ids) == seen  # the stand-in is out of the way
 
 
 def test_cuda_graph_is_a_switch_mode_option_and_off_without_cuda(bundle3):
@@ -532,8 +546,9 @@ def test_cuda_graph_is_a_switch_mode_option_and_off_without_cuda(bundle3):
 def test_on_cuda_the_graph_replays_every_task_a_switch_wrote(bundle3):
     """``cuda_graph=True`` on a GPU: two buffer sets, three tasks in turn, two batch sizes: every run (the
     regular runs before a capture, the capture, the replays) gives the plain switch mode's logits within
-    float32 (two sessions' cuDNN algorithms: 1e-4 of the largest logit), and a replay of a task gives what
-    its earlier graphed runs gave, bit for bit, after other tasks rewrote the buffers. A device OrtValue in
+    float32 (two sessions' cuDNN algorithms: 1e-4 of the largest logit), new images at every run included,
+    and a replay of a task gives what its earlier graphed runs gave, bit for bit, after other tasks rewrote
+    the buffers. A device OrtValue in
     gives a device OrtValue out, which later replays leave as it was."""
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu (the CUDA provider) is not installed")
@@ -551,8 +566,11 @@ def test_on_cuda_the_graph_replays_every_task_a_switch_wrote(bundle3):
                     y = rt.run(t, x)
                     ref = plain.run(t, x)
                     np.testing.assert_allclose(y, ref, atol=1e-4 * float(np.abs(ref).max()), rtol=0)
+                    fresh = rng.standard_normal(x.shape).astype(np.float32)  # a replay reads this run's images
+                    ref = plain.run(t, fresh)
+                    np.testing.assert_allclose(rt.run(t, fresh), ref, atol=1e-4 * float(np.abs(ref).max()), rtol=0)
                 if (t, b) in seen:
-                    assert np.array_equal(y, seen[(t, b)])
+                    assert np.array_equal(rt.run(t, x), seen[(t, b)])
                 seen[(t, b)] = y
     assert rt.cuda_graph and rt.info()["graphs"] == 4  # no refusal; 2 buffer sets x 2 shapes
     out = rt.run(1, ort.OrtValue.ortvalue_from_numpy(xs[4], "cuda", 0))

@@ -186,9 +186,11 @@ class _Commit:
         if device.type == "cuda" and (fused_search._interpreting() or torch.cuda.is_current_stream_capturing()):
             return None  # no table to be had (:func:`_address_table`)
         own = [g if writable_gradient(g) else g.clone(memory_format=torch.contiguous_format) for g in grads]
-        ptrs = tuple(g.data_ptr() for g in own)
-        if self._grads is None or self._grads[0] != ptrs:  # the caching allocator mostly gives the same ones
-            self._grads = (ptrs, _address_table(own, device))
+        # The table is made on the current stream; one made on another is not reused (its memory may be
+        # freed while a kernel there still reads it).
+        key = (tuple(g.data_ptr() for g in own), torch.cuda.current_stream(device) if device.type == "cuda" else None)
+        if self._grads is None or self._grads[0] != key:  # the caching allocator mostly gives the same ones
+            self._grads = (key, _address_table(own, device))
         table = self._grads[1]
         w = src if src is not None else torch.cat([w.reshape(-1, self.dim) for w in weights])
         fused_search.engine_commit(table, w, k, self.scale, self.wide, table)

@@ -108,8 +108,10 @@ def _copied_into(into: torch.Tensor | None, src: torch.Tensor | None) -> torch.T
 
 def writable_gradient(grad: torch.Tensor) -> bool:
     """Whether a custom backward may add to its incoming ``grad`` in place: a contiguous tensor of its own, no
-    view (autograd made it for this op's output alone, and nothing else reads it)."""
-    return grad.is_contiguous() and not grad._is_view()
+    view, held once (autograd made it for this op's output alone, and nothing else reads it). A gradient
+    autograd hands to two places (``weight + delta``: the sum's backward gives both the same tensor), or
+    that ``torch.autograd.grad`` returns, is held twice. A Python hook that keeps the tensor is not seen."""
+    return grad.is_contiguous() and not grad._is_view() and grad._use_count() == 1  # type: ignore[attr-defined]
 
 
 def index_bits(pool_size: int) -> int:

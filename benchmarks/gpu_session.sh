@@ -32,9 +32,10 @@
 #   mkdir -p .dev/long20 && cp -r runs/long20/{base.nwspack,job.json,manifest.json,pools.safetensors,tasks} .dev/long20/
 # The calls, back to back (a machine is given back after 30 s idle), each `. .dev/base/device.sh && ...`.
 # The next lease (after 51a292a: the suite and the runtime's tests passed on the H100; what is left is the step
-# rows with the persistent search, the wide-D kernels, W read in place and the graphed engine update
-# (engine_graph=true, built after 741e7b3 for the eager rows' host time), the runtime on MobileNetV2 and
-# EfficientNet-B0, and a profile to compare with 51a292a's), about 15 minutes:
+# rows with the persistent search, the wide-D kernels, W read in place, the commitment term added into the
+# layers' own gradients (no backward cat: the 32^2 peak) and the graphed engine update (engine_graph=true,
+# built after 741e7b3 for the eager rows' host time), the runtime on MobileNetV2 and EfficientNet-B0 and
+# with onnxruntime's CUDA graph (cuda_graph=True), and a profile to compare with 51a292a's), about 15 minutes:
 #   1. carry .dev/base .dev/ort0: PHASE=rows BUDGET=420 FUZZ=30 ROUNDS=15 MODES="eager enginegraph" TESTS_FIRST=1
 #      ROW_TIMEOUT=50 (timeout_s 450): the engine's and the graphs' GPU tests first (the graphed update's
 #      included), the CUDA fuzz (its engine cases run a graphed copy too), then the five rows eager and with

@@ -133,7 +133,24 @@ class _CountCats(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_commitment_term_goes_into_each_layers_own_gradient_in_place(monkeypatch):
+def _kernel_sizes_net() -> nn.Module:
+    """7x7, 5x5, grouped 3x3 and 1x1 convolutions (D = 49, 25, 9, 1) and a linear head, converted."""
+    net = nn.Sequential(
+        nn.Conv2d(1, 8, 7, padding=3),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 5, padding=2),
+        nn.Conv2d(8, 8, 3, padding=1, groups=2),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
+    return nwsconvert.convert(net, pool_size=16, seed=0).to(DEVICE)
+
+
+@pytest.mark.parametrize("net", [small_net, _kernel_sizes_net])
+def test_the_commitment_term_goes_into_each_layers_own_gradient_in_place(monkeypatch, net):
     """With the Triton kernels, the commitment term is added to each layer's own float32 weight gradient in
     place, through a table of their addresses (the linear head's, a transposed product the backward may not
     write, copied first, its alone): the backward joins nothing (no ``cat``: no ``(R, D)`` buffer beside the
@@ -143,7 +160,7 @@ def test_the_commitment_term_goes_into_each_layers_own_gradient_in_place(monkeyp
         pytest.skip("needs Triton (the engine's address tables)")
     from nwsconvert.core import engine as engine_module
 
-    base = small_net()
+    base = net()
     set_commitment(base, 1.0)
     models = {"in place": base, "joined": copy.deepcopy(base)}
     opts = {name: torch.optim.SGD(m.parameters(), lr=0.5) for name, m in models.items()}
@@ -160,7 +177,7 @@ def test_the_commitment_term_goes_into_each_layers_own_gradient_in_place(monkeyp
                     loss.backward()
                 cats[name] = count.cats
                 opts[name].step()
-            assert cats["in place"] == 0 and cats["joined"] >= 2  # a join per group (D = 9 and D = 1)
+            assert cats["in place"] == 0 and cats["joined"] >= 2  # a join per group
             layers = zip(nws_layers(models["in place"]), nws_layers(models["joined"]))
             for a, b in layers:
                 assert torch.equal(

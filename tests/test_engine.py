@@ -186,6 +186,51 @@ def test_the_commitment_term_goes_into_each_layers_own_gradient_in_place(monkeyp
                 assert torch.equal(a.weight, b.weight) and torch.equal(a.nws.indices, b.nws.indices)
 
 
+def _random_net(seed: int) -> nn.Module:
+    """A small converted net drawn from ``seed``: a stem of kernel 1, 3, 5 or 7, then three of plain, depthwise
+    or grouped convolutions of kernel 1, 3 or 5 (with or without bias), and a linear head."""
+    import random
+
+    rng = random.Random(seed)
+    width = rng.choice([2, 4, 6, 8])
+    k = rng.choice([1, 3, 5, 7])
+    layers: list[nn.Module] = [nn.Conv2d(1, width, k, padding=k // 2), nn.ReLU()]
+    for _ in range(3):
+        k = rng.choice([1, 3, 5])
+        groups = rng.choice([1, 2, width])
+        layers += [nn.Conv2d(width, width, k, padding=k // 2, groups=groups, bias=rng.random() < 0.5), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 3))
+    return nwsconvert.convert(net, pool_size=rng.choice([2, 16, 70]), seed=seed).to(DEVICE)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_in_place_commitment_gradient_equals_the_joined_one_on_random_nets(monkeypatch, seed):
+    """Random small nets (:func:`_random_net`), half of them in pool learning (the pools move, the
+    distillation loss on): three steps with the commitment term added into the layers' own gradients, and
+    three with it added into one buffer joining them, give the same gradients, weights, pools and indices,
+    bit for bit."""
+    if not fused_search.available(DEVICE):
+        pytest.skip("needs Triton (the engine's address tables)")
+    from nwsconvert.core import engine as engine_module
+
+    base = _random_net(seed)
+    set_commitment(base, 1.0)
+    if seed % 2:
+        set_mode(base, "pool")
+    models = {"in place": base, "joined": copy.deepcopy(base)}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.3) for name, m in models.items()}
+    real = engine_module._Commit.in_place
+    with SearchEngine(models["in place"], kernel="triton"), SearchEngine(models["joined"], kernel="triton"):
+        for x, y in batches(3, seed=seed):
+            for name, model in models.items():
+                monkeypatch.setattr(engine_module._Commit, "in_place", (lambda *a: None) if name == "joined" else real)
+                sgd_step(model, opts[name], x, y, pool_beta=0.5 if seed % 2 else 0.0)
+            for a, b in zip(nws_layers(models["in place"]), nws_layers(models["joined"])):
+                wa, wb = (m.module.parametrizations.weight.original for m in (a, b))
+                assert torch.equal(wa.grad, wb.grad) and torch.equal(wa, wb), a.name
+                assert torch.equal(a.nws.pool, b.nws.pool) and torch.equal(a.nws.indices, b.nws.indices), a.name
+
+
 @pytest.mark.parametrize("path", KERNELS + ["layers"])
 def test_a_weight_gradient_autograd_hands_to_two_places_is_left_as_it_came(path):
     """A layer whose weight is used as ``weight + delta`` (a LoRA-style adapter): the sum's backward hands the

@@ -173,9 +173,13 @@ def measure(
         sub = _first_tasks(run, bundle, n, bundle.parent / f"first_{n}")
         out["memory"][f"switch_{n}"] = child(sub, {"kind": "runtime", "mode": "switch"})
     out["memory"]["switch_keep_pack"] = child(bundle, {"kind": "runtime", "mode": "switch", "keep": "pack"})
+    graph_error = None  # the graphed runs' failure: recorded, and the rest of the bundle measured without them
     if cuda_graph:  # every task, each run through the graph (captured at its first runs)
         graphed = {"kind": "runtime", "mode": "switch", "cuda_graph": True, "cuda_arena": "own"}
-        out["memory"]["switch_graph"] = child(bundle, graphed)
+        try:
+            out["memory"]["switch_graph"] = child(bundle, graphed)
+        except RuntimeError as e:
+            graph_error = f"memory child: {str(e)[-300:]}"
     out["memory"]["session_all_cached"] = child(bundle, {"kind": "runtime", "mode": "session", "max_sessions": ntasks})
     if ntasks > 1 and memory == "all":  # every task held ready (a buffer each) against one: what each further one adds
         out["memory"]["switch_all_ready"] = child(bundle, {"kind": "runtime", "mode": "switch", "ready": ntasks})
@@ -189,8 +193,18 @@ def measure(
         "dense": _Dense(dense, device, threads),
     }
     if cuda_graph:  # both through onnxruntime's CUDA graph (own arenas, whatever --cuda-arena says)
-        rts["switch_graph"] = Runtime(bundle, device=device, mode="switch", cuda_graph=True)
-        rts["dense_graph"] = _Dense(dense, device, threads, graph=True)
+        try:
+            rts["switch_graph"] = Runtime(bundle, device=device, mode="switch", cuda_graph=True)
+            rts["dense_graph"] = _Dense(dense, device, threads, graph=True)
+            for _ in range(3):  # each shape's graph captured here (its third run), not inside the timed rounds
+                for m in ("switch_graph", "dense_graph"):
+                    rts[m].run(0, x1)
+                    rts[m].run(0, x32)
+        except Exception as e:  # noqa: BLE001 (onnxruntime's own types)
+            graph_error = f"{type(e).__name__}: {str(e)[:300]}"
+            rts.pop("switch_graph", None)
+            rts.pop("dense_graph", None)
+        cuda_graph = "switch_graph" in rts
     out["layout"] = rts["switch"].info()["layout"]
     for rt in rts.values():
         rt.run(0, x1)
@@ -232,6 +246,8 @@ def measure(
                 ref = rts["switch"].run(t, x)
                 worst = max(worst, float(np.abs(rt.run(t, x) - ref).max() / np.abs(ref).max()))
         out["graph"] = {"on": rt.cuda_graph, "graphs": rt.info()["graphs"], "parity": worst}
+    if graph_error is not None:
+        out.setdefault("graph", {})["error"] = graph_error
     return out
 
 
@@ -348,19 +364,21 @@ def report(name: str, args, r: dict) -> None:
             f"[{lat['switch']['ratio']['q25']:.2f}, {lat['switch']['ratio']['q75']:.2f}], "
             f"session x{lat['session']['ratio']['median']:.2f}"
         )
-    for b in (1, 32) if "graph" in r else ():
+    for b in (1, 32) if "switch_graph" in r["latency_b1"] else ():
         g = r[f"latency_b{b}"]
         print(
             f"  latency b{b}, CUDA graphs: dense {g['dense_graph']['median_ms']:.2f} ms, switch "
             f"{g['switch_graph']['median_ms']:.2f} ms = x{g['switch_graph']['ratio_vs_dense_graph']['median']:.2f} the "
             f"graphed dense model, x{g['switch_graph']['ratio']['median']:.2f} the plain one"
         )
-    if "graph" in r:
-        g = r["graph"]
+    g = r.get("graph", {})
+    if "on" in g:
         print(
             f"  CUDA graph: {'on' if g['on'] else 'REFUSED'}, {g['graphs']} graphs; largest difference from the plain "
             f"switch mode {g['parity']:.1e} of the largest logit"
         )
+    if "error" in g:
+        print(f"  CUDA graph FAILED: {g['error']}")
     for key, what in (
         ("switch", "switch mode (indices kept)"),
         ("switch_graph", "switch mode, CUDA graph"),

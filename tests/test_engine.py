@@ -133,59 +133,6 @@ class _CountCats(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _kernel_sizes_net() -> nn.Module:
-    """7x7, 5x5, grouped 3x3 and 1x1 convolutions (D = 49, 25, 9, 1) and a linear head, converted."""
-    net = nn.Sequential(
-        nn.Conv2d(1, 8, 7, padding=3),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 5, padding=2),
-        nn.Conv2d(8, 8, 3, padding=1, groups=2),
-        nn.ReLU(),
-        nn.Conv2d(8, 4, 1),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(4, 3),
-    )
-    return nwsconvert.convert(net, pool_size=16, seed=0).to(DEVICE)
-
-
-@pytest.mark.parametrize("net", [small_net, _kernel_sizes_net])
-def test_the_commitment_term_goes_into_each_layers_own_gradient_in_place(monkeypatch, net):
-    """With the Triton kernels, the commitment term is added to each layer's own float32 weight gradient in
-    place, through a table of their addresses (the linear head's, a transposed product the backward may not
-    write, copied first, its alone): the backward joins nothing (no ``cat``: no ``(R, D)`` buffer beside the
-    layers' gradients at the backward's end), and every gradient and weight is bit for bit what the joined
-    buffer gives (the same float32 sum per element), step after step."""
-    if not fused_search.available(DEVICE):
-        pytest.skip("needs Triton (the engine's address tables)")
-    from nwsconvert.core import engine as engine_module
-
-    base = net()
-    set_commitment(base, 1.0)
-    models = {"in place": base, "joined": copy.deepcopy(base)}
-    opts = {name: torch.optim.SGD(m.parameters(), lr=0.5) for name, m in models.items()}
-    real = engine_module._Commit.in_place
-    cats = {}
-    with SearchEngine(models["in place"], kernel="triton"), SearchEngine(models["joined"], kernel="triton"):
-        for x, y in batches(3, seed=4):
-            for name, model in models.items():
-                joined = name == "joined"
-                monkeypatch.setattr(engine_module._Commit, "in_place", (lambda *a: None) if joined else real)
-                opts[name].zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                with _CountCats() as count:
-                    loss.backward()
-                cats[name] = count.cats
-                opts[name].step()
-            assert cats["in place"] == 0 and cats["joined"] >= 2  # a join per group
-            layers = zip(nws_layers(models["in place"]), nws_layers(models["joined"]))
-            for a, b in layers:
-                assert torch.equal(
-                    a.module.parametrizations.weight.original.grad, b.module.parametrizations.weight.original.grad
-                )
-                assert torch.equal(a.weight, b.weight) and torch.equal(a.nws.indices, b.nws.indices)
-
-
 def _random_net(seed: int) -> nn.Module:
     """A small converted net drawn from ``seed``: a stem of kernel 1, 3, 5 or 7, then three of plain, depthwise
     or grouped convolutions of kernel 1, 3 or 5 (with or without bias), and a linear head."""
@@ -203,28 +150,43 @@ def _random_net(seed: int) -> nn.Module:
     return nwsconvert.convert(net, pool_size=rng.choice([2, 16, 70]), seed=seed).to(DEVICE)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_in_place_commitment_gradient_equals_the_joined_one_on_random_nets(monkeypatch, seed):
-    """Random small nets (:func:`_random_net`), half of them in pool learning (the pools move, the
-    distillation loss on): three steps with the commitment term added into the layers' own gradients, and
-    three with it added into one buffer joining them, give the same gradients, weights, pools and indices,
-    bit for bit."""
+@pytest.mark.parametrize("net", ["small", *range(6)])
+def test_the_commitment_term_goes_into_each_layers_own_gradient_in_place(monkeypatch, net):
+    """With the Triton kernels, the commitment term is added to each layer's own float32 weight gradient in
+    place, through a table of their addresses (the linear head's, a transposed product the backward may not
+    write, copied first, its alone): the backward joins nothing (no ``cat``: no ``(R, D)`` buffer beside the
+    layers' gradients at the backward's end), and every gradient, weight, pool and index is bit for bit what
+    the joined buffer gives (the same float32 sum per element), step after step. On :func:`small_net` and
+    six random nets (:func:`_random_net`: kernels 1 to 7, depthwise and grouped), the odd ones in pool
+    learning (the pools move, the distillation loss on)."""
     if not fused_search.available(DEVICE):
         pytest.skip("needs Triton (the engine's address tables)")
     from nwsconvert.core import engine as engine_module
 
-    base = _random_net(seed)
+    base = small_net() if net == "small" else _random_net(net)
     set_commitment(base, 1.0)
-    if seed % 2:
+    pool_beta = 0.5 if net != "small" and net % 2 else 0.0
+    if pool_beta:
         set_mode(base, "pool")
     models = {"in place": base, "joined": copy.deepcopy(base)}
-    opts = {name: torch.optim.SGD(m.parameters(), lr=0.3) for name, m in models.items()}
+    lr = 0.5 if net == "small" else 0.3
+    opts = {name: torch.optim.SGD(m.parameters(), lr=lr) for name, m in models.items()}
     real = engine_module._Commit.in_place
+    cats = {}
     with SearchEngine(models["in place"], kernel="triton"), SearchEngine(models["joined"], kernel="triton"):
-        for x, y in batches(3, seed=seed):
+        for x, y in batches(3, seed=4 if net == "small" else net):
             for name, model in models.items():
-                monkeypatch.setattr(engine_module._Commit, "in_place", (lambda *a: None) if name == "joined" else real)
-                sgd_step(model, opts[name], x, y, pool_beta=0.5 if seed % 2 else 0.0)
+                joined = name == "joined"
+                monkeypatch.setattr(engine_module._Commit, "in_place", (lambda *a: None) if joined else real)
+                opts[name].zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                if pool_beta:
+                    loss = loss + pool_beta * distillation_loss(model)
+                with _CountCats() as count:
+                    loss.backward()
+                cats[name] = count.cats
+                opts[name].step()
+            assert cats["in place"] == 0 and cats["joined"] >= 2  # a join per group
             for a, b in zip(nws_layers(models["in place"]), nws_layers(models["joined"])):
                 wa, wb = (m.module.parametrizations.weight.original for m in (a, b))
                 assert torch.equal(wa.grad, wb.grad) and torch.equal(wa, wb), a.name

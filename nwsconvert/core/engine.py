@@ -147,12 +147,17 @@ class _GroupSTE(torch.autograd.Function):
         return (None, None, None, *(piece.view(shape) for piece, shape in zip(pieces, ctx.shapes)))
 
 
+def _no_table(device: torch.device) -> bool:
+    """Whether an address table cannot be read or made on ``device`` now: the interpreter with CUDA tensors
+    (it copies them to the host, but not the memory a table points at), or a CUDA graph being captured (no
+    host copy into it)."""
+    return device.type == "cuda" and (fused_search._interpreting() or torch.cuda.is_current_stream_capturing())
+
+
 def _address_table(tensors, device: torch.device) -> torch.Tensor | None:
     """An ``(L,)`` int64 table of ``tensors``' addresses on ``device`` for the Triton kernels, through pinned
-    memory on CUDA (no host sync); None where a table cannot be read or made: the interpreter with CUDA
-    tensors (it copies them to the host, but not the memory a table points at), or a CUDA graph being
-    captured (no host copy into it)."""
-    if device.type == "cuda" and (fused_search._interpreting() or torch.cuda.is_current_stream_capturing()):
+    memory on CUDA (no host sync); None where none can be had (:func:`_no_table`)."""
+    if _no_table(device):
         return None
     cuda = device.type == "cuda"
     table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=cuda)
@@ -179,12 +184,12 @@ class _Commit:
         a table of their addresses (one Triton launch, no ``(R, D)`` buffer joining them); a gradient the
         backward may not write (a view, say a linear layer's transposed product) is copied first, that
         layer's alone. None, with nothing done, where this cannot be: the torch ops' path, a gradient not
-        float32, or no table to be had (:func:`_address_table`)."""
+        float32, or no table to be had (:func:`_no_table`)."""
         if self.wide is None or not all(g.dtype == torch.float32 for g in grads):
             return None
         device = k.device
-        if device.type == "cuda" and (fused_search._interpreting() or torch.cuda.is_current_stream_capturing()):
-            return None  # no table to be had (:func:`_address_table`)
+        if _no_table(device):
+            return None
         own = [g if writable_gradient(g) else g.clone(memory_format=torch.contiguous_format) for g in grads]
         # The table is made on the current stream; one made on another is not reused (its memory may be
         # freed while a kernel there still reads it).

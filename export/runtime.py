@@ -717,8 +717,8 @@ class Runtime:
         device = isinstance(x, self.ort.OrtValue)
         if device:
             binding.bind_ortvalue_input(self._input, x)
-            width = self._session.get_outputs()[0].shape[-1]
-            if graphs is None or not isinstance(width, int):
+            width = self._session.get_outputs()[0].shape[-1] if graphs is not None else None
+            if not isinstance(width, int):
                 binding.bind_output(self._output, self._device_kind)
             else:  # logits the caller keeps: not in the arena memory a later replay writes
                 logits = self.ort.OrtValue.ortvalue_from_shape_and_type(

@@ -179,6 +179,10 @@ class _Commit:
         self.dim, self.scale, self.wide = dim, scale, wide
         self._grads: tuple | None = None  # (the last gradients' addresses, their table on the device)
 
+    def _w(self, weights, src: torch.Tensor | None) -> torch.Tensor:
+        """Where the kernel reads W: ``src`` (:class:`_GroupSTE`'s), else the weights concatenated ``(R, D)``."""
+        return src if src is not None else torch.cat([w.reshape(-1, self.dim) for w in weights])
+
     def in_place(self, grads, k: torch.Tensor, weights, src: torch.Tensor | None) -> list[torch.Tensor] | None:
         """Each layer's gradient with its term, added in place to the layers' own gradients ``grads`` through
         a table of their addresses (one Triton launch, no ``(R, D)`` buffer joining them); a gradient the
@@ -197,13 +201,12 @@ class _Commit:
         if self._grads is None or self._grads[0] != key:  # the caching allocator mostly gives the same ones
             self._grads = (key, _address_table(own, device))
         table = self._grads[1]
-        w = src if src is not None else torch.cat([w.reshape(-1, self.dim) for w in weights])
-        fused_search.engine_commit(table, w, k, self.scale, self.wide, table)
+        fused_search.engine_commit(table, self._w(weights, src), k, self.scale, self.wide, table)
         return own
 
     def __call__(self, grad: torch.Tensor, k: torch.Tensor, weights, src: torch.Tensor | None = None) -> torch.Tensor:
         """``src``: as :class:`_GroupSTE`'s (an address table only with the Triton kernel)."""
-        w = src if src is not None else torch.cat([w.reshape(-1, self.dim) for w in weights])
+        w = self._w(weights, src)
         # The group's incoming gradient is the layers' weight gradients joined into a buffer of the backward's
         # own, which nothing else reads: the term goes into it in place, so the backward's peak holds no
         # second (R, D) buffer (the kernel reads and writes each element in the same program).

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHELL_SCRIPTS = sorted((ROOT / "benchmarks").glob("*.sh"))
 CALL = re.compile(r"benchmarks/([\w/]+\.py)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
-ASSIGN = re.compile(r"(?:^|[\s;{])(\w+)=\"([^\"]*)\"")
+ASSIGN = re.compile(r"(?:^|[\s;{])(\w+)=(\"[^\"]*\"|'[^']*'|\S+)")  # quoted or a bare word
 VAR = re.compile(r"\$\{?(\w+)")
 COMMAND_END = re.compile(r"&&|\|\||[;|>]")
 
@@ -95,9 +95,13 @@ def test_every_flag_a_gpu_script_gives_a_benchmark_is_one_it_takes(calls, known)
 
 def test_the_check_finds_a_renamed_flag_in_a_call_or_a_variable(known):
     text = (
-        'extra=""\n[ "$mode" = graph ] && extra="--cuda-graf"\n'
+        'extra=""\n[ "$mode" = graph ] && extra="--cuda-graf"\n[ "$mode" = e ] && extra=--engine-grap\n'
         "# a comment naming benchmarks/train_step.py --not-a-call\n"
         'timeout 5 $PY benchmarks/train_step.py --model "$1" $extra \\\n    --jsn out.json > log 2>&1\n'
         "$PY benchmarks/accuracy.py --suite x | tail -1 --lines\n"
     )
-    assert unknown_flags(list(invocations(text)), known) == ["train_step.py --cuda-graf", "train_step.py --jsn"]
+    assert unknown_flags(list(invocations(text)), known) == [
+        "train_step.py --cuda-graf",
+        "train_step.py --engine-grap",
+        "train_step.py --jsn",
+    ]

@@ -39,8 +39,9 @@ def invocations(text):
 
 
 def unknown_flags(calls, known):
-    """The calls' flags that their benchmark's --help does not name, as 'script --flag' strings."""
-    return sorted(f"{script} {flag}" for script, flags in calls for flag in flags - known[script])
+    """The flags of ``calls`` ``(shell script, benchmark, flags)`` that the benchmark's --help does not name,
+    as 'shell script: benchmark --flag' strings."""
+    return sorted(f"{shell}: {script} {flag}" for shell, script, flags in calls for flag in flags - known[script])
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_every_flag_a_gpu_script_gives_a_benchmark_is_one_it_takes(calls, known)
     assert {"--cuda-graph", "--no-memory", "--engine-graph"} <= by_script["train_step.py"]
     assert {"--cuda-graph", "--cuda-arena", "--device"} <= by_script["deploy_modes.py"]
     assert {"--kinds", "--out"} <= by_script["harnesses/search_fuzz.py"]  # a continuation line's flag
-    bad = unknown_flags([(script, flags) for _, script, flags in calls], known)
+    bad = unknown_flags(calls, known)
     assert bad == [], f"flags the benchmarks do not take: {bad}"
 
 
@@ -100,8 +101,8 @@ def test_the_check_finds_a_renamed_flag_in_a_call_or_a_variable(known):
         'timeout 5 $PY benchmarks/train_step.py --model "$1" $extra \\\n    --jsn out.json > log 2>&1\n'
         "$PY benchmarks/accuracy.py --suite x | tail -1 --lines\n"
     )
-    assert unknown_flags(list(invocations(text)), known) == [
-        "train_step.py --cuda-graf",
-        "train_step.py --engine-grap",
-        "train_step.py --jsn",
+    assert unknown_flags([("t.sh", *call) for call in invocations(text)], known) == [
+        "t.sh: train_step.py --cuda-graf",
+        "t.sh: train_step.py --engine-grap",
+        "t.sh: train_step.py --jsn",
     ]

@@ -16,11 +16,20 @@ from pathlib import Path
 
 from nwsconvert.errors import FormatError
 from nwsconvert.formats.limits import MAX_KERNELS
-from nwsconvert.formats.schema import Fields
+from nwsconvert.formats.schema import Fields, is_plain_name
 from nwsconvert.formats.stfile import file_sha256
 from nwsconvert.train.manifest import check_data_info
 
-__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "read_bundle", "check_bundle", "file_sha256", "recipe_sha256"]
+__all__ = [
+    "BUNDLE_FORMAT",
+    "BUNDLE_VERSION",
+    "bundle_file",
+    "check_bundle",
+    "check_external_data",
+    "file_sha256",
+    "read_bundle",
+    "recipe_sha256",
+]
 
 BUNDLE_FORMAT = "nwsconvert.bundle"
 BUNDLE_VERSION = 2  # 2: pack_sha256, onnx_sha256 and base_sha256 per task; version 1 still reads
@@ -128,3 +137,100 @@ def read_bundle(bundle: str | os.PathLike) -> dict:
         raise FormatError(f"{path}: not valid JSON ({e})") from None
     check_bundle(desc, path)
     return desc
+
+
+def bundle_file(bundle: str | os.PathLike, name: str, what: str) -> Path:
+    """The bundle's file ``name`` (a plain file name), checked to be a file in the bundle folder itself: a
+    symbolic link is followed only to a file in the same folder.
+
+    Raises:
+        FormatError: ``name`` is not a plain file name, or leads outside the folder (named, with where to).
+        FileNotFoundError: no such file.
+    """
+    bundle = Path(bundle)
+    path = bundle / name if is_plain_name(name) else None
+    if path is None:
+        raise FormatError(f"{bundle}: {what} is named {str(name)[:80]!r}, not a plain file name in the bundle folder")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: {what} is missing from the bundle")
+    real = Path(os.path.realpath(path))
+    if real.parent != Path(os.path.realpath(bundle)):
+        raise FormatError(
+            f"{path}: {what} is a link to {real}, outside the bundle folder: a bundle's files must be in its folder"
+        )
+    return path
+
+
+def _tensors(graph, where: str):
+    """Every ``TensorProto`` of an ONNX graph, with where it is: initializers, sparse initializers, node
+    attributes (``Constant`` values...), and the same in every subgraph (``If``, ``Loop``, ``Scan``)."""
+    for t in graph.initializer:
+        yield t, where
+    for s in graph.sparse_initializer:
+        yield s.values, where
+        yield s.indices, where
+    for node in graph.node:
+        yield from _attribute_tensors(node, f"{where}, node {node.name or node.op_type!r}")
+
+
+def _attribute_tensors(node, where: str):
+    for a in node.attribute:
+        if a.HasField("t"):
+            yield a.t, where
+        for t in a.tensors:
+            yield t, where
+        sparse = [a.sparse_tensor] if a.HasField("sparse_tensor") else []
+        for s in [*sparse, *a.sparse_tensors]:
+            yield s.values, where
+            yield s.indices, where
+        if a.HasField("g"):
+            yield from _tensors(a.g, f"{where}, subgraph {a.name}")
+        for g in a.graphs:
+            yield from _tensors(g, f"{where}, subgraph {a.name}")
+
+
+def check_external_data(data: bytes, graph: Path, bundle: str | os.PathLike, placeholder: str | None = None) -> None:
+    """Refuse an ONNX graph (``data``, the bytes of ``graph``) any of whose tensors keeps its data outside the
+    bundle: every external-data ``location`` must be a plain name of a file in the bundle folder (a link
+    only to one in the folder), or ``placeholder`` (the switch template's tensors, supplied at run time).
+    Checked on the bytes before onnx or onnxruntime opens any file they name.
+
+    Raises:
+        FormatError: naming the graph, the tensor and the location; or the bytes are not an ONNX model.
+    """
+    from onnx import ModelProto
+
+    model = ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception as e:  # noqa: BLE001 (protobuf's DecodeError and friends)
+        raise FormatError(f"{graph}: not an ONNX model ({type(e).__name__}: {str(e)[:120]})") from None
+    found = list(_tensors(model.graph, "the graph"))
+    for f in model.functions:
+        for node in f.node:
+            found += _attribute_tensors(node, f"function {f.name!r}, node {node.name or node.op_type!r}")
+    for t, where in found:
+        if not t.external_data and t.data_location != t.EXTERNAL:
+            continue
+        location = next((e.value for e in t.external_data if e.key == "location"), None)
+        if location is not None and location == placeholder:
+            continue
+        bad = None
+        if location is None:
+            bad = "no location"
+        elif not is_plain_name(location):
+            bad = "not a plain file name in the bundle folder"
+        else:
+            try:
+                bundle_file(bundle, location, "external data")
+            except (FormatError, FileNotFoundError) as e:
+                bad = (
+                    "a link that leaves the bundle folder"
+                    if isinstance(e, FormatError)
+                    else "no such file in the bundle"
+                )
+        if bad is not None:
+            raise FormatError(
+                f"{graph}: tensor {t.name!r} ({where}) keeps its data at {str(location)[:120]!r}, {bad}: a bundle's "
+                "graphs may read only files in its folder; refused before anything read it"
+            )

@@ -1,0 +1,343 @@
+"""The Runtime under a robot's load: many threads on one Runtime, frames checked at the door, and bundles from
+someone else that point at files outside them.
+
+A robot calls one Runtime from several threads (a multi-threaded ROS 2 executor, a camera thread beside a
+planner), often for different tasks. onnxruntime's ``InferenceSession.run`` may be called from many threads;
+an ``IOBinding`` may not (two threads on one binding crash the process or read each other's outputs), so the
+switch mode gives each buffer set (slot) one run at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from trainer_utils import train_run
+
+import nwsconvert
+from nwsconvert.errors import UsageError
+from nwsconvert.export import Runtime, export_bundle
+
+TASKS = (3, 2, 4, 2)  # classes of the four tasks
+
+
+@pytest.fixture(scope="module")
+def bundle4(tmp_path_factory):
+    """A run of four tasks and its bundle (nws-export --task all --onnx)."""
+    out = tmp_path_factory.mktemp("load") / "run"
+    train_run(out, learn_pools=False, tasks=TASKS)
+    export_bundle(out, out / "export", "all", onnx=True)
+    return out / "export"
+
+
+def _images(n: int, seed: int, batch: int = 2) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((batch, 1, 16, 16)).astype(np.float32) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- threads
+_STRESS = r"""
+import json, sys, threading, faulthandler
+import numpy as np
+from nwsconvert.export import Runtime
+faulthandler.enable()
+bundle, mode, ready, per_thread = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+rng = np.random.default_rng(0)
+xs = [rng.standard_normal((b, 1, 16, 16)).astype(np.float32) for b in (1, 2, 3)]
+single = Runtime(bundle, device="cpu", mode=mode, ready=ready, threads=1)
+tasks = single.tasks
+want = {(t, i): single.run(t, x) for t in tasks for i, x in enumerate(xs)}
+rt = Runtime(bundle, device="cpu", mode=mode, ready=ready, threads=1)
+wrong, errors = [], []
+def work(k):
+    r = np.random.default_rng(k)
+    for n in range(per_thread):
+        t = tasks[k % len(tasks)] if k < len(tasks) else int(r.choice(tasks))  # own task; the rest mixed
+        i = n % len(xs)
+        try:
+            y = rt.run(t, xs[i])
+        except Exception as e:
+            errors.append(repr(e)[:200])
+            continue
+        if not np.array_equal(y, want[(t, i)]):
+            wrong.append((t, i))
+threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+for th in threads: th.start()
+for th in threads: th.join()
+print(json.dumps({"runs": 6 * per_thread, "wrong": len(wrong), "errors": errors[:3], "switches": rt.switches}))
+"""
+
+
+@pytest.mark.parametrize("mode,ready", [("switch", 1), ("switch", 2), ("session", 1)])
+def test_six_threads_on_one_runtime_get_the_single_thread_logits(bundle4, mode, ready):
+    """Six threads call one Runtime at once (four on a task of their own, two on random tasks), 150 runs each,
+    images of three batch sizes: no crash, no error, and every output equal, bit for bit, to what a
+    single-threaded Runtime returns for that task and images (one intra-op thread: the same sums in the same
+    order). Run in a child process, so that a crash fails this test rather than the suite."""
+    args = [sys.executable, "-c", _STRESS, str(bundle4), mode, str(ready), "150"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-1500:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {**result, "runs": 900, "wrong": 0, "errors": []}
+
+
+class _Recorder:
+    """Stands in for the switch session: records how many runs each binding and the session have at once."""
+
+    def __init__(self, real, pause: float = 0.003):
+        self.real, self.pause = real, pause
+        self.lock = threading.Lock()
+        self.now: dict[int, int] = {}
+        self.most_per_binding = 0
+        self.total = 0
+        self.most_total = 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def run_with_iobinding(self, binding, options=None):
+        key = id(binding)
+        with self.lock:
+            self.now[key] = self.now.get(key, 0) + 1
+            self.total += 1
+            self.most_per_binding = max(self.most_per_binding, self.now[key])
+            self.most_total = max(self.most_total, self.total)
+        try:
+            time.sleep(self.pause)  # long enough for another thread to come in
+            self.real.run_with_iobinding(binding, options)
+        finally:
+            with self.lock:
+                self.now[key] -= 1
+                self.total -= 1
+
+
+@pytest.mark.parametrize("ready", [1, 2, 4])
+def test_each_buffer_set_serves_one_run_at_a_time_and_sets_run_in_parallel(bundle4, ready):
+    """Four threads, each on a task of its own: no binding ever has two runs at once; with ``ready`` buffer
+    sets up to ``ready`` runs go in parallel; with a set per task each task is written once (no thread
+    evicts another's task), and with fewer each set is taken over only between runs."""
+    rt = Runtime(bundle4, device="cpu", ready=ready, threads=1)
+    single = Runtime(bundle4, device="cpu", threads=1)
+    xs = _images(3, seed=1)
+    want = {(t, i): single.run(t, x) for t in rt.tasks for i, x in enumerate(xs)}
+    rec = _Recorder(rt._impl._session)
+    rt._impl._session = rec
+    wrong: list = []
+    barrier = threading.Barrier(4)
+
+    def work(t):
+        barrier.wait()
+        for n in range(24):
+            if not np.array_equal(rt.run(t, xs[n % 3]), want[(t, n % 3)]):
+                wrong.append(t)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in rt.tasks]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert wrong == [] and rec.most_per_binding == 1
+    assert 2 <= rec.most_total <= ready if ready > 1 else rec.most_total == 1  # not one lock around every run
+    if ready == 4:
+        assert rt.switches == 4 and sorted(rt.info()["ready_tasks"]) == rt.tasks
+
+
+def test_a_caller_waits_for_the_task_another_caller_is_writing_and_does_not_write_it_again(bundle4, monkeypatch):
+    """Two threads ask for the same task no buffer set holds, at once: one writes it, the other waits for
+    that write and runs on it (one switch, not two), even with a free buffer set beside it."""
+    import nwsconvert.export.switchmode as switchmode
+
+    rt = Runtime(bundle4, device="cpu", ready=2, threads=1)
+    real = switchmode.iter_dense_tensors
+
+    def slow(*args):
+        time.sleep(0.2)  # the second caller arrives while the first writes
+        yield from real(*args)
+
+    monkeypatch.setattr(switchmode, "iter_dense_tensors", slow)
+    x = _images(1, seed=2)[0]
+    out: list = []
+    threads = [threading.Thread(target=lambda: out.append(rt.run(2, x))) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(out) == 2 and np.array_equal(out[0], out[1]) and rt.switches == 1
+    assert rt.info()["ready_tasks"] == [2]
+
+
+def test_a_failed_write_under_threads_frees_its_buffer_set_for_the_others(bundle4, monkeypatch):
+    """A write that fails (memory, say) in one thread leaves its buffer set free: the other threads go on
+    and get their logits; the failing task raises in its own thread only."""
+    import nwsconvert.export.switchmode as switchmode
+
+    rt = Runtime(bundle4, device="cpu", ready=1, threads=1)
+    single = Runtime(bundle4, device="cpu", threads=1)
+    real = switchmode.iter_dense_tensors
+    x = _images(1, seed=3)[0]
+    want = {t: single.run(t, x) for t in rt.tasks}
+
+    def failing(recipe, pools, values):
+        if values is rt._impl._values(3):
+            raise MemoryError("stand-in for a failure while writing task 3")
+        yield from real(recipe, pools, values)
+
+    monkeypatch.setattr(switchmode, "iter_dense_tensors", failing)
+    errors, wrong = [], []
+
+    def work(t):
+        for _ in range(10):
+            try:
+                if not np.array_equal(rt.run(t, x), want[t]):
+                    wrong.append(t)
+            except MemoryError:
+                errors.append(t)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in rt.tasks]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert wrong == [] and errors == [3] * 10
+
+
+# --------------------------------------------------------------------------- frames at the door
+@pytest.mark.parametrize("mode", ["switch", "session"])
+def test_frames_the_bundle_does_not_take_are_refused_in_one_line_naming_the_expected_shape(bundle4, mode):
+    """A wrong channel count, spatial size or rank raises one UsageError line naming the images' shape and
+    the ``(B, C, H, W)`` the bundle takes; integer pixels are refused with the normalisation to apply (they
+    were answered unnormalised before); float64 images give the float32 logits; a batch of 0 gives no
+    logits and NaN pixels NaN logits, as onnxruntime answers them."""
+    rt = Runtime(bundle4, device="cpu", mode=mode)
+    bad = {
+        (1, 3, 16, 16): "channels",
+        (1, 1, 32, 32): "size",
+        (1, 16, 16): "rank",
+        (2, 1, 1, 16, 16): "rank",
+    }
+    for shape in bad:
+        with pytest.raises(UsageError) as e:
+            rt.run(1, np.zeros(shape, np.float32))
+        got = "(" + ", ".join(map(str, shape)) + ")"
+        assert str(e.value) == f"images of shape {got}: task 1 of bundle {bundle4} takes (B, 1, 16, 16)"
+    with pytest.raises(UsageError, match=r"^images are uint8: .* not raw pixels; .*\(mean \[0\.5\], std \[0\.25\]\)$"):
+        rt.run(1, np.zeros((1, 1, 16, 16), np.uint8))
+    with pytest.raises(UsageError, match="^images are bool"):
+        rt.predict(0, np.zeros((1, 1, 16, 16), bool))
+    x = _images(1, seed=4)[0]
+    assert np.array_equal(rt.run(1, x.astype(np.float64)), rt.run(1, x))
+    assert rt.run(1, np.zeros((0, 1, 16, 16), np.float32)).shape == (0, TASKS[1])
+    nan = np.full((1, 1, 16, 16), np.nan, np.float32)
+    assert np.isnan(rt.run(1, nan)).all()
+
+
+def test_an_ortvalue_of_another_shape_or_type_is_refused_at_the_door(bundle4):
+    import onnxruntime as ort
+
+    rt = Runtime(bundle4, device="cpu")
+    with pytest.raises(UsageError, match=r"^images of shape \(1, 1, 8, 8\): .* takes \(B, 1, 16, 16\)$"):
+        rt.run(0, ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, 8, 8), np.float32)))
+    with pytest.raises(UsageError, match=r"^images: an OrtValue of tensor\(double\)"):
+        rt.run(0, ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, 16, 16), np.float64)))
+
+
+# --------------------------------------------------------------------------- files outside the bundle
+def _resign(bundle: Path, graph: str, data: bytes) -> None:
+    """Write ``graph`` with ``data`` and record its hash and size in bundle.json, as a sender would."""
+    import hashlib
+
+    (bundle / graph).write_bytes(data)
+    desc = json.loads((bundle / "bundle.json").read_text())
+    rows = (
+        [desc["switch"]]
+        if graph == desc["switch"]["onnx"]
+        else [r for r in desc["tasks"].values() if r.get("onnx") == graph]
+    )
+    for row in rows:
+        row["onnx_sha256"] = hashlib.sha256(data).hexdigest()
+        row["onnx_bytes"] = len(data)
+    (bundle / "bundle.json").write_text(json.dumps(desc))
+
+
+def _point_outside(bundle: Path, graph: str, location: str) -> str:
+    """Re-point the external data of ``graph``'s first external tensor at ``location``; its name."""
+    proto = onnx.load(str(bundle / graph), load_external_data=False)
+    tensor = next(t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    for entry in tensor.external_data:
+        if entry.key == "location":
+            entry.value = location
+    _resign(bundle, graph, proto.SerializeToString())
+    return tensor.name
+
+
+@pytest.fixture
+def copy4(bundle4, tmp_path):
+    import shutil
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(bundle4 / "pools.safetensors", outside / "pools.safetensors")
+    return Path(shutil.copytree(bundle4, tmp_path / "b")), outside
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "link"])
+def test_a_task_graph_that_reads_a_file_outside_the_bundle_is_refused_before_anything_opens_it(copy4, monkeypatch, how):
+    """A task graph whose external data is at an absolute path, climbs with ``..``, or is a link in the bundle
+    to a file outside, with bundle.json re-signed as a sender would: refused in one line naming the graph, the
+    tensor and the location, before onnxruntime builds a session over it (before, the session mode opened it
+    and ran on the outside file)."""
+    import onnxruntime as ort
+
+    bundle, outside = copy4
+    location = {
+        "absolute": str(outside / "pools.safetensors"),
+        "dotdot": "../outside/pools.safetensors",
+        "link": "linked.safetensors",
+    }[how]
+    if how == "link":
+        os.symlink(outside / "pools.safetensors", bundle / "linked.safetensors")
+    name = _point_outside(bundle, "task_1.onnx", location)
+    rt = Runtime(bundle, device="cpu", mode="session")
+    x = _images(1, seed=5)[0]
+    rt.run(0, x)  # the other tasks run
+    built: list = []
+    real = ort.InferenceSession
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: built.append(a) or real(*a, **k))
+    with pytest.raises(nwsconvert.FormatError) as e:
+        rt.run(1, x)
+    message = str(e.value)
+    assert "\n" not in message and built == []
+    assert message.startswith(f"{bundle / 'task_1.onnx'}: tensor {name!r} (the graph) keeps its data at {location!r}")
+    want = "a link that leaves the bundle folder" if how == "link" else "not a plain file name in the bundle folder"
+    assert want in message
+
+
+def test_the_switch_template_and_linked_graphs_outside_the_bundle_are_refused(copy4):
+    """``switch.onnx`` may name only its placeholder or the bundle's files; a graph file that is itself a link
+    out of the folder is refused, in both modes, naming the link and where it leads."""
+    import shutil
+
+    bundle, outside = copy4
+    _point_outside(bundle, "switch.onnx", "/etc/hostname")
+    with pytest.raises(nwsconvert.FormatError, match=r"switch\.onnx: tensor .* keeps its data at '/etc/hostname'"):
+        Runtime(bundle, device="cpu", mode="switch")
+    shutil.move(bundle / "task_2.onnx", outside / "task_2.onnx")
+    os.symlink(outside / "task_2.onnx", bundle / "task_2.onnx")
+    rt = Runtime(bundle, device="cpu", mode="session")
+    with pytest.raises(
+        nwsconvert.FormatError,
+        match=r"task_2\.onnx: task 2's graph is a link to .*/outside/task_2\.onnx, outside the bundle folder",
+    ):
+        rt.run(2, _images(1, seed=6)[0])
+    # A link inside the folder is the bundle's own file: it runs.
+    os.rename(bundle / "task_3.onnx", bundle / "real_3.onnx")
+    os.symlink("real_3.onnx", bundle / "task_3.onnx")
+    assert rt.run(3, _images(1, seed=6)[0]).shape == (2, TASKS[3])

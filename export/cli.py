@@ -133,11 +133,18 @@ def infer_main(argv: list[str] | None = None) -> int:
 
 def _infer(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(
-        prog="nws-infer", description="Classify images with a bundle's task on onnxruntime (CUDA when present)."
+        prog="nws-infer",
+        description="Classify images with a bundle's task on onnxruntime (CUDA when present).",
+        epilog="Image files are resized to the bundle's input size, scaled to [0, 1] and normalised with the mean "
+        "and std of its metadata here. From Python, Runtime.run(task, images) takes (B, C, H, W) float32 images "
+        "normalised so; integer pixels (uint8) and frames of another shape are refused in one line naming the "
+        "shape and normalisation the bundle takes. One Runtime may be called from many threads.",
     )
     p.add_argument("--bundle", required=True, help="bundle folder written by nws-export --onnx")
     p.add_argument("--task", type=int, required=True, help="the task to run (a number nws-export wrote a graph for)")
-    p.add_argument("images", nargs="*", help="image files (resized and normalised as the bundle's metadata says)")
+    p.add_argument(
+        "images", nargs="*", help="image files (resized, scaled to [0, 1] and normalised as the bundle's metadata says)"
+    )
     p.add_argument("-k", type=int, default=3, help="top-k classes to print (default: 3)")
     p.add_argument(
         "--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto (default): CUDA when present"
@@ -162,7 +169,12 @@ def _infer(argv: list[str] | None) -> int:
         help="CUDA, switch mode (experimental): replay each batch size's run from onnxruntime's CUDA graph, one "
         "launch a run; a switch rewrites the weights the graph reads",
     )
-    p.add_argument("--bench", action="store_true", help="print latency and the task-switch cost")
+    p.add_argument(
+        "--bench",
+        action="store_true",
+        help="print latency, which mode (switch or session) runs faster on this machine for this bundle and by "
+        "how much, and the task-switch cost",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = p.parse_args(argv)
     if args.cuda_graph and (args.device == "cpu" or args.mode == "session"):
@@ -205,16 +217,21 @@ def _infer(argv: list[str] | None) -> int:
         for path, top in zip(args.images, rt.predict(args.task, _load_images(args.images, rt, args.task), k=args.k)):
             print(f"{path}: " + ", ".join(f"{name} {prob:.3f}" for name, prob in top))
     if args.bench:
-        _bench(rt, args.task)
+        other = None  # the bundle's other mode, measured beside this one
+        if "switch" in desc:
+            theirs = "session" if rt.mode == "switch" else "switch"
+            other = Runtime(args.bundle, device=args.device, mode=theirs, tf32=args.tf32)
+        _bench(rt, args.task, other)
     return 0
 
 
-def _bench(rt, task: int) -> None:
-    """Latency of ``task`` at batch 1, and what a switch costs: the first run after it minus a steady run,
-    over a round robin of every task (median and quartiles)."""
+def _bench(rt, task: int, other=None) -> None:
+    """Latency of ``task`` at batch 1; against ``other`` (the bundle's other mode, where it has both), runs
+    interleaved, which mode is faster here and by how much; and what a switch costs: the first run after it
+    minus a steady run, over a round robin of every task (median and quartiles)."""
     import numpy as np
 
-    from .timing import run_times, summary, switch_costs
+    from .timing import interleaved_times, run_times, summary, switch_costs
 
     shape = rt.session(task).get_inputs()[0].shape
     x = np.random.default_rng(0).standard_normal([d if isinstance(d, int) else 1 for d in shape]).astype(np.float32)
@@ -223,6 +240,21 @@ def _bench(rt, task: int) -> None:
         f"latency (batch 1): median {1e3 * lat['median']:.2f} ms "
         f"(IQR {1e3 * lat['q25']:.2f}-{1e3 * lat['q75']:.2f}) over 50 runs"
     )
+    if other is not None:
+        mine, theirs = (summary(t)["median"] for t in interleaved_times(rt, other, task, x, rounds=50))
+        ratio = mine / theirs
+        verdict = (
+            f"the {rt.mode} mode runs at the {other.mode} mode's speed"
+            if ratio <= 1.05
+            else f"the {other.mode} mode is faster here (--mode {other.mode})"
+        )
+        why = ""
+        if ratio > 1.05 and rt.mode == "switch" and rt.info().get("layout_note"):
+            why = f"; the switch mode's layout: {rt.info()['layout']} ({rt.info()['layout_note']})"
+        print(
+            f"{rt.mode} mode against {other.mode} mode (batch 1, 50 runs each, interleaved): median "
+            f"{1e3 * mine:.2f} ms against {1e3 * theirs:.2f} ms ({ratio:.2f}x): {verdict}{why}"
+        )
     if len(rt.tasks) < 2:
         print("task switch: the bundle holds one task, nothing to switch to")
         return

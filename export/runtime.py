@@ -27,8 +27,9 @@ class of its own behind this facade:
 Threads: any number of threads may call :meth:`Runtime.run` and :meth:`Runtime.predict` on one Runtime at
 once, each with any task; each gets what a single-threaded Runtime returns for that task and images. In
 session mode every run goes in parallel. In switch mode each of the ``ready`` buffer sets serves one run at a
-time: runs on different buffer sets go in parallel, a caller whose task a busy set holds waits for it, and a
-caller of a task no set holds takes a free set and writes its task there (each set costs one dense model).
+time: runs on different buffer sets go in parallel, a caller whose task a busy set holds waits for it, a
+caller of a task no set holds takes a free set and writes its task there (each set costs one dense model),
+and callers are served in the order they came.
 
 The pool file is memory-mapped once and checked against the bundle's pool-set hash. Session mode hands
 its tensors to every task graph by name (``SessionOptions.add_external_initializers``, which replaces

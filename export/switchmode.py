@@ -13,7 +13,9 @@ or read each other's logits), so a slot serves one run at a time:
   (a run is cheaper than a switch);
 * a caller whose task no slot holds takes a free slot (empty first, then the least recently used one) and
   writes its task there, outside the lock: other slots keep running meanwhile;
-* with every slot busy, it waits.
+* with every slot busy, it waits;
+* callers are served in the order they came: one takes a slot only where no caller waiting before it could
+  take that slot, so a thread calling in a loop cannot keep a slot from the others.
 
 So runs on different slots go in parallel (one session, ``InferenceSession`` runs concurrently), and each
 extra slot costs one dense model's weights. One condition variable guards which slot holds which task and
@@ -60,6 +62,15 @@ class _Slot:
     filled: bool = False  # its buffers hold ``task``'s tensors (not being written)
 
 
+class _Waiter:
+    """A caller waiting for a slot, for ``task`` (equal only to itself)."""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: int):
+        self.task = task
+
+
 @dataclass
 class _Task:
     """What the switch mode keeps of a task: its values (``keep="indices"``) or the error its pack gave."""
@@ -87,6 +98,7 @@ class SwitchMode:
         self.switches = 0
         self._graph_runs: GraphRuns | None = None
         self._cond = threading.Condition()
+        self._queue: list[_Waiter] = []  # callers waiting for a slot, in the order they came
         self._exclusive = False  # a caller rebuilds the session: no slot is handed out meanwhile
         self._graph_thread: int | None = None  # cuda_graph: the thread whose runs are graphed
         self._template_bytes: bytes | None = None
@@ -286,32 +298,64 @@ class SwitchMode:
         return device
 
     # ------------------------------------------------------------------ slots
+    def _pick(self, task: int, held: dict, taken: set) -> _Slot | None:
+        """The slot ``task``'s caller would take now (None: it waits), given ``held`` (task -> slot) and the
+        slots ``taken`` by callers ahead of it: the one holding the task when free; for a task no slot holds,
+        an empty slot, else the least recently used one free."""
+        slot = held.get(task)
+        if slot is not None:
+            return None if slot.busy or id(slot) in taken else slot
+        for s in self._slots:
+            if s.task is None and not s.busy and id(s) not in taken:
+                return s
+        return next((s for s in held.values() if not s.busy and id(s) not in taken), None)
+
     def _acquire(self, task: int) -> tuple[_Slot, bool]:
         """A slot for ``task``, marked busy: the one holding it (waiting while another caller runs it), or a
-        free one now registered for it (``True``: the caller writes the task's tensors into it)."""
+        free one now registered for it (``True``: the caller writes the task's tensors into it).
+
+        Callers are served in the order they came: one takes a slot only where no caller waiting before it
+        could take that slot (a caller that has just run goes behind the ones waiting, so none waits for ever;
+        a caller waiting for a busy slot holds up none that another slot can serve)."""
+        me = _Waiter(task)  # this caller's place in the queue (compared by identity)
         with self._cond:
-            while True:
-                # cuda_graph: graphed runs share their input and output buffers, so one run at a time
-                alone = self._graph_runs is not None and any(s.busy for s in self._slots)
-                if not (self._exclusive or alone):
-                    slot = self._held.get(task)
-                    if slot is not None:
-                        if not slot.busy:
-                            slot.busy = True
-                            self._held.move_to_end(task)
-                            self._selected = task
-                            return slot, False
-                    else:
-                        free = [s for s in self._slots if s.task is None and not s.busy]
-                        free += [s for s in self._held.values() if not s.busy]  # least recently used first
-                        if free:
-                            slot = free[0]
-                            if slot.task is not None:
-                                del self._held[slot.task]
-                            slot.task, slot.busy, slot.filled = task, True, False
-                            self._held[task] = slot  # a caller of the same task waits for this write
-                            return slot, True
-                self._cond.wait()
+            self._queue.append(me)
+            try:
+                while True:
+                    # cuda_graph: graphed runs share their input and output buffers, so one run at a time
+                    alone = self._graph_runs is not None and any(s.busy for s in self._slots)
+                    if not (self._exclusive or alone):
+                        held, taken = dict(self._held), set()
+                        slot = None
+                        for waiter in self._queue:  # who gets which slot, first come first served
+                            pick = self._pick(waiter.task, held, taken)
+                            if waiter is me:
+                                slot = pick
+                                break
+                            if pick is not None:
+                                taken.add(id(pick))
+                                if pick.task != waiter.task:  # it will write its task there
+                                    held.pop(pick.task, None)
+                                    held[waiter.task] = pick
+                        if slot is not None:
+                            return self._take(slot, task)
+                    self._cond.wait()
+            finally:
+                self._queue.remove(me)
+                self._cond.notify_all()  # the next in the queue may now take a slot
+
+    def _take(self, slot: _Slot, task: int) -> tuple[_Slot, bool]:
+        """Mark ``slot`` busy for ``task`` (under the lock); True: the task's tensors are to be written."""
+        slot.busy = True
+        if slot.task == task:
+            self._held.move_to_end(task)
+            self._selected = task
+            return slot, False
+        if slot.task is not None:
+            del self._held[slot.task]
+        slot.task, slot.filled = task, False
+        self._held[task] = slot  # a caller of the same task waits for this write
+        return slot, True
 
     def _release(self, slot: _Slot) -> None:
         with self._cond:

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-__all__ = ["switch_costs", "run_times", "summary"]
+__all__ = ["interleaved_times", "switch_costs", "run_times", "summary"]
 
 
 def _timed(fn) -> float:
@@ -47,6 +47,18 @@ def run_times(runtime, task: int, images, rounds: int = 50) -> list[float]:
     """Seconds per run of ``task`` on ``images``, ``rounds`` runs after one warm-up run."""
     runtime.run(task, images)
     return [_timed(lambda: runtime.run(task, images)) for _ in range(rounds)]  # noqa: B023
+
+
+def interleaved_times(first, second, task: int, images, rounds: int = 50) -> tuple[list[float], list[float]]:
+    """Seconds per run of ``task`` on ``images`` by two runtimes (the two modes of one bundle, say), their
+    runs alternating so that both see the same machine load; one warm-up run each."""
+    first.run(task, images)
+    second.run(task, images)
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(_timed(lambda: first.run(task, images)))  # noqa: B023
+        b.append(_timed(lambda: second.run(task, images)))  # noqa: B023
+    return a, b
 
 
 def summary(values: list[float]) -> dict:

@@ -150,6 +150,41 @@ def test_each_buffer_set_serves_one_run_at_a_time_and_sets_run_in_parallel(bundl
         assert rt.switches == 4 and sorted(rt.info()["ready_tasks"]) == rt.tasks
 
 
+def test_callers_are_served_in_the_order_they_came_so_none_waits_for_ever(bundle4):
+    """One buffer set, four threads each calling its own task in a loop: a caller that has just run goes behind
+    the ones waiting, so the tasks take turns (before, the thread that ran kept taking the set back, and the
+    others waited until it had made all its calls)."""
+    rt = Runtime(bundle4, device="cpu", ready=1, threads=1)
+    rec = _Recorder(rt._impl._session)
+    order: list[int] = []
+    real_run = rec.run_with_iobinding
+
+    def recording(binding, options=None):
+        order.append(next(s.task for s in rt._impl._slots if s.binding is binding))
+        real_run(binding, options)
+
+    rec.run_with_iobinding = recording
+    rt._impl._session = rec
+    x = _images(1, seed=7)[0]
+    barrier = threading.Barrier(4)
+
+    def work(t):
+        barrier.wait()
+        for _ in range(8):
+            rt.run(t, x)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in rt.tasks]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert sorted(order) == sorted(rt.tasks * 8)
+    first_done = min(max(i for i, t in enumerate(order) if t == task) for task in rt.tasks)
+    turns = order[: first_done + 1]
+    assert all(a != b for a, b in zip(turns, turns[1:])), order  # nobody twice in a row while others wait
+    assert rt.switches >= len(turns)
+
+
 def test_a_caller_waits_for_the_task_another_caller_is_writing_and_does_not_write_it_again(bundle4, monkeypatch):
     """Two threads ask for the same task no buffer set holds, at once: one writes it, the other waits for
     that write and runs on it (one switch, not two), even with a free buffer set beside it."""
@@ -341,3 +376,65 @@ def test_the_switch_template_and_linked_graphs_outside_the_bundle_are_refused(co
     os.rename(bundle / "task_3.onnx", bundle / "real_3.onnx")
     os.symlink("real_3.onnx", bundle / "task_3.onnx")
     assert rt.run(3, _images(1, seed=6)[0]).shape == (2, TASKS[3])
+
+
+# --------------------------------------------------------------------------- what nws-infer --bench says
+class _Clock:
+    """A clock that only the fake runtimes move: the timings come out exact."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _FakeRuntime:
+    """Runs that take ``run`` seconds, plus ``switch`` seconds when the task differs from the last one's."""
+
+    def __init__(self, clock: _Clock, mode: str, run: float, switch: float, tasks=(0, 1, 2)):
+        self.clock, self.mode, self.cost, self.switch = clock, mode, run, switch
+        self.tasks, self.ready, self.max_sessions, self.last = list(tasks), 1, 4, None
+
+    def run(self, task, images):
+        self.clock.now += self.cost + (self.switch if task != self.last else 0.0)
+        self.last = task
+
+    def session(self, task):
+        class _Input:
+            shape = ["batch", 1, 16, 16]
+
+        class _Session:
+            def get_inputs(self):
+                return [_Input()]
+
+        return _Session()
+
+    def info(self):
+        return {"layout": "plain", "layout_note": "stand-in reason"}
+
+
+def test_nws_infer_bench_reports_the_latency_the_mode_ratio_and_the_switch_it_measured(monkeypatch, capsys):
+    """``--bench``'s figures are what was measured: with runs of 2 ms, switches of 30 ms, and the other mode's
+    runs of 1 ms (a clock the runs move), it prints a 2.00 ms latency, 2.00x against the other mode (which
+    it names as faster, with the switch mode's layout), and 30.00 ms a switch; a switch mode at the session
+    mode's speed is said to be so."""
+    import nwsconvert.export.timing as timing
+    from nwsconvert.export.cli import _bench
+
+    clock = _Clock()
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    rt, other = _FakeRuntime(clock, "switch", 0.002, 0.030), _FakeRuntime(clock, "session", 0.001, 0.050)
+    _bench(rt, 1, other)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "latency (batch 1): median 2.00 ms (IQR 2.00-2.00) over 50 runs"
+    assert out[1] == (
+        "switch mode against session mode (batch 1, 50 runs each, interleaved): median 2.00 ms against 1.00 ms "
+        "(2.00x): the session mode is faster here (--mode session); the switch mode's layout: plain (stand-in reason)"
+    )
+    assert out[2] == (
+        "task switch (first run after it minus a steady run, 3 tasks in turn; buffers rewritten, 1 task(s) held "
+        "ready): median 30.00 ms (IQR 30.00-30.00) over 15 switches"
+    )
+    _bench(_FakeRuntime(clock, "switch", 0.00102, 0.03), 1, _FakeRuntime(clock, "session", 0.001, 0.05))
+    assert "(1.02x): the switch mode runs at the session mode's speed\n" in capsys.readouterr().out

@@ -11,7 +11,8 @@
 # MEMORY=all adds what each further ready task, cached session and dense session costs. MODELS picks the
 # models part's models; ARENA=shared builds every Runtime with cuda_arena='shared' (files *_shared.*).
 # GRAPH=1 adds the switch mode and the dense model through onnxruntime's CUDA graph (deploy_modes.py
-# --cuda-graph; files *_graph.*). The part gputests runs the runtime's GPU tests alone (pytest -m gpu, ~30 s).
+# --cuda-graph; files *_graph.*). The part gputests runs the runtime's GPU tests alone (pytest -m gpu, ~30 s);
+# the part threads runs benchmarks/harnesses/runtime_load.py's load test on CUDA (issue 65; ~2 min).
 set -u
 OUT=${OUT:-/tmp/gpu_runtime}
 PARTS=${PARTS:-"tests models demo long20"}
@@ -32,6 +33,14 @@ if ! grep -q CUDAExecutionProvider "$OUT/versions.txt"; then
 fi
 for part in $PARTS; do
     case $part in
+    threads)  # issue 65's load test on CUDA: 4 threads x 4 tasks, 10,000 runs, images as NumPy and as device OrtValues
+        for input in numpy ortvalue; do
+            $PY benchmarks/harnesses/runtime_load.py threads --device cuda --input "$input" --configs switch:1,switch:4,session \
+                --work /tmp/gpu_runtime_load --json "$OUT/runtime_load_cuda_$input.json" > "$OUT/runtime_load_cuda_$input.log" 2>&1
+            $PY benchmarks/harnesses/runtime_load.py threads --device cuda --input "$input" --mixed --configs switch:2,session \
+                --work /tmp/gpu_runtime_load --json "$OUT/runtime_load_cuda_${input}_mixed.json" > "$OUT/runtime_load_cuda_${input}_mixed.log" 2>&1
+        done
+        tail -8 "$OUT"/runtime_load_cuda_*.log ;;
     gputests)
         $PY -m pytest -q -m gpu tests/test_export.py > "$OUT/pytest_runtime_gpu.log" 2>&1
         echo "pytest rc=$?" >> "$OUT/pytest_runtime_gpu.log"

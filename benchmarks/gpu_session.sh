@@ -47,7 +47,9 @@
 #      onnxruntime's CUDA graph, switch mode against the dense model, both graphed), then in the same call
 #      ARENA=own MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models PART_CAP=150, chained with &&; if
 #      time is left, ROWS="resnet18 32 64;resnet18 224 32" MODES=graph PROFILE="resnet18 32 64" (the graphed
-#      rows and the profile are the first to go)
+#      rows and the profile are the first to go). Issue 65's load test on CUDA (4 threads x 4 tasks, 10,000
+#      runs, NumPy and device OrtValue images; ~2 min) rides on the same call: add `threads` to RT_PARTS of the
+#      first gpu_runtime.sh call (RT_PARTS="gputests threads long20"; PART_CAP bounds each part on its own)
 # A lease that has to check the suite again: PHASE=suite BUDGET=400 before 6.
 set -u
 PHASE=${PHASE:-parts}

@@ -20,10 +20,12 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
 ASSIGN = re.compile(r"(?:^|[\s;{])(\w+)=(\"[^\"]*\"|'[^']*'|\S+)")  # quoted or a bare word
 VAR = re.compile(r"\$\{?(\w+)")
 COMMAND_END = re.compile(r"&&|\|\||[;|>]")
+SUBCOMMAND = re.compile(r"\s+([a-z][a-z0-9_]*)(?=\s|$)")  # a bare word right after the script
 
 
 def invocations(text):
-    """(benchmark path under benchmarks/, flags) for every call of a benchmark in a shell script's text."""
+    """(benchmark path under benchmarks/ with its subcommand if any, flags) for every call of a benchmark in a
+    shell script's text."""
     lines = [re.sub(r"(^|\s)#.*", "", line) for line in text.replace("\\\n", " ").splitlines()]
     held = {}  # shell variable -> the flags its assignments give it
     for line in lines:
@@ -35,7 +37,8 @@ def invocations(text):
             flags = set(FLAG.findall(args))
             for name in VAR.findall(args):
                 flags |= held.get(name, set())
-            yield call[1], flags
+            sub = SUBCOMMAND.match(args)  # `harness.py threads --flag`: the subcommand's own flags
+            yield (f"{call[1]} {sub[1]}" if sub else call[1]), flags
 
 
 def unknown_flags(calls, known):
@@ -54,7 +57,7 @@ def known(calls):
     """Each called benchmark's flags, read from its --help (the processes run side by side)."""
     procs = {
         script: subprocess.Popen(
-            [sys.executable, str(ROOT / "benchmarks" / script), "--help"],
+            [sys.executable, str(ROOT / "benchmarks" / script.split()[0]), *script.split()[1:], "--help"],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -82,6 +85,7 @@ def test_every_flag_a_gpu_script_gives_a_benchmark_is_one_it_takes(calls, known)
         "harnesses/search_fuzz.py",
         "gpu_profile.py",
         "accuracy.py",
+        "harnesses/runtime_load.py threads",
     }
     by_script = {}
     for _, script, flags in calls:
@@ -100,8 +104,10 @@ def test_the_check_finds_a_renamed_flag_in_a_call_or_a_variable(known):
         "# a comment naming benchmarks/train_step.py --not-a-call\n"
         'timeout 5 $PY benchmarks/train_step.py --model "$1" $extra \\\n    --jsn out.json > log 2>&1\n'
         "$PY benchmarks/accuracy.py --suite x | tail -1 --lines\n"
+        "$PY benchmarks/harnesses/runtime_load.py threads --input ortvalue --mixd\n"
     )
     assert unknown_flags([("t.sh", *call) for call in invocations(text)], known) == [
+        "t.sh: harnesses/runtime_load.py threads --mixd",
         "t.sh: train_step.py --cuda-graf",
         "t.sh: train_step.py --engine-grap",
         "t.sh: train_step.py --jsn",

@@ -6,8 +6,9 @@ session is a look-up; another task costs a session creation; each cached session
 
 Threads: ``InferenceSession.run`` may be called from many threads at once, so runs go in parallel, on the
 same task or on different ones. One lock guards the cache (its order, the counters, which sessions are
-built); a session is built under it, so two callers asking for the same missing task build it once. A
-session evicted while another thread runs it stays alive until that run ends.
+being built). A session is built outside it: callers of cached tasks go on meanwhile, and a second caller of
+the task being built waits for that build rather than building it again. A session evicted while another
+thread runs it stays alive until that run ends.
 """
 
 from __future__ import annotations
@@ -40,18 +41,31 @@ class SessionMode:
         self.setup, self.max_sessions = setup, max_sessions
         self._sessions: OrderedDict[int, object] = OrderedDict()
         self._evicted: set[int] = set()
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._building: dict[int, threading.Event] = {}  # task -> set when its build ends
         self.rebuilds = 0
         self.switches = 0
         self.last_switch_seconds: float | None = None
 
     def session(self, task: int):
-        """``task``'s session: cached, or built now (its graph checked first)."""
-        with self._lock:
-            if task in self._sessions:
-                self._sessions.move_to_end(task)
-                return self._sessions[task]
+        """``task``'s session: cached, or built now (its graph checked first). A build runs outside the lock:
+        callers of cached tasks go on meanwhile; a second caller of the task being built waits for it."""
+        while True:
+            with self._lock:
+                if task in self._sessions:
+                    self._sessions.move_to_end(task)
+                    return self._sessions[task]
+                building = self._building.get(task)
+                if building is None:
+                    building = self._building[task] = threading.Event()
+                    break
+            building.wait()  # then cached; or that build failed and this caller tries it itself
+        try:
             return self._build(task)
+        finally:
+            with self._lock:
+                del self._building[task]
+            building.set()
 
     def _build(self, task: int):
         setup = self.setup
@@ -64,20 +78,24 @@ class SessionMode:
                 f"{setup.path / row['onnx']}: the graph is task {meta.get('nwsconvert.task')}, bundle.json lists it as task {task}"
             )
         release_freed_memory()
-        self.last_switch_seconds = time.perf_counter() - tic
-        self.switches += 1
-        self._sessions[task] = sess
-        if task in self._evicted:
-            self.rebuilds += 1
-            if self.rebuilds == self.max_sessions:
-                warnings.warn(
-                    f"Runtime({setup.path}): {self.rebuilds} task sessions built again after eviction "
-                    f"({1e3 * self.last_switch_seconds:.0f} ms each; max_sessions={self.max_sessions} for more tasks "
-                    "in turn): raise max_sessions, or use mode='switch' (one session for every task)",
-                    stacklevel=5,
-                )
-        while len(self._sessions) > self.max_sessions:
-            self._evicted.add(self._sessions.popitem(last=False)[0])
+        seconds = time.perf_counter() - tic
+        with self._lock:
+            self.last_switch_seconds = seconds
+            self.switches += 1
+            self._sessions[task] = sess
+            rebuilt = task in self._evicted
+            if rebuilt:
+                self.rebuilds += 1
+            while len(self._sessions) > self.max_sessions:
+                self._evicted.add(self._sessions.popitem(last=False)[0])
+            warn = rebuilt and self.rebuilds == self.max_sessions
+        if warn:
+            warnings.warn(
+                f"Runtime({setup.path}): {self.rebuilds} task sessions built again after eviction "
+                f"({1e3 * seconds:.0f} ms each; max_sessions={self.max_sessions} for more tasks "
+                "in turn): raise max_sessions, or use mode='switch' (one session for every task)",
+                stacklevel=5,
+            )
         return sess
 
     def input_shape(self, task: int) -> list:

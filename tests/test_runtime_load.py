@@ -209,6 +209,34 @@ def test_a_caller_waits_for_the_task_another_caller_is_writing_and_does_not_writ
     assert rt.info()["ready_tasks"] == [2]
 
 
+def test_session_mode_builds_a_session_while_cached_tasks_run_and_builds_it_once(bundle4):
+    """Session mode: while one caller builds a task's session (held here until then), a caller of a cached task is
+    served; three callers of the task being built wait for that one build (one session built, not three)."""
+    rt = Runtime(bundle4, device="cpu", mode="session")
+    x = _images(1, seed=8)[0]
+    want0 = rt.run(0, x)
+    real = rt._impl.setup.open_graph
+    started, proceed, waited = threading.Event(), threading.Event(), []
+
+    def slow(name, sha, what):
+        started.set()
+        waited.append(proceed.wait(timeout=20))  # held until the cached task has run
+        return real(name, sha, what)
+
+    rt._impl.setup.open_graph = slow
+    out: list = []
+    builders = [threading.Thread(target=lambda: out.append(rt.run(2, x))) for _ in range(3)]
+    for th in builders:
+        th.start()
+    started.wait()
+    assert np.array_equal(rt.run(0, x), want0)  # served while the build waits: it holds no lock
+    proceed.set()
+    for th in builders:
+        th.join()
+    assert waited == [True] and len(out) == 3 and all(np.array_equal(y, out[0]) for y in out)
+    assert rt.switches == 2 and rt.info()["cached_tasks"] == [0, 2]
+
+
 def test_a_failed_write_under_threads_frees_its_buffer_set_for_the_others(bundle4, monkeypatch):
     """A write that fails (memory, say) in one thread leaves its buffer set free: the other threads go on
     and get their logits; the failing task raises in its own thread only."""

@@ -466,3 +466,33 @@ def test_nws_infer_bench_reports_the_latency_the_mode_ratio_and_the_switch_it_me
     )
     _bench(_FakeRuntime(clock, "switch", 0.00102, 0.03), 1, _FakeRuntime(clock, "session", 0.001, 0.05))
     assert "(1.02x): the switch mode runs at the session mode's speed\n" in capsys.readouterr().out
+
+
+def test_a_switch_mode_without_the_blocked_layout_says_so_at_start_up(bundle4, monkeypatch):
+    """Where the machine graph cannot be used at all on a CPU (the template runs as it is), the Runtime warns at
+    start-up in one line with the reason and how to measure both modes; asking for ``layout="plain"`` does not."""
+    import nwsconvert.export.switchmode as switchmode
+    from nwsconvert.export.layout import plain_graph
+
+    real = switchmode.prepare
+
+    def refused(template, rows, *, layout, **kwargs):
+        if layout == "plain":
+            return real(template, rows, layout=layout, **kwargs)
+        return plain_graph(template, rows, "stand-in: onnxruntime optimised it otherwise"), None
+
+    monkeypatch.setattr(switchmode, "prepare", refused)
+    with pytest.warns(UserWarning) as caught:
+        rt = Runtime(bundle4, device="cpu")
+    (w,) = caught
+    assert str(w.message) == (
+        f"{bundle4 / 'switch.onnx'}: the switch mode runs this template without this CPU's blocked layout "
+        "(stand-in: onnxruntime optimised it otherwise); its runs may be 1.1-3x slower than mode='session' here: "
+        "nws-infer --bench measures both"
+    )
+    assert w.filename == __file__ and rt.info()["layout"] == "plain"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Runtime(bundle4, device="cpu", layout="plain")

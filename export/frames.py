@@ -42,6 +42,9 @@ def check_frames(images, declared, ort, what: str, norm: Callable[[], str]):
         UsageError: wrong rank or size (naming the expected ``(B, C, H, W)``), or an integer, boolean or
             non-numeric dtype (naming the normalisation to apply).
     """
+    if type(images) is np.ndarray and images.dtype == np.float32 and images.flags.c_contiguous:  # the usual frame
+        if len(images.shape) == len(declared) and all(d == n for d, n in zip(declared, images.shape) if type(d) is int):
+            return images
     if isinstance(images, ort.OrtValue):
         shape = tuple(images.shape())
         kind = images.data_type()

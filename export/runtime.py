@@ -205,7 +205,8 @@ class Runtime:
         if self.fill == "numpy" and gpu and mode == "switch":
             raise ValueError("fill='numpy' writes host buffers; on CUDA the switch mode fills with onnxruntime")
         self._setup = OrtSetup(ort, self.path, self.desc, gpu, self.requested_cuda, self.tf32, threads, self.cuda_arena)
-        self._norms: dict[int, str] = {}
+        self._norms: dict[int, str] = {}  # task -> its normalisation, for the frame check's errors
+        self._doors: dict[int, tuple] = {}  # task -> (declared input shape, who expects it, classes)
         self._impl: SwitchMode | SessionMode
         if mode == "switch":
             self._impl = SwitchMode(
@@ -293,14 +294,20 @@ class Runtime:
             TaskNotFoundError: no graph for ``task``. UsageError: images of another rank, channel count or
                 size than the bundle's ``(B, C, H, W)`` (named), or integer pixels (not normalised).
         """
-        declared = self._impl.input_shape(task)
-        hint = lambda: self._normalisation(task)  # noqa: E731
-        x = check_frames(images, declared, self.ort, f"task {task} of bundle {self.path}", hint)
+        door = self._doors.get(task)
+        if door is None:  # the task checked, and what its frames must be, once
+            door = self._doors[task] = (
+                self._impl.input_shape(task),
+                f"task {task} of bundle {self.path}",
+                self.num_classes(task),
+            )
+        declared, what, classes = door
+        x = check_frames(images, declared, self.ort, what, lambda: self._normalisation(task))
         if isinstance(self._impl, SessionMode):
             if isinstance(x, self.ort.OrtValue):
                 x = np.ascontiguousarray(x.numpy(), dtype=np.float32)
             return self._impl.run(task, x)
-        return self._impl.run(task, x, self.num_classes(task))
+        return self._impl.run(task, x, classes)
 
     def predict(self, task: int, images, k: int = 1) -> list[list[tuple[str, float]]]:
         """Top-``k`` ``(class name, probability)`` per image. Thread-safe."""

@@ -324,8 +324,12 @@ class SwitchMode:
         Callers are served in the order they came: one takes a slot only where no caller waiting before it
         could take that slot (a caller that has just run goes behind the ones waiting, so none waits for ever;
         a caller waiting for a busy slot holds up none that another slot can serve)."""
-        me = _Waiter(task)  # this caller's place in the queue (compared by identity)
         with self._cond:
+            if not (self._queue or self._exclusive or self._graph_runs is not None):  # nobody waits: no queue
+                slot = self._pick(task, self._held, set())
+                if slot is not None:
+                    return self._take(slot, task)
+            me = _Waiter(task)  # this caller's place in the queue (compared by identity)
             self._queue.append(me)
             try:
                 while True:
@@ -349,7 +353,8 @@ class SwitchMode:
                     self._cond.wait()
             finally:
                 self._queue.remove(me)
-                self._cond.notify_all()  # the next in the queue may now take a slot
+                if self._queue:
+                    self._cond.notify_all()  # the next in the queue may now take a slot
 
     def _take(self, slot: _Slot, task: int) -> tuple[_Slot, bool]:
         """Mark ``slot`` busy for ``task`` (under the lock); True: the task's tensors are to be written."""
@@ -367,7 +372,8 @@ class SwitchMode:
     def _release(self, slot: _Slot) -> None:
         with self._cond:
             slot.busy = False
-            self._cond.notify_all()
+            if self._queue or self._exclusive:  # callers waiting for a slot, or for every slot idle
+                self._cond.notify_all()
 
     def _write(self, slot: _Slot, task: int, values: dict | None) -> None:
         """Write ``task``'s tensors (its ``values``, read here where None) into ``slot`` (busy, registered for
@@ -430,12 +436,11 @@ class SwitchMode:
 
     def run(self, task: int, x, num_classes: int):
         """Logits of ``x`` (checked: float32 NumPy ``(B, C, H, W)``, or an OrtValue) for ``task``: NumPy
-        ``(B, num_classes)``, or an OrtValue of ``(B, max classes)`` on the session's device."""
-        self.setup.row(task)
+        ``(B, num_classes)``, or an OrtValue of ``(B, max classes)`` on the session's device. ``task`` is one
+        of the bundle's (the Runtime checked it)."""
         values = None
-        with self._cond:
-            held = task in self._held
-        if not held:  # a pack that fails its checks raises here, before any slot is taken
+        if task not in self._held:  # a hint only (read without the lock): a pack that fails its checks raises
+            # here, before any slot is taken
             values = self._values(task)
         slot, write = self._acquire(task)
         if write:

@@ -97,7 +97,7 @@ class SwitchMode:
         self.last_switch_seconds: float | None = None
         self.switches = 0
         self._graph_runs: GraphRuns | None = None
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # not re-entered: a plain lock, cheaper
         self._queue: list[_Waiter] = []  # callers waiting for a slot, in the order they came
         self._exclusive = False  # a caller rebuilds the session: no slot is handed out meanwhile
         self._graph_thread: int | None = None  # cuda_graph: the thread whose runs are graphed

@@ -84,7 +84,8 @@ class Runtime:
         max_sessions: session mode: task sessions kept (least recently used out).
         threads: intra-op threads of the CPU provider (``None``: onnxruntime's default).
         ready: switch mode: weight buffers, each holding one task ready (a switch between tasks held is a
-            rebind; another task overwrites the least recently used buffer). Each costs one dense model.
+            look-up; another task overwrites the least recently used free one). Each costs one dense model,
+            and each serves one run at a time: threads on as many different tasks run in parallel.
         keep: switch mode: ``indices`` (every task's decoded indices kept from start-up: a switch is the
             gather alone) or ``pack`` (nothing kept but the pack file: each switch decodes it).
         layout: switch mode: ``auto`` (this machine's kernels' layout, see :mod:`nwsconvert.export.layout`)

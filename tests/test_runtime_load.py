@@ -44,6 +44,15 @@ def _images(n: int, seed: int, batch: int = 2) -> list[np.ndarray]:
 
 
 # --------------------------------------------------------------------------- threads
+def _in_threads(target, args) -> None:
+    """``target(a)`` for every ``a`` of ``args``, each in a thread of its own, all at once; returns when all end."""
+    threads = [threading.Thread(target=target, args=(a,)) for a in args]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 _STRESS = r"""
 import json, sys, threading, faulthandler
 import numpy as np
@@ -139,11 +148,7 @@ def test_each_buffer_set_serves_one_run_at_a_time_and_sets_run_in_parallel(bundl
             if not np.array_equal(rt.run(t, xs[n % 3]), want[(t, n % 3)]):
                 wrong.append(t)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in rt.tasks]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _in_threads(work, rt.tasks)
     assert wrong == [] and rec.most_per_binding == 1
     assert 2 <= rec.most_total <= ready if ready > 1 else rec.most_total == 1  # not one lock around every run
     if ready == 4:
@@ -173,11 +178,7 @@ def test_callers_are_served_in_the_order_they_came_so_none_waits_for_ever(bundle
         for _ in range(8):
             rt.run(t, x)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in rt.tasks]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _in_threads(work, rt.tasks)
     assert sorted(order) == sorted(rt.tasks * 8)
     first_done = min(max(i for i, t in enumerate(order) if t == task) for task in rt.tasks)
     turns = order[: first_done + 1]
@@ -200,11 +201,7 @@ def test_a_caller_waits_for_the_task_another_caller_is_writing_and_does_not_writ
     monkeypatch.setattr(switchmode, "iter_dense_tensors", slow)
     x = _images(1, seed=2)[0]
     out: list = []
-    threads = [threading.Thread(target=lambda: out.append(rt.run(2, x))) for _ in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _in_threads(lambda _: out.append(rt.run(2, x)), range(2))
     assert len(out) == 2 and np.array_equal(out[0], out[1]) and rt.switches == 1
     assert rt.info()["ready_tasks"] == [2]
 
@@ -264,11 +261,7 @@ def test_a_failed_write_under_threads_frees_its_buffer_set_for_the_others(bundle
             except MemoryError:
                 errors.append(t)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in rt.tasks]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _in_threads(work, rt.tasks)
     assert wrong == [] and errors == [3] * 10
 
 

@@ -101,29 +101,11 @@ def tiny_bundle(out: Path, tasks: int) -> Path:
 
 def model_bundle(name: str, tasks: int, size: int, out: Path) -> Path:
     """``benchmarks/deploy_modes.py``'s ``make_bundle``: timm ``name`` converted with the user's defaults,
-    one epoch per task (5, 6, ... classes) on 16 random images, exported to ``out/export``."""
-    import timm
-    import torch
-    from torch.utils.data import TensorDataset
+    one epoch per task (5, 6, ... classes) on 16 random images, exported to ``out/run/export``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, beside this folder
+    from deploy_modes import make_bundle
 
-    import nwsconvert
-    from nwsconvert import TrainConfig, Trainer
-    from nwsconvert.export import export_bundle
-
-    torch.manual_seed(0)
-    model = nwsconvert.convert(timm.create_model(name, num_classes=5))  # k-means, 512 entries
-    config = TrainConfig(epochs=1, lr=0.01, batch_size=8, milestones=[], seed=0)
-    info = {"channels": 3, "input_size": [size, size], "mean": [0.5] * 3, "std": [0.25] * 3}
-    g = torch.Generator().manual_seed(1)
-    with Trainer(model, out / "run", config, model_spec=f"timm:{name}", data_info=info, progress=False) as trainer:
-        for t in range(tasks):
-            classes = 5 + t
-            data = [
-                TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.arange(n) % classes) for n in (16, 8)
-            ]
-            trainer.fit_task(t, data[0], data[1], classes, name=f"t{t}")
-    export_bundle(out / "run", out / "export", "all", onnx=True)
-    return out / "export"
+    return make_bundle(name, tasks, size, out)
 
 
 def get_bundle(args) -> Path:
@@ -134,9 +116,10 @@ def get_bundle(args) -> Path:
         return bundle
     name = f"{args.model}-{args.size or 32}px-t{args.tasks}" if args.model else f"tiny-t{args.tasks}"
     out = Path(args.work) / name
-    if (out / "export" / "bundle.json").is_file() and not args.rebuild:
-        print(f"reusing the bundle {out / 'export'} (--rebuild to train it again)", flush=True)
-        return out / "export"
+    for kept in (out / "export", out / "run" / "export"):  # tiny_bundle's, model_bundle's
+        if (kept / "bundle.json").is_file() and not args.rebuild:
+            print(f"reusing the bundle {kept} (--rebuild to train it again)", flush=True)
+            return kept
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     tic = time.perf_counter()

@@ -248,9 +248,9 @@ def _bench(rt, task: int, other=None) -> None:
             if ratio <= 1.05
             else f"the {other.mode} mode is faster here (--mode {other.mode})"
         )
-        why = ""
-        if ratio > 1.05 and rt.mode == "switch" and rt.info().get("layout_note"):
-            why = f"; the switch mode's layout: {rt.info()['layout']} ({rt.info()['layout_note']})"
+        why, info = "", rt.info()
+        if ratio > 1.05 and rt.mode == "switch" and info.get("layout_note"):
+            why = f"; the switch mode's layout: {info['layout']} ({info['layout_note']})"
         print(
             f"{rt.mode} mode against {other.mode} mode (batch 1, 50 runs each, interleaved): median "
             f"{1e3 * mine:.2f} ms against {1e3 * theirs:.2f} ms ({ratio:.2f}x): {verdict}{why}"

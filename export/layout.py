@@ -407,26 +407,12 @@ def _canonical(model) -> tuple[list[str], dict[str, str]]:
     return sorted(down.values()) + sorted(names.values()), names
 
 
-def _match(src_shape: tuple[int, ...], shape: tuple[int, ...], positions: np.ndarray) -> tuple[str, int] | None:
-    """The layout ``(kind, block)`` whose element map is ``positions`` (``shape``; each element's source
-    element + 1, 0 for padding), trying a copy, a zero-padded copy and the NCHWc reorders."""
+def _match(src_shape: tuple[int, ...], positions: np.ndarray) -> tuple[str, int] | None:
+    """The layout ``(kind, block)`` whose element map is ``positions`` (each element's source element + 1, 0
+    for padding), trying a copy, a zero-padded copy and the NCHWc reorders (:func:`_fit` of the numbered
+    source)."""
     numbered = np.arange(1, int(np.prod(src_shape, dtype=np.int64)) + 1, dtype=np.float32).reshape(src_shape)
-    trials: list[tuple[str, int]] = [("copy", 0), ("pad", 0)]
-    if len(src_shape) >= 3:
-        trials += [(kind, b) for b in (16, 8, 4) for kind in ("bibo", "bo")]
-    for kind, block in trials:
-        if kind == "copy" and positions.size != numbered.size:
-            continue
-        if kind == "pad" and (len(shape) != len(src_shape) or any(a < b for a, b in zip(shape, src_shape))):
-            continue
-        out = np.zeros(shape, np.float32)
-        try:
-            Placement("trial", shape, 0, kind, "trial", block).write(out, numbered)
-        except ValueError:  # the blocks do not tile this shape
-            continue
-        if np.array_equal(out, positions):
-            return kind, block
-    return None
+    return _fit(numbered, positions)
 
 
 #: Rounds of :func:`machine_graph`: each leaves the tensors the last one could not place as graph inputs.
@@ -585,11 +571,12 @@ def _derive(template, rows, plain, threads, disabled, seed) -> MachineGraph:
         import onnx
 
         graph = onnx.load_from_string(base).graph
-        fused = _fused(graph, _suspects(base, names), set(names), random, {c: rand[c] for c in mixed}, actual)
+        units = _suspects(base, names)
+        fused = _fused(graph, units, set(names), random, {c: rand[c] for c in mixed}, actual)
         computed = list(fused.values())
         left = [c for c in mixed if c not in fused]
         if left:  # which tensors those come from: to be left plain
-            units, feeds = _mixers(base, names, random, rand, left, actual, arrays, threads, disabled, seed)
+            feeds = _mixers(base, units, random, rand, left, actual, arrays, threads, disabled, seed)
             for c in left:
                 why = f"onnxruntime computes {actual[c]!r} from it"
                 unplaced.update((n, why) for u in feeds[c] for n in units[u][1] if n not in unplaced)
@@ -620,7 +607,7 @@ def _derive(template, rows, plain, threads, disabled, seed) -> MachineGraph:
             unplaced[source] = f"onnxruntime computes {name!r} from it"
             continue
         shape = tuple(int(d) for d in pos.shape)
-        found = _match(shapes[source], shape, pos)
+        found = _match(shapes[source], pos)
         if found is None:
             kind, block, perm = "perm", 0, flat.astype(np.int64) - 1
         else:
@@ -663,8 +650,9 @@ def _probe(rng, template: bytes, rows) -> dict[str, np.ndarray]:
     return {n: np.abs(v) + np.float32(0.5) if n in variances else v for n, v in out.items()}
 
 
-def _mixers(base, names, random, rand, mixed, actual, arrays, threads, disabled, seed):
-    """Which suspects (:func:`_suspects`) each of the ``mixed`` initializers is computed from.
+def _mixers(base, units, random, rand, mixed, actual, arrays, threads, disabled, seed):
+    """Which of the groups of suspects ``units`` (:func:`_suspects`) each of the ``mixed`` initializers is
+    computed from.
 
     Each group of suspects (the tensors one node reads) gets a binary number; two probes per bit move the
     groups whose bit is 1, then those whose bit is 0, to other random values. An initializer computed from
@@ -672,13 +660,12 @@ def _mixers(base, names, random, rand, mixed, actual, arrays, threads, disabled,
     several changes in both where their numbers differ, and every group those changes allow is named.
 
     Returns:
-        The groups ``(node index, tensors)``, and initializer -> the indices of the groups it is computed from.
+        Initializer -> the indices in ``units`` of the groups it is computed from.
 
     Raises:
         LayoutError: an initializer changes with no group (onnxruntime computes it from tensors read as
             weights: leaving suspects plain would not stop it).
     """
-    units = _suspects(base, names)
     bits = max(1, (len(units) - 1).bit_length())
     other = _probe(np.random.default_rng(seed + 1), base, [(n, random[n].shape) for _, unit in units for n in unit])
     changed: dict[str, list[tuple[bool, bool]]] = {c: [] for c in mixed}
@@ -702,7 +689,7 @@ def _mixers(base, names, random, rand, mixed, actual, arrays, threads, disabled,
             for u in range(len(units))
             if all(one if (u >> k) & 1 else zero for k, (one, zero) in enumerate(changed[c]))
         ]
-    return units, feeds
+    return feeds
 
 
 def _fit(value: np.ndarray, target: np.ndarray) -> tuple[str, int] | None:

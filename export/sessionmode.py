@@ -35,8 +35,6 @@ class SessionMode:
         rebuilds: sessions built again after their eviction.
     """
 
-    name = "session"
-
     def __init__(self, setup: OrtSetup, max_sessions: int):
         self.setup, self.max_sessions = setup, max_sessions
         self._sessions: OrderedDict[int, object] = OrderedDict()

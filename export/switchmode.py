@@ -89,8 +89,6 @@ class SwitchMode:
         cuda_graph: whether runs go through onnxruntime's CUDA graph (False once refused).
     """
 
-    name = "switch"
-
     def __init__(self, setup: OrtSetup, *, ready: int, keep: str, layout: str, fill: str, cuda_graph: bool):
         self.setup, self.ready, self.keep, self.layout_request, self.fill = setup, ready, keep, layout, fill
         self.cuda_graph = cuda_graph

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from nwsconvert.conversion.budget import fit_budget
 from nwsconvert.conversion.config import NWSConfig
 from nwsconvert.conversion.converter import convert
 from nwsconvert.conversion.graph import is_weight_layer
@@ -91,6 +92,10 @@ class Preset:
         skip: module names or fnmatch patterns left dense.
         skip_roles: roles left dense (e.g. ``("stem",)``).
         kmeans_iters: Lloyd iterations of the k-means pool initialisation.
+        bits_per_weight / budget: a budget (see :class:`~nwsconvert.NWSConfig`): after the rules
+            above, the budget planner chooses every non-head layer's vector size and pool size.
+            Naming ``group_size`` or ``pool_size`` to :meth:`config` without a budget turns a
+            preset's own budget off: the user's g and n then hold everywhere.
         doc: the reasoning (the registering function's docstring).
     """
 
@@ -103,6 +108,8 @@ class Preset:
     skip: tuple[str, ...] = ()
     skip_roles: tuple[str, ...] = ()
     kmeans_iters: int = 3
+    bits_per_weight: float | None = None
+    budget: int | None = None
     doc: str = dataclasses.field(default="", repr=False, compare=False)
 
     def replace(self, **changes) -> Preset:
@@ -157,10 +164,18 @@ class Preset:
             preset changed, after the user's entries.
         """
         fields = {f.name for f in dataclasses.fields(self)} - {"name", "doc", "skip"}
-        preset = self.replace(**{k: options.pop(k) for k in list(options) if k in fields})
+        chosen = {k: options.pop(k) for k in list(options) if k in fields}
+        if {"group_size", "pool_size"} & set(chosen) and not {"bits_per_weight", "budget"} & set(chosen):
+            chosen.update(bits_per_weight=None, budget=None)  # the user's g / n, not the preset's budget
+        preset = self.replace(**chosen)
         user = NWSConfig().replace(**options)
-        base = preset.base_config()
-        edited = config_from_plans(preset.edit(plan(model, base)), base)
+        base = dataclasses.replace(preset.base_config(), seed=user.seed)
+        plans = preset.edit(plan(model, base))
+        budgeted = dataclasses.replace(base, bits_per_weight=preset.bits_per_weight, budget=preset.budget)
+        budget = budgeted.budget_of()
+        if budget is not None:
+            plans = fit_budget(model, plans, budget, seed=user.seed, kmeans_iters=preset.kmeans_iters)
+        edited = config_from_plans(plans, budgeted)
         return dataclasses.replace(edited, init=user.init, seed=user.seed, layers={**user.layers, **edited.layers})
 
     def apply(self, model: nn.Module, **options) -> nn.Module:
@@ -245,24 +260,24 @@ def resnet_bottleneck() -> Preset:
 
 @register_preset("inverted-residual")
 def inverted_residual() -> Preset:
-    """MobileNetV2/V3, EfficientNet(-Lite), MnasNet: depthwise kernels exact, 1x1 scalars.
+    """MobileNetV2/V3, EfficientNet(-Lite), MnasNet: a budget of 2 bits a weight, planned layer by layer.
 
-    1x1 expand / project convs hold 61-72 % of the weights and the classifier
-    most of the rest; depthwise convs 2-4 % but with the largest pooling
-    error (5x5 depthwise of EfficientNet-Lite0: 12-22 % at n = 512), so each
-    depthwise layer gets a pool of its own kernels (at most 2,048: exact,
-    <= 11-bit indices). Measured on EfficientNet-Lite0's ImageNet weights
-    (k-means pools, no training, ``benchmarks/zoo_pools.py``): this rule
-    takes the plain n = 512 conversion from 85 % to 90 % top-1 agreement with
-    the dense model (KL 0.05 -> 0.02) for 0.12 MB more pools, and at n = 128
-    from 6 % to 73 %. 1x1 convs stay scalar (g = 1): g = 4 loses the dense
-    predictions without training and 7.5 points after short task training
-    (split-mnist: 89.75 % vs 97.25 % dense; g = 1: 97.75 %). A task then
-    stores ~28 % of a dense copy (ImageNet head included); ``group_size=4``
-    brings it to ~14 %, ``pool_size=256`` (8-bit indices, same agreement)
-    to ~25 %. Stem capped (32 x 3 = 96 kernels: exact); SE 1x1 layers follow g.
+    1x1 expand / project convs hold 61-72 % of the weights. As scalars (g = 1, 9 bits a weight,
+    this preset's rule until issue 63) a MobileNetV3-small task stored 0.77 MB on long-mixed-20,
+    8x below dense and above every parameter-efficient peer. That choice came from one experiment
+    without pool learning (g = 4 lost 7.5 points on split-mnist); with pool learning, on by default
+    since, g = 4 everywhere kept the accuracy (long-mixed-20: 82.0 against 83.0 %, one seed) and
+    EfficientNet-Lite0 from ImageNet at g = 4 had the highest mean of every method at 19.6x.
+
+    So the preset now gives a budget, ``bits_per_weight=2`` (about g = 4 at n = 512 on average),
+    and the planner (:mod:`nwsconvert.conversion.budget`) spends it: each 1x1 layer gets the vector
+    size and pool size that reach the model's common error at the fewest bits, depthwise convs and
+    the stem keep pools of their own kernels where that is cheap (exact), the head stays scalar.
+    Rules before the budget: depthwise convs get own-kernel pools (at most 2,048), stems are capped.
+    ``bits_per_weight=None`` (``nws-train bits_per_weight=off``) gives the old scalar rule;
+    naming ``group_size`` or ``pool_size`` turns the budget off too.
     """
-    return Preset("inverted-residual", pool_size=512, group_size=1, depthwise_pool_size=2048)
+    return Preset("inverted-residual", pool_size=512, group_size=1, depthwise_pool_size=2048, bits_per_weight=2.0)
 
 
 @register_preset("vgg")

@@ -30,12 +30,13 @@ from typing import Any
 from ..errors import UsageError
 from ..formats.limits import MAX_POOL_SIZE, MAX_VECTOR_SIZE
 
-__all__ = ["NWSConfig", "LayerConfig", "CONFIG_VERSION", "INITS"]
+__all__ = ["NWSConfig", "LayerConfig", "Budget", "CONFIG_VERSION", "INITS"]
 
 CONFIG_VERSION = 1
 #: pool initialisations a config can name; ``"pools"``: a pool set given to ``convert`` (``init=PoolSet | path``).
 INITS = ("kmeans", "random", "pools")
 _LEGACY = ("skip", "layer_pool_size", "layer_group_size")
+_BUDGET_KEYS = ("bits_per_weight", "budget", "planned_for")
 
 
 def _int(key: str, value, lo: int, hi: int | None = None) -> int:
@@ -43,6 +44,36 @@ def _int(key: str, value, lo: int, hi: int | None = None) -> int:
         span = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise UsageError(f"{key} must be an integer {span}, got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a task may store: index bits per converted weight, or bytes per task (indices + state).
+
+    Exactly one is set. ``bits_per_weight`` counts fixed-width indices over every converted weight
+    (head included); ``bytes_per_task`` adds the task's state at float16. Task packs store the same
+    indices or fewer bytes (rANS and delta coding), never more.
+    """
+
+    bits_per_weight: float | None = None
+    bytes_per_task: int | None = None
+
+    def __post_init__(self):
+        if (self.bits_per_weight is None) == (self.bytes_per_task is None):
+            raise UsageError("a budget is either bits_per_weight or budget (bytes per task), not both nor neither")
+        if self.bits_per_weight is not None:
+            b = self.bits_per_weight
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0 < b <= 32):
+                raise UsageError(f"bits_per_weight must be a number in (0, 32], got {b!r}")
+        if self.bytes_per_task is not None:
+            n = self.bytes_per_task
+            if type(n) is not int or n < 1:
+                raise UsageError(f"budget must be a whole number of bytes per task (at least 1), got {n!r}")
+
+    def describe(self) -> str:
+        if self.bits_per_weight is not None:
+            return f"bits_per_weight={self.bits_per_weight:g}"
+        return f"budget={self.bytes_per_task}"
 
 
 @dataclass(frozen=True)
@@ -82,6 +113,12 @@ class NWSConfig:
         seed: seeds pool initialisation.
         kmeans_iters: Lloyd iterations of ``init="kmeans"``.
         layers: ``{pattern: LayerConfig | None}``, see the module docstring.
+        bits_per_weight: a budget: the planner (:mod:`nwsconvert.conversion.budget`) chooses every
+            non-head layer's vector size and pool size so that a task's indices take at most this
+            many bits per converted weight at fixed width (packs store that or less).
+        budget: the same as bytes per task, the task's float16 state included (``None``: no budget).
+        planned_for: a record, not an input: the budget the ``layers`` entries were planned for
+            (``"bits_per_weight=2"``); the config a run records has its budget spent into ``layers``.
     """
 
     pool_size: int = 512
@@ -90,6 +127,9 @@ class NWSConfig:
     seed: int = 0
     kmeans_iters: int = 3
     layers: dict[str, LayerConfig | None] = field(default_factory=dict)
+    bits_per_weight: float | None = None
+    budget: int | None = None
+    planned_for: str | None = None
 
     def __post_init__(self):
         _int("pool_size", self.pool_size, 2, MAX_POOL_SIZE)
@@ -101,6 +141,10 @@ class NWSConfig:
             raise UsageError(
                 f"init must be one of {', '.join(INITS)} (or a PoolSet / pool file given to convert), got {self.init!r}"
             )
+        if self.bits_per_weight is not None or self.budget is not None:
+            Budget(self.bits_per_weight, self.budget)  # validates: one of the two, in range
+        if self.planned_for is not None and not isinstance(self.planned_for, str):
+            raise UsageError(f"planned_for must be a string, got {self.planned_for!r}")
         if not isinstance(self.layers, dict):
             raise UsageError(f"layers must be a dict {{pattern: LayerConfig | None}}, got {type(self.layers).__name__}")
         for pattern, entry in self.layers.items():
@@ -139,9 +183,16 @@ class NWSConfig:
         return config
 
     # -------------------------------------------------------- serialisation
+    def budget_of(self) -> Budget | None:
+        """The :class:`~nwsconvert.conversion.budget.Budget` this config asks for, or ``None``."""
+        if self.bits_per_weight is None and self.budget is None:
+            return None
+        return Budget(self.bits_per_weight, self.budget)
+
     def to_dict(self) -> dict:
-        """JSON-able: ``{"version", "pool_size", "group_size", "init", "seed", "kmeans_iters", "layers"}``."""
-        return {
+        """JSON-able: ``{"version", "pool_size", "group_size", "init", "seed", "kmeans_iters", "layers"}``,
+        plus ``bits_per_weight`` / ``budget`` / ``planned_for`` where set."""
+        out = {
             "version": CONFIG_VERSION,
             "pool_size": self.pool_size,
             "group_size": self.group_size,
@@ -150,6 +201,10 @@ class NWSConfig:
             "kmeans_iters": self.kmeans_iters,
             "layers": {p: (None if e is None else e.to_dict()) for p, e in self.layers.items()},
         }
+        for key in _BUDGET_KEYS:
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NWSConfig:

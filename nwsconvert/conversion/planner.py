@@ -239,6 +239,16 @@ def plan(model: nn.Module, config: NWSConfig | None = None, pools: PoolSet | Non
         if extra:
             raise ConversionError(f"pool set has pools for layers the model does not convert: {extra[:5]}")
     require_a_converted_layer(model, out)
+    budget = config.budget_of()
+    if budget is not None:
+        if pools is not None:
+            raise UsageError(
+                f"{budget.describe()} and a given pool set both fix the pool sizes: give one (the pool set's run "
+                "recorded its plan)"
+            )
+        from .budget import fit_budget
+
+        out = fit_budget(model, out, budget, seed=config.seed, kmeans_iters=config.kmeans_iters)
     return out
 
 
@@ -275,9 +285,15 @@ def _fit_pool(p: LayerPlan, pools: PoolSet) -> LayerPlan:
 def config_from_plans(plans: list[LayerPlan], base: NWSConfig) -> NWSConfig:
     """A config that plans ``model`` exactly as ``plans`` say: ``base`` plus one exact-name entry per layer that differs.
 
+    A budget in ``base`` is spent: the result has none, and records it as ``planned_for``, so that
+    rebuilding from it gives these plans without planning again.
+
     The entries are fnmatch patterns too, so a layer whose name holds ``*``, ``?`` or ``[`` cannot
     be named exactly and is refused.
     """
+    budget = base.budget_of()
+    if budget is not None:
+        base = base.replace(bits_per_weight=None, budget=None, planned_for=budget.describe())
     layers: dict[str, LayerConfig | None] = {}
     for p in plans:
         default = base.resolve(p.name)

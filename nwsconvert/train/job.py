@@ -55,6 +55,8 @@ DEFAULT_JOB: dict = {
     "pool_size": 512,
     "group_size": 1,  # floats per pool vector for 1x1 convs and the FC layer
     "preset": None,  # conversion preset: nwsconvert.zoo.list_presets() or "auto"
+    "bits_per_weight": None,  # a budget for the planner: index bits per weight (None: the preset's; off: none)
+    "budget": None,  # the same as bytes per task (200000, "200KB", "0.2MB")
     "init": "kmeans",  # kmeans | random | <pool file>
     "weights": None,  # safetensors state dict loaded into the model before conversion
     "recipe": "demo",  # nwsconvert.zoo.list_recipes()
@@ -130,14 +132,54 @@ def resolve_job(items: list[str], base: dict | None = None) -> dict:
     return job
 
 
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def budget_bytes(value) -> int | None:
+    """``budget=`` as bytes: a whole number, or a number with a unit (``200KB``, ``0.2MB``, ``64KiB``).
+
+    Raises:
+        UsageError: anything else (the message shows the forms).
+    """
+    if value is None or (type(value) is int and value >= 1):
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(digits) :] or "b"
+    try:
+        number = float(digits)
+    except ValueError:
+        number = -1.0
+    if unit not in _UNITS or not number > 0 or isinstance(value, bool):
+        raise UsageError(f"budget={value!r}: expected bytes per task, e.g. budget=200000, budget=200KB, budget=0.2MB")
+    return max(1, round(number * _UNITS[unit]))
+
+
+def _budget_options(job: dict) -> dict:
+    """The budget keys as convert options: ``{}`` (none given), ``{bits_per_weight: b}``, ``{budget: n}``,
+    or both ``None`` for ``off`` (a preset's own budget off)."""
+    if job["bits_per_weight"] == "off" or job["budget"] == "off":
+        return {"bits_per_weight": None, "budget": None}
+    if job["budget"] is not None:
+        return {"budget": budget_bytes(job["budget"])}
+    if job["bits_per_weight"] is not None:
+        return {"bits_per_weight": float(job["bits_per_weight"])}
+    return {}
+
+
 def convert_job(job: dict, model, init, seed: int) -> None:
-    """Convert ``model`` as the job says: its pool and group size, through its preset if it names one."""
+    """Convert ``model`` as the job says: its pool and group size and budget, through its preset if it names one.
+
+    With a preset, ``pool_size`` and ``group_size`` reach it only where the job changes them from the
+    defaults: a preset's own budget (``inverted-residual``'s) plans them unless the job names them."""
     from ..conversion.converter import convert
 
-    options = {"pool_size": int(job["pool_size"]), "group_size": int(job["group_size"]), "init": init, "seed": seed}
+    options = {"init": init, "seed": seed, **_budget_options(job)}
+    sizes = {"pool_size": int(job["pool_size"]), "group_size": int(job["group_size"])}
     if job["preset"] in (None, "none"):
-        convert(model, **options)
+        convert(model, **sizes, **{k: v for k, v in options.items() if v is not None})
         return
+    options.update({k: v for k, v in sizes.items() if v != DEFAULT_JOB[k]})
     from nwsconvert.zoo import get_preset, preset_for
 
     name = preset_for(model) if job["preset"] == "auto" else str(job["preset"])
@@ -223,6 +265,16 @@ def validate_job(job: dict) -> None:
     expect("group_size", whole(job["group_size"], 1), "a whole number >= 1")
     expect("tasks", job["tasks"] is None or whole(job["tasks"], 1), "a whole number >= 1 (or leave it out: every task)")
     expect("preset", job["preset"] is None or isinstance(job["preset"], str), "a preset name or auto")
+    b = job["bits_per_weight"]
+    expect(
+        "bits_per_weight",
+        b is None or b == "off" or (type(b) in (int, float) and 0 < b <= 32),
+        "a number of bits in (0, 32], or off (no budget, not even a preset's)",
+    )
+    if job["budget"] not in (None, "off"):
+        budget_bytes(job["budget"])
+    if b not in (None, "off") and job["budget"] not in (None, "off"):
+        raise UsageError("bits_per_weight= and budget= are two forms of one budget: give one")
     for key in ("learn_pools", "progress"):
         expect(key, type(job[key]) is bool, "true or false")
     expect("out", job["out"] is None or (isinstance(job["out"], str) and job["out"]), "a directory")
@@ -433,6 +485,8 @@ FIXED_ON_RESUME = (
     "pool_size",
     "group_size",
     "preset",
+    "bits_per_weight",
+    "budget",
     "init",
     "learn_pools",
     "recipe",  # its options are the run's recorded ones on --resume: another name would change nothing

@@ -49,20 +49,22 @@ def train_run(
     data_seed: int = 0,
     class_names: bool = False,
     size: int = 16,
+    model_spec: str = SPEC,
     **config,
 ) -> Trainer:
     """A finished tiny run in ``out``; returns its (closed) trainer.
 
     Pool learning on 4 classes of :func:`blobs` (unless ``learn_pools`` is false), then
     task ``t`` with ``tasks[t]`` classes, one epoch each; ``config`` changes
-    :func:`tiny_config`, ``data_seed`` shifts every training set's seed, ``size`` is the images' side.
+    :func:`tiny_config`, ``data_seed`` shifts every training set's seed, ``size`` is the images' side,
+    ``model_spec`` the timm model ``model`` was built as (with :data:`KWARGS`).
     """
     model = tiny_model() if model is None else model
     with Trainer(
         model,
         out,
         tiny_config(epochs=1, **config),
-        model_spec=SPEC,
+        model_spec=model_spec,
         model_kwargs=KWARGS,
         data_info={**DATA_INFO, "input_size": [size, size]},
         progress=False,

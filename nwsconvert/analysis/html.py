@@ -450,6 +450,10 @@ def render_html(analysis: dict, figures: dict[str, bytes]) -> str:
         fig("ls.png", "LS heatmap"),
         _table(("layer", *tcols), [(n, *(_f(v) for v in row)) for n, row in zip(names, a["ls"])]),
         "<h2>Bytes per layer</h2>",
+        f'<p class="note">Vector sizes D and pool sizes n planned for {html.escape(a["planned_for"])} '
+        "(nwsconvert.conversion.budget).</p>"
+        if a.get("planned_for")
+        else "",
         fig("bytes_layer.png", "bytes per layer"),
         _table(
             (
@@ -457,10 +461,12 @@ def render_html(analysis: dict, figures: dict[str, bytes]) -> str:
                 "role",
                 "shape",
                 "kernels d",
+                "D",
                 "pool n",
                 "fixed bits",
                 "coding",
                 "stored bits/kernel",
+                "stored bits/weight",
                 "entropy bits/kernel",
                 "index bytes",
                 "pool bytes",
@@ -472,10 +478,12 @@ def render_html(analysis: dict, figures: dict[str, bytes]) -> str:
                     r["role"],
                     "×".join(map(str, r["shape"])),
                     _f(_first(a["kernels"][k]), "{:,}"),
+                    r["vector_size"],
                     r["pool_size"],
                     r["bits"],
                     " / ".join(sorted({c for c in a["coding"][k] if c is not None})) or "–",
                     _f(_mean(a["index_bits"][k]), "{:.2f}"),
+                    _f(None if _mean(a["index_bits"][k]) is None else _mean(a["index_bits"][k]) / r["vector_size"], "{:.3f}"),
                     _f(_mean(a["entropy_bits"][k]), "{:.2f}"),
                     format_bytes(_mean(a["index_bytes"][k])),
                     format_bytes(r["pool_bytes"]),

@@ -236,6 +236,7 @@ def analyse_run(run_dir: str | os.PathLike, tasks: Sequence[int] | None = None) 
         "base_bytes": shared_base_bytes(manifest, packs) or None,
         "tasks": task_rows,
         "avg_acc": sum(accs) / len(accs) if accs else None,
+        "planned_for": manifest.model.config().planned_for,
         "layers": layers,
         **grid,
     }

@@ -75,6 +75,11 @@ def state_bytes(model: nn.Module, plans: list[LayerPlan]) -> int:
     return total
 
 
+def _bits(kernels: int, bits: int) -> int:
+    """A layer's task bits as a pack stores them at fixed width: whole bytes."""
+    return 8 * ((kernels * bits + 7) // 8)
+
+
 def plan_bytes(plans: list[LayerPlan]) -> int:
     """Fixed-width index bytes of one task under ``plans`` (each layer rounded up to a byte)."""
     return sum((p.kernels * p.bits + 7) // 8 for p in plans if not p.skipped)
@@ -141,9 +146,9 @@ def _options(p: LayerPlan, weight: torch.Tensor, iters: int, seed: int) -> _Opti
         bits = bits[((1 << bits) * g * _POOL_SHARE <= numel) & ((1 << bits) < d)]
         for b, e in zip(bits, _curve(measured, bits.astype(float)) if measured else ()):
             if not np.isnan(e):
-                vec.append(g), pool.append(1 << int(b)), rate.append(d * int(b)), error.append(float(e))
+                vec.append(g), pool.append(1 << int(b)), rate.append(_bits(d, int(b))), error.append(float(e))
         if p.family != "1x1" and d <= MAX_PLANNED_POOL:  # a pool of the layer's own kernels: exact
-            vec.append(g), pool.append(max(2, d)), rate.append(d * exact_bits), error.append(0.0)
+            vec.append(g), pool.append(max(2, d)), rate.append(_bits(d, exact_bits)), error.append(0.0)
     # every weight counts the same: a layer's error weighs as much as its weights
     return _Options(p, np.array(vec), np.array(pool), np.array(rate, dtype=float), np.array(error), float(numel))
 
@@ -197,7 +202,7 @@ def fit_budget(
         budget: :class:`Budget`.
 
     Returns:
-        The new plans; each re-planned layer's ``note`` gives its proxy error.
+        The new plans.
 
     Raises:
         UsageError: the budget is below the smallest plan (the message gives that plan's figure).
@@ -207,7 +212,7 @@ def fit_budget(
     options = [o for o in (_options(p, modules[p.name].weight, kmeans_iters, seed) for p in candidates) if o.rate.size]
     planned = {o.plan.name for o in options}
     weights = sum(math.prod(p.shape) for p in plans if not p.skipped)
-    fixed_bits = sum(p.kernels * p.bits for p in plans if not p.skipped and p.name not in planned)
+    fixed_bits = sum(_bits(p.kernels, p.bits) for p in plans if not p.skipped and p.name not in planned)
     if budget.bits_per_weight is not None:
         room = budget.bits_per_weight * weights - fixed_bits
     else:
@@ -225,7 +230,7 @@ def fit_budget(
     by_name = {}
     for o, c in zip(options, choice):
         p = o.plan.with_group_size(int(o.vec[c])) if o.plan.family == "1x1" else o.plan
-        p = dataclasses.replace(p.with_pool_size(int(o.pool[c])), note=f"planned: proxy error {o.error[c]:.2g}")
+        p = dataclasses.replace(p.with_pool_size(int(o.pool[c])), note="")
         by_name[p.name] = p
     out = Plans(by_name.get(p.name, p) for p in plans)
     out.trace = getattr(plans, "trace", Plans.trace)

@@ -24,6 +24,7 @@ from torch.nn.utils import parametrize
 from ..core.layers import NWSWeight
 from ..core.pools import PoolSet, init_pool
 from ..errors import UsageError
+from .budget import state_bytes
 from .config import NWSConfig
 from .planner import ConversionError, LayerPlan, check_convertible, config_from_plans, plan, require_a_converted_layer
 from .report import ConversionReport, LayerRecord, SkippedRecord
@@ -107,7 +108,7 @@ class NWSConverter:
         trace = getattr(plans, "trace", None) or (
             "torch.fx" if any(p.found_by == "torch.fx" for p in plans) else "module walk"
         )
-        report = ConversionReport(trace=trace, options=config.to_dict())
+        report = ConversionReport(trace=trace, options=config.to_dict(), state_bytes=state_bytes(model, plans))
         for p in plans:
             if p.skipped:
                 # p.skipped means p.skip is set

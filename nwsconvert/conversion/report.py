@@ -55,7 +55,13 @@ class LayerRecord:
 
     @property
     def index_bytes(self) -> int:
+        """Bytes of one task's indices of this layer at fixed width (packs store that or less)."""
         return (self.kernels * self.bits + 7) // 8
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Index bits a task stores per weight of this layer: ``bits / vector_size``."""
+        return self.bits / self.vector_size
 
 
 @dataclass
@@ -77,12 +83,16 @@ class ConversionReport:
         skipped: layers left dense, with reasons.
         trace: how layers and roles were found (``torch.fx`` or module walk + why).
         options: the converter options (JSON-able); with the pool file they rebuild the model.
+            ``options["planned_for"]``: the budget the layers were planned for, if any.
+        state_bytes: one task's state (BatchNorm, biases, dense layers) at float16, as nws-train
+            stores it; ``None`` in reports written before it was counted.
     """
 
     layers: list[LayerRecord] = field(default_factory=list)
     skipped: list[SkippedRecord] = field(default_factory=list)
     trace: str = "torch.fx"
     options: dict = field(default_factory=dict)
+    state_bytes: int | None = None
 
     @property
     def dense_bytes(self) -> int:
@@ -102,6 +112,17 @@ class ConversionReport:
     def kernels(self) -> int:
         return sum(r.kernels for r in self.layers)
 
+    @property
+    def bits_per_weight(self) -> float:
+        """Index bits per converted weight, one task at fixed width (what ``bits_per_weight=`` budgets)."""
+        weights = sum(r.dense_bytes for r in self.layers) // 4
+        return 8 * self.index_bytes / weights if weights else 0.0
+
+    @property
+    def task_bytes(self) -> int | None:
+        """One task at fixed width: indices + state (what ``budget=`` budgets); packs store that or less."""
+        return None if self.state_bytes is None else self.index_bytes + self.state_bytes
+
     def to_dict(self) -> dict:
         return {
             "trace": self.trace,
@@ -113,11 +134,14 @@ class ConversionReport:
                 "dense_bytes": self.dense_bytes,
                 "pool_bytes": self.pool_bytes,
                 "index_bytes_per_task": self.index_bytes,
+                "bits_per_weight": self.bits_per_weight,
+                "state_bytes_per_task": self.state_bytes,
+                "task_bytes": self.task_bytes,
             },
         }
 
     def table(self) -> str:
-        head = ("layer", "role", "module", "kind", "weight", "kernels d", "D", "pool n", "bits")
+        head = ("layer", "role", "module", "kind", "weight", "kernels d", "D", "pool n", "bits", "bits/w", "task bytes")
         rows = [
             (
                 r.name,
@@ -129,6 +153,8 @@ class ConversionReport:
                 str(r.vector_size),
                 str(r.pool_size),
                 str(r.bits),
+                f"{r.bits_per_weight:.2f}",
+                format_bytes(r.index_bytes),
             )
             for r in self.layers
         ]
@@ -148,8 +174,16 @@ class ConversionReport:
             out.append(f"  dense {s.name} ({s.module}, {'x'.join(map(str, s.weight_shape))}): {s.reason}")
         out.append(
             f"totals: {self.kernels:,} kernels | dense weights {format_bytes(self.dense_bytes)} | "
-            f"pools {format_bytes(self.pool_bytes)} | indices per task {format_bytes(self.index_bytes)}"
+            f"pools {format_bytes(self.pool_bytes)} | indices per task {format_bytes(self.index_bytes)} "
+            f"({self.bits_per_weight:.2f} bits a weight)"
         )
+        if self.task_bytes is not None:
+            planned = self.options.get("planned_for")
+            out.append(
+                f"a task at fixed width: {format_bytes(self.task_bytes)} = indices {format_bytes(self.index_bytes)} + "
+                f"state {format_bytes(self.state_bytes or 0)} (float16; packs store that or less)"
+                + (f"; planned for {planned}" if planned else "")
+            )
         return "\n".join(out)
 
     def __str__(self) -> str:

@@ -155,10 +155,15 @@ def budget_bytes(value) -> int | None:
     return max(1, round(number * _UNITS[unit]))
 
 
+def _off(value) -> bool:
+    """``off`` as the command line gives it (YAML reads a bare ``off`` as false)."""
+    return value is False or value == "off"
+
+
 def _budget_options(job: dict) -> dict:
     """The budget keys as convert options: ``{}`` (none given), ``{bits_per_weight: b}``, ``{budget: n}``,
     or both ``None`` for ``off`` (a preset's own budget off)."""
-    if job["bits_per_weight"] == "off" or job["budget"] == "off":
+    if _off(job["bits_per_weight"]) or _off(job["budget"]):
         return {"bits_per_weight": None, "budget": None}
     if job["budget"] is not None:
         return {"budget": budget_bytes(job["budget"])}
@@ -265,15 +270,15 @@ def validate_job(job: dict) -> None:
     expect("group_size", whole(job["group_size"], 1), "a whole number >= 1")
     expect("tasks", job["tasks"] is None or whole(job["tasks"], 1), "a whole number >= 1 (or leave it out: every task)")
     expect("preset", job["preset"] is None or isinstance(job["preset"], str), "a preset name or auto")
-    b = job["bits_per_weight"]
+    b, n = job["bits_per_weight"], job["budget"]
     expect(
         "bits_per_weight",
-        b is None or b == "off" or (type(b) in (int, float) and 0 < b <= 32),
+        b is None or _off(b) or (type(b) in (int, float) and 0 < b <= 32),
         "a number of bits in (0, 32], or off (no budget, not even a preset's)",
     )
-    if job["budget"] not in (None, "off"):
-        budget_bytes(job["budget"])
-    if b not in (None, "off") and job["budget"] not in (None, "off"):
+    if n is not None and not _off(n):
+        budget_bytes(n)
+    if b is not None and not _off(b) and n is not None and not _off(n):
         raise UsageError("bits_per_weight= and budget= are two forms of one budget: give one")
     for key in ("learn_pools", "progress"):
         expect(key, type(job[key]) is bool, "true or false")

@@ -1,0 +1,236 @@
+"""The budget planner: each layer's vector and pool size chosen for bits a weight or bytes a task."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import timm
+import torch
+import torchvision
+from trainer_utils import train_run
+
+import nwsconvert
+from nwsconvert.conversion import budget as budget_module
+from nwsconvert.conversion.budget import fit_budget, plan_bytes, state_bytes
+from nwsconvert.conversion.config import Budget, NWSConfig
+from nwsconvert.conversion.planner import plan
+from nwsconvert.errors import UsageError
+from nwsconvert.export import Runtime, export_bundle
+from nwsconvert.train.job import budget_bytes, resolve_job, validate_job
+from nwsconvert.zoo import get_preset
+
+MOBILE = "mobilenetv3_small_050"
+
+
+def mobile(seed: int = 0, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return timm.create_model(MOBILE, num_classes=4, **kwargs)
+
+
+def weights(plans) -> int:
+    return sum(math.prod(p.shape) for p in plans if not p.skipped)
+
+
+def bits_per_weight(plans) -> float:
+    return 8 * plan_bytes(plans) / weights(plans)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """MobileNetV3-small (0.5) planned for 1 and 3 bits a weight, and the planner's plans without a budget."""
+    model = mobile()
+    base = plan(model, NWSConfig())
+    return model, base, {b: plan(model, NWSConfig(bits_per_weight=b)) for b in (1.0, 3.0)}
+
+
+def test_a_plan_meets_its_bits_per_weight_within_5_percent_and_spends_more_where_it_may(planned):
+    model, base, plans = planned
+    for b, p in plans.items():
+        assert 0.95 * b <= bits_per_weight(p) <= b  # at fixed width, every layer rounded to whole bytes
+    # the planner changed vector sizes, not only pool sizes: large 1x1 layers take long vectors at 1 bit
+    low, high = plans[1.0], plans[3.0]
+    big = max((p for p in low if p.family == "1x1" and p.role != "head"), key=lambda p: math.prod(p.shape))
+    assert big.vector_size >= 4
+    errs = {b: sum(1 for p in plans[b] if p.family == "1x1" and p.vector_size == 1) for b in plans}
+    assert errs[3.0] >= errs[1.0]
+    # what it never touches: the head keeps the config's scalar 512-entry pool
+    assert [p for p in low if p.role == "head"] == [p for p in base if p.role == "head"]
+    assert all(p.pool_size <= budget_module.MAX_PLANNED_POOL for p in low)
+
+
+def test_a_byte_budget_counts_the_tasks_state_and_is_met_within_5_percent(planned):
+    model, base, _ = planned
+    state = state_bytes(model, base)
+    # float16 state: every BatchNorm entry and bias at 2 bytes, the int64 batch counters at 8
+    expected = sum(
+        t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
+        for k, t in model.state_dict().items()
+        if k not in {f"{p.name}.weight" for p in base}
+    )
+    assert state == expected > 0
+    target = 120_000
+    p = plan(model, NWSConfig(budget=target))
+    assert 0.95 * target <= plan_bytes(p) + state <= target
+
+
+def test_a_budget_below_the_smallest_plan_names_that_plan_and_the_plan_at_it_fits():
+    model = mobile()
+    with pytest.raises(UsageError, match=r"bits_per_weight=0.01 is below the smallest plan for MobileNetV3: ") as e:
+        plan(model, NWSConfig(bits_per_weight=0.01))
+    floor = float(str(e.value).rsplit(": ", 1)[1].split()[0])
+    p = plan(model, NWSConfig(bits_per_weight=floor + 0.001))
+    assert bits_per_weight(p) <= floor + 0.001
+    with pytest.raises(UsageError, match=r"budget=1000 is below the smallest plan .* bytes per task"):
+        plan(model, NWSConfig(budget=1000))
+
+
+def test_the_plan_is_the_same_for_the_same_seed_and_weights():
+    a = plan(mobile(), NWSConfig(bits_per_weight=1.5, seed=3))
+    b = plan(mobile(), NWSConfig(bits_per_weight=1.5, seed=3))
+    assert a == b
+
+
+def test_the_recorded_config_rebuilds_the_plan_without_planning_again(monkeypatch):
+    """convert spends the budget into per-layer entries: the manifest's config needs no planner."""
+    model = nwsconvert.convert(mobile(), bits_per_weight=1.5)
+    options = model.nws_report.options
+    assert options["planned_for"] == "bits_per_weight=1.5"
+    assert "bits_per_weight" not in options and "budget" not in options
+    config = NWSConfig.from_dict(options)
+    monkeypatch.setattr(budget_module, "fit_budget", lambda *a, **k: pytest.fail("planned again"))
+    again = plan(mobile(seed=1), config)  # other weights: a planner would choose otherwise
+    got = {r.name: (r.vector_size, r.pool_size) for r in model.nws_report.layers}
+    assert {p.name: (p.vector_size, p.pool_size) for p in again if not p.skipped} == got
+    # and the model it converts stores what the plan said
+    assert model.nws_report.index_bytes == plan_bytes(again)
+
+
+def test_a_pool_set_and_a_budget_together_are_refused_in_one_line():
+    model = nwsconvert.convert(mobile())
+    pools = nwsconvert.pool_set(model)
+    with pytest.raises(UsageError, match="bits_per_weight=2 and a given pool set both fix the pool sizes"):
+        nwsconvert.convert(mobile(), bits_per_weight=2, init=pools)
+
+
+def test_budget_values_are_checked_with_one_line_errors():
+    for bad in (0, -1, 33, "2", True):
+        with pytest.raises(UsageError, match="bits_per_weight must be a number in"):
+            NWSConfig(bits_per_weight=bad)
+    with pytest.raises(UsageError, match="either bits_per_weight or budget"):
+        NWSConfig(bits_per_weight=2, budget=10)
+    with pytest.raises(UsageError, match="budget must be a whole number of bytes"):
+        Budget(bytes_per_task=1.5)
+    assert budget_bytes(200000) == 200000
+    assert budget_bytes("200KB") == 200000
+    assert budget_bytes("0.2 MB") == 200000
+    assert budget_bytes("64KiB") == 65536
+    for bad in ("lots", "-3KB", "3XB", "0"):
+        with pytest.raises(UsageError, match=r"budget=.*: expected bytes per task, e.g. budget=200000"):
+            budget_bytes(bad)
+
+
+def test_nws_train_takes_a_budget_and_refuses_two(tmp_path):
+    job = resolve_job(["bits_per_weight=1.5", "budget=200KB", f"out={tmp_path}"])
+    with pytest.raises(UsageError, match="two forms of one budget"):
+        validate_job(job)
+    with pytest.raises(UsageError, match=r"bits_per_weight='lots': expected a number of bits"):
+        validate_job(resolve_job(["bits_per_weight=lots", f"out={tmp_path}"]))
+    validate_job(resolve_job(["bits_per_weight=off", "preset=auto", f"out={tmp_path}"]))
+
+
+# ------------------------------------------------------------------ presets
+def test_inverted_residual_plans_for_2_bits_a_weight_and_the_users_g_turns_it_off():
+    model = mobile()
+    preset = get_preset("inverted-residual")
+    config = preset.config(model)
+    assert config.planned_for == "bits_per_weight=2" and config.bits_per_weight is None
+    p = plan(model, config)
+    assert 1.9 <= bits_per_weight(p) <= 2.0
+    # the user's group size holds everywhere the preset's rule puts it: no budget
+    g4 = plan(model, preset.config(model, group_size=4))
+    assert {q.vector_size for q in g4 if q.family == "1x1" and q.role != "head" and q.fan_in % 4 == 0} == {4}
+    # the old rule, scalars, on request
+    old = preset.config(model, bits_per_weight=None)
+    assert old.planned_for is None
+    assert {q.vector_size for q in plan(model, old) if q.family == "1x1"} == {1}
+
+
+@pytest.mark.parametrize("name", ["resnet-basic", "resnet-bottleneck", "paper", "vgg", "convnext"])
+def test_presets_without_a_budget_plan_as_they_did(name):
+    """ResNets keep what they had: their presets name no budget, so no layer is re-planned."""
+    preset = get_preset(name)
+    assert preset.bits_per_weight is None and preset.budget is None
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", num_classes=4)
+    config = preset.config(model)
+    assert config.planned_for is None
+    assert plan(model, config) == preset.edit(plan(model, preset.base_config()))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda: torchvision.models.mobilenet_v3_small(num_classes=4), id="torchvision-mobilenet_v3_small"),
+        pytest.param(lambda: torchvision.models.mnasnet0_5(num_classes=4), id="torchvision-mnasnet0_5"),
+        pytest.param(lambda: timm.create_model("ghostnet_050", num_classes=4), id="timm-ghostnet_050"),
+        pytest.param(lambda: timm.create_model("regnetx_002", num_classes=4), id="timm-regnetx_002-grouped"),
+        pytest.param(lambda: timm.create_model("resnet18", num_classes=4), id="timm-resnet18-kxk"),
+    ],
+)
+def test_the_budget_holds_across_families(build):
+    """Depthwise, grouped, ghost and plain k x k families: the plan meets the budget, every layer's
+    vector size divides its input width, and a model converted from it runs."""
+    torch.manual_seed(0)
+    model = build()
+    p = plan(model, NWSConfig(bits_per_weight=1.25))
+    assert 0.95 * 1.25 <= bits_per_weight(p) <= 1.25
+    assert all(q.fan_in % q.vector_size == 0 for q in p if q.family == "1x1" and not q.skipped)
+    config = dataclasses.replace(NWSConfig(bits_per_weight=1.25))
+    converted = nwsconvert.convert(model, config).eval()
+    assert torch.isfinite(converted(torch.randn(1, 3, 64, 64))).all()
+    assert converted.nws_report.bits_per_weight == pytest.approx(bits_per_weight(p), abs=1e-12)
+
+
+def test_fit_budget_keeps_skipped_layers_and_counts_them_in_the_state():
+    model = mobile()
+    base = plan(model, NWSConfig(layers={"conv_stem": None}))
+    out = fit_budget(model, base, Budget(bits_per_weight=1.0))
+    assert [p for p in out if p.skipped] == [p for p in base if p.skipped]
+    # the dense stem's weights are task state (float16), not indices
+    assert state_bytes(model, base) - state_bytes(model, plan(model, NWSConfig())) == 2 * model.conv_stem.weight.numel()
+
+
+# ------------------------------------------------------------------ report
+def test_the_report_shows_bits_a_weight_and_bytes_a_task_layer_by_layer():
+    model = nwsconvert.convert(mobile(), bits_per_weight=1.5)
+    report = model.nws_report
+    text = str(report)
+    assert "bits/w" in text and "task bytes" in text
+    assert "planned for bits_per_weight=1.5" in text
+    assert report.task_bytes == report.index_bytes + report.state_bytes
+    assert report.to_dict()["totals"]["bits_per_weight"] == pytest.approx(8 * report.index_bytes / (report.dense_bytes / 4))
+    assert sum(r.index_bytes for r in report.layers) == report.index_bytes
+
+
+# ------------------------------------------------------- trained, exported, run
+def test_a_planned_mobile_run_exports_and_the_switch_mode_matches_pytorch(tmp_path):
+    """Every plan runs through the product unchanged: training, packs, nws-export, the switch mode."""
+    torch.manual_seed(0)
+    model = timm.create_model(MOBILE, num_classes=4, in_chans=1)
+    nwsconvert.convert(model, bits_per_weight=1.5, pool_size=64)
+    assert {r.vector_size for r in model.nws_report.layers if r.kind.startswith("1x1")} - {1}  # grouped layers
+    run = tmp_path / "run"
+    train_run(run, model, tasks=(3, 2), size=32, model_spec=f"timm:{MOBILE}")
+    export_bundle(run, tmp_path / "b", "all", onnx=True)
+    x = torch.randn(2, 1, 32, 32)
+    with Runtime(tmp_path / "b", device="cpu") as rt:
+        for task in (0, 1, 0):
+            want = nwsconvert.load(run, task=task).eval()(x).detach().numpy()
+            got = rt.run(task, x.numpy())
+            # float32 on both sides, BatchNorm folded in the graph: rounding only
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert ort.get_available_providers()

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import timm
 import torch
@@ -24,11 +22,13 @@ from nwsconvert.train.job import budget_bytes, resolve_job, validate_job
 from nwsconvert.zoo import get_preset
 
 MOBILE = "mobilenetv3_small_050"
+#: timm's tiny EfficientNet: depthwise, 1x1 and SE layers as in the real family, 97k weights (fast to plan)
+TINY = "test_efficientnet"
 
 
 def mobile(seed: int = 0, **kwargs) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return timm.create_model(MOBILE, num_classes=4, **kwargs)
+    return timm.create_model(TINY, num_classes=4, **kwargs)
 
 
 def weights(plans) -> int:
@@ -41,7 +41,7 @@ def bits_per_weight(plans) -> float:
 
 @pytest.fixture(scope="module")
 def planned():
-    """MobileNetV3-small (0.5) planned for 1 and 3 bits a weight, and the planner's plans without a budget."""
+    """timm's tiny EfficientNet planned for 1 and 3 bits a weight, and the planner's plans without a budget."""
     model = mobile()
     base = plan(model, NWSConfig())
     return model, base, {b: plan(model, NWSConfig(bits_per_weight=b)) for b in (1.0, 3.0)}
@@ -55,8 +55,13 @@ def test_a_plan_meets_its_bits_per_weight_within_5_percent_and_spends_more_where
     low, high = plans[1.0], plans[3.0]
     big = max((p for p in low if p.family == "1x1" and p.role != "head"), key=lambda p: math.prod(p.shape))
     assert big.vector_size >= 4
-    errs = {b: sum(1 for p in plans[b] if p.family == "1x1" and p.vector_size == 1) for b in plans}
-    assert errs[3.0] >= errs[1.0]
+    # three times the bits buy shorter vectors or more entries (finer pools) on the 1x1 layers
+    finer = [
+        (h.vector_size, -h.pool_size) < (lo.vector_size, -lo.pool_size)
+        for lo, h in zip(low, high)
+        if lo.family == "1x1" and lo.role != "head"
+    ]
+    assert sum(finer) > len(finer) / 2
     # what it never touches: the head keeps the config's scalar 512-entry pool
     assert [p for p in low if p.role == "head"] == [p for p in base if p.role == "head"]
     assert all(p.pool_size <= budget_module.MAX_PLANNED_POOL for p in low)
@@ -72,20 +77,20 @@ def test_a_byte_budget_counts_the_tasks_state_and_is_met_within_5_percent(planne
         if k not in {f"{p.name}.weight" for p in base}
     )
     assert state == expected > 0
-    target = 120_000
+    target = 30_000
     p = plan(model, NWSConfig(budget=target))
     assert 0.95 * target <= plan_bytes(p) + state <= target
 
 
 def test_a_budget_below_the_smallest_plan_names_that_plan_and_the_plan_at_it_fits():
     model = mobile()
-    with pytest.raises(UsageError, match=r"bits_per_weight=0.01 is below the smallest plan for MobileNetV3: ") as e:
+    with pytest.raises(UsageError, match=r"bits_per_weight=0.01 is below the smallest plan for EfficientNet: ") as e:
         plan(model, NWSConfig(bits_per_weight=0.01))
     floor = float(str(e.value).rsplit(": ", 1)[1].split()[0])
     p = plan(model, NWSConfig(bits_per_weight=floor + 0.001))
     assert bits_per_weight(p) <= floor + 0.001
-    with pytest.raises(UsageError, match=r"budget=1000 is below the smallest plan .* bytes per task"):
-        plan(model, NWSConfig(budget=1000))
+    with pytest.raises(UsageError, match=r"budget=100 is below the smallest plan .* bytes per task"):
+        plan(model, NWSConfig(budget=100))
 
 
 def test_the_plan_is_the_same_for_the_same_seed_and_weights():
@@ -174,25 +179,30 @@ def test_presets_without_a_budget_plan_as_they_did(name):
 @pytest.mark.parametrize(
     "build",
     [
-        pytest.param(lambda: torchvision.models.mobilenet_v3_small(num_classes=4), id="torchvision-mobilenet_v3_small"),
-        pytest.param(lambda: torchvision.models.mnasnet0_5(num_classes=4), id="torchvision-mnasnet0_5"),
-        pytest.param(lambda: timm.create_model("ghostnet_050", num_classes=4), id="timm-ghostnet_050"),
+        pytest.param(
+            lambda: torchvision.models.mobilenet_v3_small(num_classes=4, width_mult=0.5),
+            id="torchvision-mobilenet_v3_small",
+        ),
         pytest.param(lambda: timm.create_model("regnetx_002", num_classes=4), id="timm-regnetx_002-grouped"),
-        pytest.param(lambda: timm.create_model("resnet18", num_classes=4), id="timm-resnet18-kxk"),
+        pytest.param(lambda: timm.create_model("test_resnet", num_classes=4), id="timm-test_resnet-kxk"),
+        pytest.param(lambda: timm.create_model("test_byobnet", num_classes=4), id="timm-test_byobnet-reparam"),
     ],
 )
 def test_the_budget_holds_across_families(build):
-    """Depthwise, grouped, ghost and plain k x k families: the plan meets the budget, every layer's
-    vector size divides its input width, and a model converted from it runs."""
+    """Depthwise (torchvision's MobileNetV3), grouped (RegNetX), plain k x k (ResNet) and
+    re-parameterisable (ByobNet's RepVGG and bottleneck blocks) families: the plan meets the budget,
+    every vector size divides its layer's input width, and the model converted from it runs and
+    stores what the plan says. (Other families: ``test_models.py``, ``test_export_coverage.py``.)"""
     torch.manual_seed(0)
     model = build()
-    p = plan(model, NWSConfig(bits_per_weight=1.25))
+    converter = nwsconvert.NWSConverter(bits_per_weight=1.25, init="random")  # the plan's proxy is k-means all the same
+    p = converter.plan(model)
     assert 0.95 * 1.25 <= bits_per_weight(p) <= 1.25
     assert all(q.fan_in % q.vector_size == 0 for q in p if q.family == "1x1" and not q.skipped)
-    config = dataclasses.replace(NWSConfig(bits_per_weight=1.25))
-    converted = nwsconvert.convert(model, config).eval()
+    converted = converter.apply(model, p).eval()
     assert torch.isfinite(converted(torch.randn(1, 3, 64, 64))).all()
-    assert converted.nws_report.bits_per_weight == pytest.approx(bits_per_weight(p), abs=1e-12)
+    assert converted.nws_report.index_bytes == plan_bytes(p)
+    assert converted.nws_report.options["planned_for"] == "bits_per_weight=1.25"
 
 
 def test_fit_budget_keeps_skipped_layers_and_counts_them_in_the_state():
@@ -208,11 +218,14 @@ def test_fit_budget_keeps_skipped_layers_and_counts_them_in_the_state():
 def test_the_report_shows_bits_a_weight_and_bytes_a_task_layer_by_layer():
     model = nwsconvert.convert(mobile(), bits_per_weight=1.5)
     report = model.nws_report
+    assert report.state_bytes == state_bytes(mobile(), plan(mobile(), NWSConfig()))
     text = str(report)
     assert "bits/w" in text and "task bytes" in text
     assert "planned for bits_per_weight=1.5" in text
     assert report.task_bytes == report.index_bytes + report.state_bytes
-    assert report.to_dict()["totals"]["bits_per_weight"] == pytest.approx(8 * report.index_bytes / (report.dense_bytes / 4))
+    assert report.to_dict()["totals"]["bits_per_weight"] == pytest.approx(
+        8 * report.index_bytes / (report.dense_bytes / 4)
+    )
     assert sum(r.index_bytes for r in report.layers) == report.index_bytes
 
 
@@ -227,10 +240,10 @@ def test_a_planned_mobile_run_exports_and_the_switch_mode_matches_pytorch(tmp_pa
     train_run(run, model, tasks=(3, 2), size=32, model_spec=f"timm:{MOBILE}")
     export_bundle(run, tmp_path / "b", "all", onnx=True)
     x = torch.randn(2, 1, 32, 32)
-    with Runtime(tmp_path / "b", device="cpu") as rt:
-        for task in (0, 1, 0):
-            want = nwsconvert.load(run, task=task).eval()(x).detach().numpy()
-            got = rt.run(task, x.numpy())
-            # float32 on both sides, BatchNorm folded in the graph: rounding only
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    assert ort.get_available_providers()
+    rt = Runtime(tmp_path / "b", device="cpu")
+    assert rt.mode == "switch"
+    for task in (0, 1, 0):
+        want = nwsconvert.load(run, task=task).eval()(x).detach().numpy()
+        got = rt.run(task, x.numpy())
+        # float32 on both sides, BatchNorm folded in the graph: rounding only
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

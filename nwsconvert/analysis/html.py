@@ -483,7 +483,10 @@ def render_html(analysis: dict, figures: dict[str, bytes]) -> str:
                     r["bits"],
                     " / ".join(sorted({c for c in a["coding"][k] if c is not None})) or "–",
                     _f(_mean(a["index_bits"][k]), "{:.2f}"),
-                    _f(None if _mean(a["index_bits"][k]) is None else _mean(a["index_bits"][k]) / r["vector_size"], "{:.3f}"),
+                    _f(
+                        None if _mean(a["index_bits"][k]) is None else _mean(a["index_bits"][k]) / r["vector_size"],
+                        "{:.3f}",
+                    ),
                     _f(_mean(a["entropy_bits"][k]), "{:.2f}"),
                     format_bytes(_mean(a["index_bytes"][k])),
                     format_bytes(r["pool_bytes"]),

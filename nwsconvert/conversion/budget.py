@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -135,7 +136,17 @@ def _curve(measured: dict[int, float], bits: np.ndarray) -> np.ndarray:
 def _options(p: LayerPlan, weight: torch.Tensor, iters: int, seed: int) -> _Options:
     """Every (vector size, pool size) the planner may give layer ``p``, with task bits and proxy error."""
     sizes = [g for g in GROUP_SIZES if p.fan_in % g == 0] if p.family == "1x1" else [p.vector_size]
-    vec, pool, rate, error = [], [], [], []
+    vec: list[int] = []
+    pool: list[int] = []
+    rate: list[int] = []
+    error: list[float] = []
+
+    def offer(g: int, n: int, task_bits: int, err: float) -> None:
+        vec.append(g)
+        pool.append(n)
+        rate.append(task_bits)
+        error.append(err)
+
     numel = math.prod(p.shape)
     for g in sizes:
         d = numel // g
@@ -146,9 +157,9 @@ def _options(p: LayerPlan, weight: torch.Tensor, iters: int, seed: int) -> _Opti
         bits = bits[((1 << bits) * g * _POOL_SHARE <= numel) & ((1 << bits) < d)]
         for b, e in zip(bits, _curve(measured, bits.astype(float)) if measured else ()):
             if not np.isnan(e):
-                vec.append(g), pool.append(1 << int(b)), rate.append(_bits(d, int(b))), error.append(float(e))
+                offer(g, 1 << int(b), _bits(d, int(b)), float(e))
         if p.family != "1x1" and d <= MAX_PLANNED_POOL:  # a pool of the layer's own kernels: exact
-            vec.append(g), pool.append(max(2, d)), rate.append(_bits(d, exact_bits)), error.append(0.0)
+            offer(g, max(2, d), _bits(d, exact_bits), 0.0)
     # every weight counts the same: a layer's error weighs as much as its weights
     return _Options(p, np.array(vec), np.array(pool), np.array(rate, dtype=float), np.array(error), float(numel))
 
@@ -216,7 +227,7 @@ def fit_budget(
     if budget.bits_per_weight is not None:
         room = budget.bits_per_weight * weights - fixed_bits
     else:
-        room = 8 * (budget.bytes_per_task - state_bytes(model, plans)) - fixed_bits
+        room = 8 * (cast(int, budget.bytes_per_task) - state_bytes(model, plans)) - fixed_bits
     least = sum(float(o.rate.min()) for o in options)
     if room < least:
         lowest = (least + fixed_bits) / max(weights, 1)

@@ -114,6 +114,22 @@ def test_the_recorded_config_rebuilds_the_plan_without_planning_again(monkeypatc
     assert model.nws_report.index_bytes == plan_bytes(again)
 
 
+def test_group_sizes_bound_the_vector_sizes_the_planner_may_give():
+    model = mobile()
+    scalar = plan(model, NWSConfig(bits_per_weight=3, group_sizes=(1,)))
+    assert {p.vector_size for p in scalar if p.family == "1x1"} == {1}
+    assert 0.95 * 3 <= bits_per_weight(scalar) <= 3
+    config = NWSConfig(bits_per_weight=3, group_sizes=[1, 4])  # JSON gives a list
+    assert config.group_sizes == (1, 4) and NWSConfig.from_dict(config.to_dict()) == config
+    assert {p.vector_size for p in plan(model, config) if p.family == "1x1"} <= {1, 4}
+    converted = nwsconvert.convert(mobile(), config)
+    assert converted.nws_report.options["planned_for"] == "bits_per_weight=3, group_sizes=[1, 4]"
+    assert "group_sizes" not in converted.nws_report.options  # spent with the budget
+    for bad in ([], [0], "1", [1.5]):
+        with pytest.raises(UsageError, match="group_sizes"):
+            NWSConfig(bits_per_weight=3, group_sizes=bad)
+
+
 def test_a_pool_set_and_a_budget_together_are_refused_in_one_line():
     model = nwsconvert.convert(mobile())
     pools = nwsconvert.pool_set(model)
@@ -145,6 +161,9 @@ def test_nws_train_takes_a_budget_and_refuses_two(tmp_path):
     with pytest.raises(UsageError, match=r"bits_per_weight='lots': expected a number of bits"):
         validate_job(resolve_job(["bits_per_weight=lots", f"out={tmp_path}"]))
     validate_job(resolve_job(["bits_per_weight=off", "preset=auto", f"out={tmp_path}"]))
+    validate_job(resolve_job(["bits_per_weight=4", "group_sizes=[1, 2]", f"out={tmp_path}"]))
+    with pytest.raises(UsageError, match=r"group_sizes=4: expected a list of vector sizes"):
+        validate_job(resolve_job(["group_sizes=4", f"out={tmp_path}"]))
 
 
 # ------------------------------------------------------------------ presets

@@ -96,6 +96,7 @@ class Preset:
             above, the budget planner chooses every non-head layer's vector size and pool size.
             Naming ``group_size`` or ``pool_size`` to :meth:`config` without a budget turns a
             preset's own budget off: the user's g and n then hold everywhere.
+        group_sizes: the vector sizes the budget planner may give 1x1 / linear layers (``None``: all it knows).
         doc: the reasoning (the registering function's docstring).
     """
 
@@ -110,6 +111,7 @@ class Preset:
     kmeans_iters: int = 3
     bits_per_weight: float | None = None
     budget: int | None = None
+    group_sizes: tuple[int, ...] | None = None
     doc: str = dataclasses.field(default="", repr=False, compare=False)
 
     def replace(self, **changes) -> Preset:
@@ -171,10 +173,14 @@ class Preset:
         user = NWSConfig().replace(**options)
         base = dataclasses.replace(preset.base_config(), seed=user.seed)
         plans = preset.edit(plan(model, base))
-        budgeted = dataclasses.replace(base, bits_per_weight=preset.bits_per_weight, budget=preset.budget)
+        budgeted = dataclasses.replace(
+            base, bits_per_weight=preset.bits_per_weight, budget=preset.budget, group_sizes=preset.group_sizes
+        )
         budget = budgeted.budget_of()
         if budget is not None:
-            plans = fit_budget(model, plans, budget, seed=user.seed, kmeans_iters=preset.kmeans_iters)
+            plans = fit_budget(
+                model, plans, budget, seed=user.seed, kmeans_iters=preset.kmeans_iters, group_sizes=preset.group_sizes
+            )
         edited = config_from_plans(plans, budgeted)
         return dataclasses.replace(edited, init=user.init, seed=user.seed, layers={**user.layers, **edited.layers})
 

@@ -65,11 +65,11 @@ STATE_BYTES_PER_FLOAT = 2
 
 def state_bytes(model: nn.Module, plans: list[LayerPlan]) -> int:
     """Bytes of one task's state as ``nws-train`` stores it: every state-dict entry but the converted
-    layers' weights, float32 entries at float16."""
+    layers' weights, float32 entries at float16 (a lazy module's uninitialised entries count 0)."""
     converted = {f"{p.name}.weight" for p in plans if not p.skipped}
     total = 0
     for key, t in model.state_dict().items():
-        if key in converted:
+        if key in converted or nn.parameter.is_lazy(t):  # a lazy layer's size is not known yet
             continue
         per = STATE_BYTES_PER_FLOAT if t.dtype == torch.float32 else t.element_size()
         total += t.numel() * per
@@ -133,9 +133,9 @@ def _curve(measured: dict[int, float], bits: np.ndarray) -> np.ndarray:
     return np.minimum(np.exp(est), 1.0)
 
 
-def _options(p: LayerPlan, weight: torch.Tensor, iters: int, seed: int) -> _Options:
+def _options(p: LayerPlan, weight: torch.Tensor, iters: int, seed: int, group_sizes) -> _Options:
     """Every (vector size, pool size) the planner may give layer ``p``, with task bits and proxy error."""
-    sizes = [g for g in GROUP_SIZES if p.fan_in % g == 0] if p.family == "1x1" else [p.vector_size]
+    sizes = ([g for g in group_sizes if p.fan_in % g == 0] or [1]) if p.family == "1x1" else [p.vector_size]
     vec: list[int] = []
     pool: list[int] = []
     rate: list[int] = []
@@ -203,7 +203,13 @@ def _allocate(options: list[_Options], bits: float) -> list[int]:
 
 
 def fit_budget(
-    model: nn.Module, plans: list[LayerPlan], budget: Budget, *, seed: int = 0, kmeans_iters: int = 3
+    model: nn.Module,
+    plans: list[LayerPlan],
+    budget: Budget,
+    *,
+    seed: int = 0,
+    kmeans_iters: int = 3,
+    group_sizes: tuple[int, ...] | None = None,
 ) -> Plans:
     """``plans`` with every converted non-head layer's vector size and pool size chosen for ``budget``.
 
@@ -211,6 +217,8 @@ def fit_budget(
         model: the model the plans are for (its weights give the proxy errors; nothing is changed).
         plans: the planner's plans (a preset's edits included); skipped layers and the head are kept.
         budget: :class:`Budget`.
+        group_sizes: the vector sizes 1x1 and linear layers may get (default :data:`GROUP_SIZES`);
+            a layer whose input width none of them divides is planned with g = 1.
 
     Returns:
         The new plans.
@@ -220,7 +228,10 @@ def fit_budget(
     """
     modules = dict(model.named_modules())
     candidates = [p for p in plans if not p.skipped and p.role != "head"]
-    options = [o for o in (_options(p, modules[p.name].weight, kmeans_iters, seed) for p in candidates) if o.rate.size]
+    sizes = tuple(group_sizes or GROUP_SIZES)
+    options = [
+        o for o in (_options(p, modules[p.name].weight, kmeans_iters, seed, sizes) for p in candidates) if o.rate.size
+    ]
     planned = {o.plan.name for o in options}
     weights = sum(math.prod(p.shape) for p in plans if not p.skipped)
     fixed_bits = sum(_bits(p.kernels, p.bits) for p in plans if not p.skipped and p.name not in planned)

@@ -36,7 +36,7 @@ CONFIG_VERSION = 1
 #: pool initialisations a config can name; ``"pools"``: a pool set given to ``convert`` (``init=PoolSet | path``).
 INITS = ("kmeans", "random", "pools")
 _LEGACY = ("skip", "layer_pool_size", "layer_group_size")
-_BUDGET_KEYS = ("bits_per_weight", "budget", "planned_for")
+_BUDGET_KEYS = ("bits_per_weight", "budget", "group_sizes", "planned_for")
 
 
 def _int(key: str, value, lo: int, hi: int | None = None) -> int:
@@ -117,6 +117,8 @@ class NWSConfig:
             non-head layer's vector size and pool size so that a task's indices take at most this
             many bits per converted weight at fixed width (packs store that or less).
         budget: the same as bytes per task, the task's float16 state included (``None``: no budget).
+        group_sizes: the vector sizes the planner may give 1x1 convs and linear layers (``None``:
+            1, 2, 4, 8 and 16; ``(1,)``: scalar pools, each layer's pool size planned).
         planned_for: a record, not an input: the budget the ``layers`` entries were planned for
             (``"bits_per_weight=2"``); the config a run records has its budget spent into ``layers``.
     """
@@ -129,6 +131,7 @@ class NWSConfig:
     layers: dict[str, LayerConfig | None] = field(default_factory=dict)
     bits_per_weight: float | None = None
     budget: int | None = None
+    group_sizes: tuple[int, ...] | None = None
     planned_for: str | None = None
 
     def __post_init__(self):
@@ -143,6 +146,14 @@ class NWSConfig:
             )
         if self.bits_per_weight is not None or self.budget is not None:
             Budget(self.bits_per_weight, self.budget)  # validates: one of the two, in range
+        if self.group_sizes is not None:
+            sizes = self.group_sizes
+            if isinstance(sizes, list):
+                object.__setattr__(self, "group_sizes", sizes := tuple(sizes))
+            if not isinstance(sizes, tuple) or not sizes:
+                raise UsageError(f"group_sizes must be a non-empty list of vector sizes, got {sizes!r}")
+            for g in sizes:
+                _int("group_sizes", g, 1, MAX_VECTOR_SIZE)
         if self.planned_for is not None and not isinstance(self.planned_for, str):
             raise UsageError(f"planned_for must be a string, got {self.planned_for!r}")
         if not isinstance(self.layers, dict):
@@ -191,7 +202,7 @@ class NWSConfig:
 
     def to_dict(self) -> dict:
         """JSON-able: ``{"version", "pool_size", "group_size", "init", "seed", "kmeans_iters", "layers"}``,
-        plus ``bits_per_weight`` / ``budget`` / ``planned_for`` where set."""
+        plus ``bits_per_weight`` / ``budget`` / ``group_sizes`` / ``planned_for`` where set."""
         out = {
             "version": CONFIG_VERSION,
             "pool_size": self.pool_size,
@@ -202,8 +213,9 @@ class NWSConfig:
             "layers": {p: (None if e is None else e.to_dict()) for p, e in self.layers.items()},
         }
         for key in _BUDGET_KEYS:
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = list(value) if isinstance(value, tuple) else value
         return out
 
     @classmethod

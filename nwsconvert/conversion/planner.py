@@ -248,7 +248,9 @@ def plan(model: nn.Module, config: NWSConfig | None = None, pools: PoolSet | Non
             )
         from .budget import fit_budget
 
-        out = fit_budget(model, out, budget, seed=config.seed, kmeans_iters=config.kmeans_iters)
+        out = fit_budget(
+            model, out, budget, seed=config.seed, kmeans_iters=config.kmeans_iters, group_sizes=config.group_sizes
+        )
     return out
 
 
@@ -293,7 +295,8 @@ def config_from_plans(plans: list[LayerPlan], base: NWSConfig) -> NWSConfig:
     """
     budget = base.budget_of()
     if budget is not None:
-        base = base.replace(bits_per_weight=None, budget=None, planned_for=budget.describe())
+        sizes = "" if base.group_sizes is None else f", group_sizes={list(base.group_sizes)}"
+        base = base.replace(bits_per_weight=None, budget=None, group_sizes=None, planned_for=budget.describe() + sizes)
     layers: dict[str, LayerConfig | None] = {}
     for p in plans:
         default = base.resolve(p.name)

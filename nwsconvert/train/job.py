@@ -57,6 +57,7 @@ DEFAULT_JOB: dict = {
     "preset": None,  # conversion preset: nwsconvert.zoo.list_presets() or "auto"
     "bits_per_weight": None,  # a budget for the planner: index bits per weight (None: the preset's; off: none)
     "budget": None,  # the same as bytes per task (200000, "200KB", "0.2MB")
+    "group_sizes": None,  # vector sizes the planner may give 1x1 / linear layers (None: the preset's, else all)
     "init": "kmeans",  # kmeans | random | <pool file>
     "weights": None,  # safetensors state dict loaded into the model before conversion
     "recipe": "demo",  # nwsconvert.zoo.list_recipes()
@@ -165,11 +166,12 @@ def _budget_options(job: dict) -> dict:
     or both ``None`` for ``off`` (a preset's own budget off)."""
     if _off(job["bits_per_weight"]) or _off(job["budget"]):
         return {"bits_per_weight": None, "budget": None}
+    out: dict = {} if job["group_sizes"] is None else {"group_sizes": tuple(job["group_sizes"])}
     if job["budget"] is not None:
-        return {"budget": budget_bytes(job["budget"])}
+        return {**out, "budget": budget_bytes(job["budget"])}
     if job["bits_per_weight"] is not None:
-        return {"bits_per_weight": float(job["bits_per_weight"])}
-    return {}
+        return {**out, "bits_per_weight": float(job["bits_per_weight"])}
+    return out
 
 
 def convert_job(job: dict, model, init, seed: int) -> None:
@@ -280,6 +282,12 @@ def validate_job(job: dict) -> None:
         budget_bytes(n)
     if b is not None and not _off(b) and n is not None and not _off(n):
         raise UsageError("bits_per_weight= and budget= are two forms of one budget: give one")
+    sizes = job["group_sizes"]
+    expect(
+        "group_sizes",
+        sizes is None or (isinstance(sizes, list) and sizes and all(whole(g, 1) for g in sizes)),
+        "a list of vector sizes, e.g. [1] or [1, 2, 4]",
+    )
     for key in ("learn_pools", "progress"):
         expect(key, type(job[key]) is bool, "true or false")
     expect("out", job["out"] is None or (isinstance(job["out"], str) and job["out"]), "a directory")
@@ -492,6 +500,7 @@ FIXED_ON_RESUME = (
     "preset",
     "bits_per_weight",
     "budget",
+    "group_sizes",
     "init",
     "learn_pools",
     "recipe",  # its options are the run's recorded ones on --resume: another name would change nothing

@@ -163,7 +163,9 @@ def convert(model: nn.Module, config: NWSConfig | int | None = None, **overrides
         config: an :class:`~nwsconvert.NWSConfig`, or the pool size (``convert(model, 512)``).
         **overrides: config fields (``pool_size=512``, ``group_size``, ``seed``, ``kmeans_iters``,
             ``layers``, and ``skip`` / ``layer_pool_size`` / ``layer_group_size``) and ``init``
-            (``"kmeans"``, ``"random"``, a :class:`PoolSet` or a pool file).
+            (``"kmeans"``, ``"random"``, a :class:`PoolSet` or a pool file). A budget,
+            ``bits_per_weight=2`` or ``budget=200_000`` (bytes a task), lets the planner choose
+            every non-head layer's vector and pool size (:mod:`nwsconvert.conversion.budget`).
 
     Returns:
         The same model object, converted. ``model.nws_report`` (or

@@ -13,6 +13,7 @@ from trainer_utils import train_run
 
 import nwsconvert
 from nwsconvert.conversion import budget as budget_module
+from nwsconvert.conversion import planner as planner_module
 from nwsconvert.conversion.budget import fit_budget, plan_bytes, state_bytes
 from nwsconvert.conversion.config import Budget, NWSConfig
 from nwsconvert.conversion.planner import plan
@@ -106,7 +107,7 @@ def test_the_recorded_config_rebuilds_the_plan_without_planning_again(monkeypatc
     assert options["planned_for"] == "bits_per_weight=1.5"
     assert "bits_per_weight" not in options and "budget" not in options
     config = NWSConfig.from_dict(options)
-    monkeypatch.setattr(budget_module, "fit_budget", lambda *a, **k: pytest.fail("planned again"))
+    monkeypatch.setattr(planner_module, "fit_budget", lambda *a, **k: pytest.fail("planned again"))
     again = plan(mobile(seed=1), config)  # other weights: a planner would choose otherwise
     got = {r.name: (r.vector_size, r.pool_size) for r in model.nws_report.layers}
     assert {p.name: (p.vector_size, p.pool_size) for p in again if not p.skipped} == got

@@ -46,7 +46,7 @@ from torch import nn
 from ..core.pools import init_pool
 from ..errors import UsageError
 from .config import Budget
-from .planner import LayerPlan, Plans
+from .plans import LayerPlan, Plans
 
 __all__ = ["Budget", "fit_budget", "plan_bytes", "state_bytes", "GROUP_SIZES", "MAX_PLANNED_POOL"]
 

@@ -235,17 +235,18 @@ def fit_budget(
     planned = {o.plan.name for o in options}
     weights = sum(math.prod(p.shape) for p in plans if not p.skipped)
     fixed_bits = sum(_bits(p.kernels, p.bits) for p in plans if not p.skipped and p.name not in planned)
+    state = state_bytes(model, plans) if budget.bytes_per_task is not None else 0
     if budget.bits_per_weight is not None:
         room = budget.bits_per_weight * weights - fixed_bits
     else:
-        room = 8 * (cast(int, budget.bytes_per_task) - state_bytes(model, plans)) - fixed_bits
+        room = 8 * (cast(int, budget.bytes_per_task) - state) - fixed_bits
     least = sum(float(o.rate.min()) for o in options)
     if room < least:
         lowest = (least + fixed_bits) / max(weights, 1)
         floor = (
             f"{lowest:.3f} bits per weight"
             if budget.bits_per_weight is not None
-            else f"{math.ceil((least + fixed_bits) / 8) + state_bytes(model, plans)} bytes per task"
+            else f"{math.ceil((least + fixed_bits) / 8) + state} bytes per task"
         )
         raise UsageError(f"{budget.describe()} is below the smallest plan for {type(model).__name__}: {floor}")
     choice = _allocate(options, room)

@@ -195,7 +195,7 @@ class NWSConfig:
 
     # -------------------------------------------------------- serialisation
     def budget_of(self) -> Budget | None:
-        """The :class:`~nwsconvert.conversion.budget.Budget` this config asks for, or ``None``."""
+        """The :class:`Budget` this config asks for, or ``None``."""
         if self.bits_per_weight is None and self.budget is None:
             return None
         return Budget(self.bits_per_weight, self.budget)

@@ -296,6 +296,20 @@ def test_lite0_grayscale_spec_for_run_directories():
         )
 
 
+def test_lite0_early_spec_check_is_silent():
+    """nws-train checks the spec on the meta device before loading data; the factory's weight load there
+    warned once per tensor (296 lines before a run's first output)."""
+    _need_lite0()
+    import warnings
+
+    from nwsconvert.train.job import check_model_spec
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        check_model_spec(get_pretrained("efficientnet_lite0").spec, {"in_chans": 1, "image_size": 64})
+    assert [str(w.message) for w in seen] == []
+
+
 def test_missing_package_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "efficientnet_lite_pytorch", None)
     with pytest.raises(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from ..devices import check_device
@@ -331,7 +332,10 @@ def check_model_spec(spec: str, kwargs: dict) -> None:
     if why is not None:
         raise UsageError(why)
     try:
-        with torch.device("meta"):
+        # A factory that loads its weights warns once per tensor that copying into a meta parameter is a
+        # no-op (hundreds of lines for a pretrained zoo model): expected here, so silenced here only.
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             build_model(spec, num_classes=2, **kwargs)
     except TypeError as e:  # an unknown or ill-typed keyword: the factory's own words
         raise UsageError(f"model={spec} with model.{', model.'.join(kwargs) or '()'}: {e}") from None

@@ -9,12 +9,12 @@ size g (1x1 convs and linear layers) and the pool size n free per layer, the sam
 spent in many ways. The planner spends it where it buys the most:
 
 * **Proxy.** For every layer and candidate vector size it runs the conversion's own k-means
-  (``init_pool``, the config's iterations and seed) at n = 16 and n = 256 on at most 4,096 of the
-  layer's vectors and measures the relative squared reconstruction error ``||W - K||^2 / ||W||^2``
-  (on another 4,096 vectors when the layer has more: held out, so a pool is not judged on the
-  vectors it was fitted to). Between and beyond those two points the error is taken as
-  exponential in the index bits (the high-rate law of vector quantisation, ``D ~ 2^(-2b/g)``,
-  with the measured slope). A pool of at least the layer's own kernel count is exact (error 0,
+  (``init_pool``, the config's iterations and seed) at n = 2, 4, 16, 64 and 256 (``_MEASURED_BITS``)
+  on at most 4,096 of the layer's vectors and measures the relative squared reconstruction error
+  ``||W - K||^2 / ||W||^2`` (on another 4,096 vectors when the layer has more: held out, so a pool
+  is not judged on the vectors it was fitted to). Between those points the error is taken as
+  exponential in the index bits (log-linear), and above the last one it follows the last measured
+  slope (the high-rate law of vector quantisation, ``D ~ 2^(-2b/g)``). A pool of at least the layer's own kernel count is exact (error 0,
   ``ceil(log2 d)`` bits): k-means keeps every kernel.
 * **Choice.** Every weight counts the same: the plan minimises the sum of the layers' errors, each
   weighed by its weight count, under the budget (a Lagrange multiplier found by bisection, then the

@@ -3,8 +3,10 @@ import os
 import pytest
 import torch
 
-# CI machines have 2 cores; keep intra-op threads at the core count.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# CI machines have 2 cores; keep intra-op threads at the core count, shared among pytest-xdist's workers
+# (`make test` runs two: one intra-op thread each, no oversubscription).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 # Without CUDA, Triton kernels run in Triton's interpreter on CPU tensors (tests/test_fused_search.py).
 # Set before any test imports a kernel module: triton.jit reads it when a kernel is defined.

@@ -14,8 +14,8 @@ spent in many ways. The planner spends it where it buys the most:
   ``||W - K||^2 / ||W||^2`` (on another 4,096 vectors when the layer has more: held out, so a pool
   is not judged on the vectors it was fitted to). Between those points the error is taken as
   exponential in the index bits (log-linear), and above the last one it follows the last measured
-  slope (the high-rate law of vector quantisation, ``D ~ 2^(-2b/g)``). A pool of at least the layer's own kernel count is exact (error 0,
-  ``ceil(log2 d)`` bits): k-means keeps every kernel.
+  slope (the high-rate law of vector quantisation, ``D ~ 2^(-2b/g)``). A pool of at least the
+  layer's own kernel count is exact (error 0, ``ceil(log2 d)`` bits): k-means keeps every kernel.
 * **Choice.** Every weight counts the same: the plan minimises the sum of the layers' errors, each
   weighed by its weight count, under the budget (a Lagrange multiplier found by bisection, then the
   leftover bits spent greedily on the moves that cut the most error per bit). That evens the error

@@ -129,6 +129,10 @@ def test_group_sizes_bound_the_vector_sizes_the_planner_may_give():
     for bad in ([], [0], "1", [1.5]):
         with pytest.raises(UsageError, match="group_sizes"):
             NWSConfig(bits_per_weight=3, group_sizes=bad)
+    with pytest.raises(UsageError, match=r"group_sizes=\[1\] bounds the budget planner's vector sizes: give bits_per"):
+        NWSConfig(group_sizes=[1])  # no budget: nothing would read them
+    with pytest.raises(UsageError, match=r"group_sizes=\[1\] bounds"):
+        get_preset("resnet-basic").config(mobile(), group_sizes=(1,))  # a preset without a budget
 
 
 def test_a_pool_set_and_a_budget_together_are_refused_in_one_line():
@@ -165,6 +169,8 @@ def test_nws_train_takes_a_budget_and_refuses_two(tmp_path):
     validate_job(resolve_job(["bits_per_weight=4", "group_sizes=[1, 2]", f"out={tmp_path}"]))
     with pytest.raises(UsageError, match=r"group_sizes=4: expected a list of vector sizes"):
         validate_job(resolve_job(["group_sizes=4", f"out={tmp_path}"]))
+    with pytest.raises(UsageError, match=r"group_sizes=\[1\] bounds the budget planner, which bits_per_weight=off"):
+        validate_job(resolve_job(["bits_per_weight=off", "group_sizes=[1]", f"out={tmp_path}"]))
 
 
 # ------------------------------------------------------------------ presets

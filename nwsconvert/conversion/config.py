@@ -154,6 +154,11 @@ class NWSConfig:
                 raise UsageError(f"group_sizes must be a non-empty list of vector sizes, got {sizes!r}")
             for g in sizes:
                 _int("group_sizes", g, 1, MAX_VECTOR_SIZE)
+            if self.bits_per_weight is None and self.budget is None:  # nothing would read them
+                raise UsageError(
+                    f"group_sizes={list(sizes)} bounds the budget planner's vector sizes: give bits_per_weight= or "
+                    "budget= with it (or group_size= for one vector size everywhere)"
+                )
         if self.planned_for is not None and not isinstance(self.planned_for, str):
             raise UsageError(f"planned_for must be a string, got {self.planned_for!r}")
         if not isinstance(self.layers, dict):

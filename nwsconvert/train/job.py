@@ -289,6 +289,9 @@ def validate_job(job: dict) -> None:
         sizes is None or (isinstance(sizes, list) and sizes and all(whole(g, 1) for g in sizes)),
         "a list of vector sizes, e.g. [1] or [1, 2, 4]",
     )
+    if sizes is not None and (_off(b) or _off(n)):
+        off = "bits_per_weight" if _off(b) else "budget"
+        raise UsageError(f"group_sizes={sizes} bounds the budget planner, which {off}=off turns off: give one")
     for key in ("learn_pools", "progress"):
         expect(key, type(job[key]) is bool, "true or false")
     expect("out", job["out"] is None or (isinstance(job["out"], str) and job["out"]), "a directory")

@@ -60,3 +60,36 @@ def test_assign_takes_each_rows_first_nearest_centre_as_torch_min_does():
     v, want = d.min(dim=1)
     assert torch.equal(idx, want) and bool((idx < 64).all())
     assert torch.equal(dist, (v + (x * x).sum(1)).clamp_min(0))
+
+
+def _seeding_in_torch(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k-means++ seeding written step by step in torch: the arithmetic ``_kmeans_pp`` must reproduce."""
+    n = x.shape[0]
+    centers = torch.empty(k, x.shape[1])
+    first = int(torch.randint(n, (1,), generator=gen))
+    centers[0] = x[first]
+    d2 = (x - x[first]).pow(2).sum(1)
+    u = torch.rand(k, generator=gen, dtype=torch.float64)
+    for j in range(1, k):
+        cum = torch.cumsum(d2, 0, dtype=torch.float64)
+        pick = int(torch.searchsorted(cum, u[j] * cum[-1]).clamp_max(n - 1))
+        centers[j] = x[pick]
+        torch.minimum(d2, (x - x[pick]).pow(2).sum(1), out=d2)
+    return centers
+
+
+def test_seeding_on_numpy_picks_the_same_centres_as_torch():
+    """The seeding loop runs on NumPy views (one op over all components a step); its picks are exactly torch's:
+    the same float32 squared distances summed in component order and the same float64 running sum. Widths
+    cover scalars, 1x1 groups, 3x3 / 5x5 / 7x7 kernels; duplicated rows make many distances exactly 0."""
+    from nwsconvert.core.kmeans import _kmeans_pp
+
+    gen = torch.Generator().manual_seed(4)
+    for width in (1, 2, 4, 9, 16, 25, 49):
+        for n in (300, 4096):
+            x = torch.randn(n, width, generator=gen) * torch.rand(1, generator=gen) * 3 + torch.randn(1, generator=gen)
+            x[: n // 4] = x[n // 4 : n // 2]  # duplicates
+            for k in (2, 16, 256):
+                want = _seeding_in_torch(x, k, torch.Generator().manual_seed(k + width))
+                got = _kmeans_pp(x, k, torch.Generator().manual_seed(k + width))
+                assert torch.equal(got, want), (width, n, k)

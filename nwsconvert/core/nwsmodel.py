@@ -8,7 +8,6 @@ from typing import cast
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from .layers import NWSWeight
 from .pools import PoolSet
@@ -61,8 +60,11 @@ def nws_layers(model: nn.Module) -> list[NWSLayer]:
     """Every NWS layer of ``model``, in module order."""
     out = []
     for name, m in model.named_modules():
-        if parametrize.is_parametrized(m, "weight"):
-            for p in m.parametrizations.weight:
+        # parametrize.is_parametrized(m, "weight") without nn.Module.__getattr__: this runs every epoch and
+        # more, over every module (a MobileNet has ~400 with the parametrizations), and was 2/3 of the walk
+        found = m._modules.get("parametrizations")
+        if isinstance(found, nn.ModuleDict) and "weight" in found:
+            for p in cast(nn.ModuleList, found["weight"]):
                 if isinstance(p, NWSWeight):
                     out.append(NWSLayer(name, m, p))
     return out
@@ -138,10 +140,13 @@ def reseed_unused(model: nn.Module) -> int:
     return sum(layer.nws.reseed_unused(layer.weight) for layer in _require(model))
 
 
-def search_stats(model: nn.Module) -> dict:
+def search_stats(model: nn.Module, layers: list[NWSLayer] | None = None) -> dict:
     """Kernels re-searched by the last training forward: ``{'searched', 'total', 'fraction', 'exact_rows',
-    'paired'}`` (``paired``: of those searched, how many their entry and runner-up settled, on a CPU)."""
-    layers = _require(model)
+    'paired'}`` (``paired``: of those searched, how many their entry and runner-up settled, on a CPU).
+
+    ``layers``: ``nws_layers(model)`` when the caller holds it (a training loop, once per epoch, not per step).
+    """
+    layers = layers or _require(model)
     engine = layers[0].nws._engine() if layers[0].nws._engine is not None else None
     if engine is not None and engine.manages(layers):
         return {**engine.stats(), "paired": 0}  # the engine searches every row past its budget

@@ -20,7 +20,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
 from tqdm.auto import tqdm
 
-from ..core.nwsmodel import commitment_loss, distillation_loss, ema_update, search_stats, set_commitment
+from ..core.nwsmodel import (
+    commitment_loss,
+    distillation_loss,
+    ema_update,
+    nws_layers,
+    search_stats,
+    set_commitment,
+)
 from .config import TrainConfig
 from .distributed import DistInfo
 from .heads import feature_weights
@@ -241,6 +248,7 @@ def train_one_epoch(
     sums = EpochSums(
         torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.int64, device=device)
     )
+    layers = nws_layers(model) if engine is None else None  # one walk over the modules an epoch, not a step
     bar = tqdm(loader, desc=desc, disable=not progress, leave=False, dynamic_ncols=True)
     for x, y in bar:
         x = x.to(device, non_blocking=True)
@@ -252,7 +260,7 @@ def train_one_epoch(
         sums.correct += (out.argmax(1) == y).sum()
         sums.loss_sum += loss.double() * n
         sums.searched = sums.searched + (
-            engine.searched_fraction() if engine is not None else search_stats(model)["fraction"]
+            engine.searched_fraction() if engine is not None else search_stats(model, layers)["fraction"]
         )
         if sums.steps % READ_EVERY == 0:
             check(sums.loss_sum)

@@ -59,9 +59,10 @@ def _kmeans_pp(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
 
     ``x``: ``(n, D)``. The loop is sequential in ``k`` and each step is small (one pass over ``n`` rows), so
     it runs on NumPy views of CPU memory: three array operations a step whatever ``D``, where torch's
-    per-call overhead made a step 2-3x slower. The arithmetic is torch's in the same order (float32
-    squared distances summed over the components in order, a float64 running sum), so the centres are
-    the same bits as before.
+    per-call overhead made a step 2-3x slower. The arithmetic is torch's CPU arithmetic in the same order
+    (float32 squared distances summed over the components in order, a float64 running sum), so the picks
+    are those of the step-by-step torch loop (``tests/test_kmeans.py``). A CUDA sample (at most
+    :data:`SEED_SAMPLE` rows) is copied to the host once for the loop, where a device loop synced every step.
     """
     n = x.shape[0]
     first = int(torch.randint(n, (1,), generator=gen))

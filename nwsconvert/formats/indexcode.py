@@ -165,7 +165,7 @@ def decode_indices(encoded: EncodedLayer, count: int, pool_size: int, bits: int,
         k = encoded.changes
         if k is None or not 0 <= k <= count:
             raise ValueError(f"{coding} indices need a change count in [0, {count}], got {k}")
-        values = ref.copy()
+        values = ref  # _ints copied the base (astype): changed in place
         if 0 < k < count:
             changed = ans_decode(np.asarray(t["indices"]).tobytes(), _changes(count, k), count).astype(bool)
         else:

@@ -12,6 +12,7 @@ then the tensor data; offsets count from the end of the header.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -251,9 +252,16 @@ def raw_digest(data, header: Header, names=None) -> str:
     view = memoryview(data)
     for name in sorted(header.tensors if names is None else names):
         t = header.tensors[name]
-        h.update(json.dumps([name, TORCH_DTYPE[t.dtype], list(t.shape)]).encode())
+        h.update(_entry_bytes(name, t.dtype, t.shape))
         h.update(view[t.start : t.end])
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _entry_bytes(name: str, dtype: str, shape: tuple[int, ...]) -> bytes:
+    """What :func:`raw_digest` hashes before a tensor's bytes: ``[name, torch dtype, shape]`` as JSON. Kept:
+    every pack of a bundle names the same tensors, and the runtime's packs-only switch hashes one a switch."""
+    return json.dumps([name, TORCH_DTYPE[dtype], list(shape)]).encode()
 
 
 def file_sha256(path: str | os.PathLike) -> str:

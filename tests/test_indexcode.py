@@ -326,3 +326,24 @@ def test_numpy_reader_decodes_what_torch_reads(tmp_path):
     (tmp_path / "task.nwspack").write_bytes((GOLDEN / "task.nwspack").read_bytes())
     with pytest.raises(nc.FormatError, match="base.nwspack"):  # no base beside it, nor one folder up
         read_pack_arrays(tmp_path / "task.nwspack")
+
+
+def test_raw_digest_equals_tensor_digest_for_kept_and_long_names():
+    """``raw_digest`` (from a file's bytes, its JSON entries kept for names up to 256 characters) hashes what
+    ``tensor_digest`` hashes from the tensors, for short names, a name past the kept length, and twice
+    (the second time from the kept entries)."""
+    from safetensors.torch import save
+
+    from nwsconvert.formats.stfile import parse_header, raw_digest
+    from nwsconvert.formats.storage import tensor_digest
+
+    tensors = {
+        "layer.indices": torch.arange(7, dtype=torch.int64),
+        "state/bn.weight": torch.linspace(0, 1, 5, dtype=torch.float16),
+        "x" * 300: torch.ones(2, 3),
+    }
+    data = save(tensors)
+    header = parse_header(data, len(data), "mem")
+    want = tensor_digest(tensors)
+    assert raw_digest(data, header) == want
+    assert raw_digest(data, header) == want

@@ -252,16 +252,24 @@ def raw_digest(data, header: Header, names=None) -> str:
     view = memoryview(data)
     for name in sorted(header.tensors if names is None else names):
         t = header.tensors[name]
-        h.update(_entry_bytes(name, t.dtype, t.shape))
+        short = len(name) <= _CACHED_NAME  # a file may hold any names: only the usual ones are kept
+        h.update(_entry_bytes(name, t.dtype, t.shape) if short else _entry_json(name, t.dtype, t.shape))
         h.update(view[t.start : t.end])
     return h.hexdigest()
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _entry_bytes(name: str, dtype: str, shape: tuple[int, ...]) -> bytes:
-    """What :func:`raw_digest` hashes before a tensor's bytes: ``[name, torch dtype, shape]`` as JSON. Kept:
-    every pack of a bundle names the same tensors, and the runtime's packs-only switch hashes one a switch."""
+#: names up to this length have their :func:`raw_digest` entry kept (a layer's state-dict keys are far shorter).
+_CACHED_NAME = 256
+
+
+def _entry_json(name: str, dtype: str, shape: tuple[int, ...]) -> bytes:
+    """What :func:`raw_digest` hashes before a tensor's bytes: ``[name, torch dtype, shape]`` as JSON."""
     return json.dumps([name, TORCH_DTYPE[dtype], list(shape)]).encode()
+
+
+#: :func:`_entry_json`, kept: every pack of a bundle names the same tensors, and the runtime's packs-only switch
+#: hashes one a switch (at most 16,384 entries of at most 256-character names: a few MB at worst).
+_entry_bytes = functools.lru_cache(maxsize=1 << 14)(_entry_json)
 
 
 def file_sha256(path: str | os.PathLike) -> str:

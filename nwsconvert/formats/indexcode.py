@@ -58,8 +58,8 @@ def _u8(data: bytes) -> np.ndarray:
 
 
 def _ints(values) -> np.ndarray:
-    """``(N,)`` int64 from an array-like (a CPU torch tensor works)."""
-    return np.asarray(values).astype(np.int64).ravel()
+    """``(N,)`` int64 from an array-like (a CPU torch tensor works), always a new array: callers change it."""
+    return np.asarray(values).astype(np.int64).ravel()  # astype copies (copy=True, its default)
 
 
 def _stream(values: np.ndarray, n: int, bits: int, entropy: bool) -> dict[str, np.ndarray]:
@@ -165,7 +165,7 @@ def decode_indices(encoded: EncodedLayer, count: int, pool_size: int, bits: int,
         k = encoded.changes
         if k is None or not 0 <= k <= count:
             raise ValueError(f"{coding} indices need a change count in [0, {count}], got {k}")
-        values = ref  # _ints copied the base (astype): changed in place
+        values = ref  # _ints' own copy: changed in place
         if 0 < k < count:
             changed = ans_decode(np.asarray(t["indices"]).tobytes(), _changes(count, k), count).astype(bool)
         else:

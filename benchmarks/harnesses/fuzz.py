@@ -592,6 +592,7 @@ def targeted_pack(rng: random.Random, meta: dict, case: Case, subj: Subject, oth
                 "pool_size",
                 "shape",
                 "coding",
+                "mask",
                 "bits",
                 "vector_size",
                 "name",
@@ -624,6 +625,7 @@ def targeted_pack(rng: random.Random, meta: dict, case: Case, subj: Subject, oth
             ],
             "coding": [c for c in ("bits", "ans", "delta+bits", "delta+ans") if c != row.get("coding")]
             + ["zip", None, 7, ""],
+            "mask": [m for m in ("rice", "ans") if m != row.get("mask")] + ["gaps", None, 1, ""],
             "name": [rng.choice(names), "", "x", None, f"{row.get('name')}x"],
             "role": ["head", "stem", "body", "shortcut", "tail", None],
             "groups": [0, 2, 10**9, -1, None],

@@ -7,11 +7,11 @@
     :mod:`nwsconvert.formats.entropy`). Pays when some pool entries are chosen far
     more often than others (early layers, App. F of the paper).
 ``delta+bits`` / ``delta+ans``
-    against a *base* task's indices for the same layer: a rANS-coded map of the
-    positions that changed (a two-symbol model whose only parameter, the number
-    of changes, sits in the layer table) followed by the new indices at those
-    positions, fixed width or rANS. Pays when a task keeps most of its base's
-    kernels (task t starts from task t-1's kernels, so few change).
+    against a *base* task's indices for the same layer: a map of the positions
+    that changed (:mod:`nwsconvert.formats.changemap`; the number of changes
+    sits in the layer table) followed by the new indices at those positions,
+    fixed width or rANS. Pays when a task keeps most of its base's kernels
+    (task t starts from task t-1's kernels, so few change).
 
 The encoder tries every coding that applies and keeps the smallest; decoding
 is exact. Sizes count the tensors' bytes (the JSON layer table is extra).
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .bitpack import pack_bits, packed_size, unpack_bits
+from .changemap import MASKS, decode_changes, encode_changes
 from .entropy import ans_decode, ans_encode, decode_table, encode_table, entropy_bits
 
 __all__ = ["ANS_SLACK_BYTES", "CODINGS", "EncodedLayer", "encode_indices", "decode_indices"]
@@ -39,14 +40,17 @@ class EncodedLayer:
     Attributes:
         coding: one of :data:`CODINGS`.
         tensors: suffix -> ``(M,)`` uint8 array: ``indices`` (bit-packed stream, rANS
-            payload, or the change map's payload), ``table`` (rANS tables),
-            ``values`` (delta codings: the new indices).
+            payload, or the change map), ``table`` (rANS tables), ``values`` (delta
+            codings: the new indices).
         changes: delta codings: how many positions differ from the base.
+        mask: delta codings: the change map's form (:data:`~nwsconvert.formats.changemap.MASKS`;
+            ``None`` reads as ``"ans"``, what pack versions 1-3 wrote).
     """
 
     coding: str
     tensors: dict[str, np.ndarray]
     changes: int | None = None
+    mask: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -80,10 +84,6 @@ def _unstream(tensors: dict[str, np.ndarray], count: int, n: int, bits: int, ent
     if int(counts.sum()) != count:
         raise ValueError(f"table counts {int(counts.sum())} indices, the layer has {count}")
     return symbols[ans_decode(np.asarray(tensors["indices"]).tobytes(), counts, count)]
-
-
-def _changes(count: int, k: int) -> np.ndarray:
-    return np.array([count - k, k], dtype=np.int64)
 
 
 #: Bytes by which a rANS stream may come in under its data's order-0 entropy (the coder's initial state
@@ -120,11 +120,7 @@ def encode_indices(indices, pool_size: int, bits: int, base=None, codings=CODING
     if ref is not None and ref.size == values.size and values.size:
         changed = values != ref
         k = int(changed.sum())
-        mask = (
-            {"indices": _u8(ans_encode(changed.astype(np.int64), _changes(values.size, k)))}
-            if 0 < k < values.size
-            else {"indices": _u8(b"")}
-        )
+        mask = {"indices": _u8(encode_changes(changed, MASKS[0]))}
         for name, entropy in (("delta+bits", False), ("delta+ans", True)):
             if name in codings and (k or not entropy):
                 new = _stream(values[changed], pool_size, bits, entropy) if k else {}
@@ -133,6 +129,7 @@ def encode_indices(indices, pool_size: int, bits: int, base=None, codings=CODING
                         name,
                         {**mask, **{("values" if s == "indices" else f"values_{s}"): t for s, t in new.items()}},
                         changes=k,
+                        mask=MASKS[0],
                     )
                 )
     best = min((e.nbytes for e in candidates), default=None)
@@ -166,17 +163,14 @@ def decode_indices(encoded: EncodedLayer, count: int, pool_size: int, bits: int,
         if k is None or not 0 <= k <= count:
             raise ValueError(f"{coding} indices need a change count in [0, {count}], got {k}")
         values = ref  # _ints' own copy: changed in place
-        if 0 < k < count:
-            changed = ans_decode(np.asarray(t["indices"]).tobytes(), _changes(count, k), count).astype(bool)
-        else:
-            changed = np.full(count, k == count)
+        positions = decode_changes(t["indices"], count, k, encoded.mask or "ans")
         if k:
             sub = {
                 s.removeprefix("values_") if s != "values" else "indices": v
                 for s, v in t.items()
                 if s.startswith("values")
             }
-            values[changed] = _unstream(sub, k, pool_size, bits, coding == "delta+ans")
+            values[positions] = _unstream(sub, k, pool_size, bits, coding == "delta+ans")
     else:
         raise ValueError(f"unknown index coding {coding!r} (this nwsconvert reads {', '.join(CODINGS)})")
     return np.ascontiguousarray(values, dtype=np.int64)

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import FormatError, PackMismatchError
 from .bitpack import packed_size
+from .changemap import MASKS
 from .indexcode import CODINGS, EncodedLayer, decode_indices
 from .limits import MAX_KERNELS, MAX_POOL_SIZE, MAX_VECTOR_SIZE
 from .schema import Fields
@@ -47,7 +48,9 @@ __all__ = [
 ]
 
 PACK_FORMAT = "nwsconvert.taskpack"
-PACK_VERSION = 3  # 3: header_sha256 and the pack's identity (run, task); versions 1 and 2 still load
+# 3: header_sha256 and the pack's identity (run, task); 4: change maps Rice-coded (a delta layer's `mask`).
+# Versions 1-3 still load.
+PACK_VERSION = 4
 HASHED_SINCE = 3
 BASE_FILE = "base.nwspack"  # the base's file name when it was never saved under another
 SUFFIXES = ("indices", "table", "values", "values_table")
@@ -205,7 +208,8 @@ def _coded_tensors(r: Fields, coding: str, count: int, bits: int, layout, name: 
         u8("table")
         return {"indices", "table"}
     changes = r.int("changes", lo=0, hi=count)
-    u8("indices", 0 if changes in (0, count) else None, words=True)
+    mask = r.str("mask", choices=MASKS, optional=True, default="ans") or "ans"  # versions 1-3 name none
+    u8("indices", 0 if changes in (0, count) else None, words=mask == "ans")
     if changes == 0:
         return {"indices"}
     if coding == "delta+bits":
@@ -240,12 +244,13 @@ def decode_layers(header: dict, u8: dict, path, base_layers: list | None = None,
     try:
         layers, indices, encoded = [], {}, {}
         for row in header["layers"]:
-            r = {k: v for k, v in row.items() if k not in ("coding", "changes")}
+            r = {k: v for k, v in row.items() if k not in ("coding", "changes", "mask")}
             name = r["name"]
             e = EncodedLayer(
                 row.get("coding", "bits"),
                 {s: np.asarray(u8[f"{s}/{name}"]) for s in SUFFIXES if f"{s}/{name}" in u8},
                 row.get("changes"),
+                row.get("mask"),
             )
             ref = base_indices.get(name) if base_indices is not None and same_layer(r, base_layers) else None
             indices[name] = decode_indices(e, r["count"], r["pool_size"], r["bits"], ref)

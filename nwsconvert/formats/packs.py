@@ -16,7 +16,9 @@ File: safetensors (``indices/<layer>``, ``table/<layer>``, ``values/<layer>``,
 ``values_table/<layer>`` uint8 as the coding needs, ``state/<key>``) with a
 JSON header (format version, layer table with each layer's coding, pool-set
 hash, model spec, content hash, and the base pack's hash when a layer is
-delta-coded). Version 1 files (fixed width only) are read as before.
+delta-coded). Version 4 Rice-codes a delta layer's change map (each such row
+names its ``mask``, :mod:`nwsconvert.formats.changemap`); files of versions
+1-3 are read as before.
 
 A delta-coded pack decodes from the pool set, its base and itself: a base is
 never delta-coded itself, so no chain is longer than one step. The header names
@@ -217,7 +219,8 @@ class TaskPack:
         rows = []
         for r in self.layers:
             e = encoded[r["name"]]
-            rows.append({**r, "coding": e.coding, **({"changes": e.changes} if e.changes is not None else {})})
+            coded = {"changes": e.changes, "mask": e.mask} if e.changes is not None else {}
+            rows.append({**r, "coding": e.coding, **{k: v for k, v in coded.items() if v is not None}})
         delta = any(e.coding.startswith("delta") for e in encoded.values())
         base_file = self.base.source.name if delta and self.base.source is not None else BASE_FILE
         base = {"sha256": self.base.sha256, "file": base_file} if delta else None

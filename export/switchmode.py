@@ -131,6 +131,7 @@ class SwitchMode:
     def _start(self) -> None:
         """Build the one session, its ``ready`` slots and (``keep="indices"``) every task's values."""
         setup, ort = self.setup, self.setup.ort
+        template = self._template()  # checked first: it names a bundle.json without the recipe
         self._recipe = setup.desc["switch"]["tensors"]
         rows: list[tuple[str, tuple[int, ...]]] = []
         for r in self._recipe:
@@ -146,7 +147,7 @@ class SwitchMode:
         }
         try:
             self._graph, filler = prepare(
-                self._template(),
+                template,
                 rows,
                 layout="plain" if setup.cuda or self.layout_request == "plain" else "auto",
                 threads=setup.threads,

@@ -494,6 +494,15 @@ def test_truncated_pool_file_and_bad_bundle_json(run_a):
         Runtime(_bundle(run_a), device="cpu")
 
 
+def test_a_bundle_json_without_the_switch_recipe_names_it(run_a):
+    """Found by the file fuzzer (``del switch.tensors``): a raw KeyError before."""
+    desc = json.loads((_bundle(run_a) / "bundle.json").read_text())
+    del desc["switch"]["tensors"]
+    (_bundle(run_a) / "bundle.json").write_text(json.dumps(desc))
+    with pytest.raises(FormatError, match=r"switch.onnx: a one-session graph of an earlier kind.*nws-export --onnx"):
+        Runtime(_bundle(run_a), device="cpu", mode="switch")
+
+
 def test_a_delta_pack_whose_base_file_is_null_finds_the_default_base(run_a):
     path = run_a / "tasks" / "task_1.nwspack"
     want = nwsconvert.TaskPack.load(path).content_sha256()

@@ -19,7 +19,7 @@ Bytes: on trained MobileNetV3-small and EfficientNet-B0 runs (20 tasks each)
 the Rice maps came out 0.3 % smaller to 0.1 % larger than the rANS ones, and
 within 2 % of the binary entropy on independent changes
 (``tests/test_changemap.py``). A packs-only switch of EfficientNet-B0 went
-from 25.7 to 20.8 ms (``benchmarks/RESULTS.md``).
+from 25.7 to 20.2 ms (``benchmarks/RESULTS.md``).
 
 A map is empty when no position or every position changed (the count says
 which). numpy only: the torch-free runtime reads packs with it.

@@ -153,6 +153,7 @@ def measure(
     memory: str = "all",
     cuda_arena: str = "own",
     cuda_graph: bool = False,
+    precision: str = "float32",
 ) -> dict:
     from nwsconvert.export.timing import summary, switch_costs
 
@@ -180,6 +181,10 @@ def measure(
             out["memory"]["switch_graph"] = child(bundle, graphed)
         except RuntimeError as e:
             graph_error = f"memory child: {str(e)[-300:]}"
+    if precision != "float32":  # the switch mode in that precision, every task kept
+        out["memory"][f"switch_{precision}"] = child(
+            bundle, {"kind": "runtime", "mode": "switch", "precision": precision}
+        )
     out["memory"]["session_all_cached"] = child(bundle, {"kind": "runtime", "mode": "session", "max_sessions": ntasks})
     if ntasks > 1 and memory == "all":  # every task held ready (a buffer each) against one: what each further one adds
         out["memory"]["switch_all_ready"] = child(bundle, {"kind": "runtime", "mode": "switch", "ready": ntasks})
@@ -192,6 +197,10 @@ def measure(
         "session": Runtime(bundle, device=device, mode="session", threads=threads, cuda_arena=cuda_arena),
         "dense": _Dense(dense, device, threads),
     }
+    if precision != "float32":
+        rts[f"switch_{precision}"] = Runtime(
+            bundle, device=device, mode="switch", threads=threads, cuda_arena=cuda_arena, precision=precision
+        )
     if cuda_graph:  # both through onnxruntime's CUDA graph (own arenas, whatever --cuda-arena says)
         try:
             rts["switch_graph"] = Runtime(bundle, device=device, mode="switch", cuda_graph=True)
@@ -248,6 +257,21 @@ def measure(
         out["graph"] = {"on": rt.cuda_graph, "graphs": rt.info()["graphs"], "parity": worst}
     if graph_error is not None:
         out.setdefault("graph", {})["error"] = graph_error
+    if precision != "float32":
+        rt = rts[f"switch_{precision}"]
+        out["switch_cost"][f"switch_{precision}"] = summary(switch_costs(rt, x1, cycles))
+        worst, agree, n = 0.0, 0, 0  # every task at both batch sizes, against the float32 switch mode
+        for t in rt.tasks:
+            for x in (x1, x32):
+                ref, got = rts["switch"].run(t, x), rt.run(t, x)
+                worst = max(worst, float(np.abs(got - ref).max() / np.abs(ref).max()))
+                agree, n = agree + int((got.argmax(1) == ref.argmax(1)).sum()), n + len(x)
+        for b in (1, 32):
+            lat = out[f"latency_b{b}"]
+            lat[f"switch_{precision}"]["vs_float32"] = (
+                lat[f"switch_{precision}"]["median_ms"] / lat["switch"]["median_ms"]
+            )
+        out[precision] = {"max_rel": worst, "top1_agree": agree / n, "images": n}
     return out
 
 
@@ -286,6 +310,13 @@ def main() -> None:
         action="store_true",
         help="CUDA: also the switch mode and the dense model through onnxruntime's CUDA graph, each session with "
         "its own arena (latency, switch cost, memory, parity with the plain switch mode)",
+    )
+    p.add_argument(
+        "--precision",
+        default="float32",
+        choices=["float32", "float16"],
+        help="float16: also the switch mode in half precision (latency beside float32's, switch cost, memory, "
+        "top-1 agreement and the largest logit difference with float32)",
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -341,7 +372,7 @@ def main() -> None:
             built = time.perf_counter() - tic
             r = measure(
                 run, bundle, d / "dense.onnx", args.device, args.threads, args.rounds, args.cycles, args.memory,
-                args.cuda_arena, args.cuda_graph,
+                args.cuda_arena, args.cuda_graph, args.precision,
             )  # fmt: skip
         r["files"] = sizes
         r["build_seconds"] = built
@@ -379,8 +410,20 @@ def report(name: str, args, r: dict) -> None:
         )
     if "error" in g:
         print(f"  CUDA graph FAILED: {g['error']}")
+    half = r.get("float16")
+    if half:
+        lat = [r[f"latency_b{b}"]["switch_float16"] for b in (1, 32)]
+        m = r["memory"].get("switch_float16", {})
+        dev = f"; device memory {m['gpu'] / 1e6:.0f} MB" if m.get("gpu") else ""
+        print(
+            f"  float16 switch mode: latency b1 {lat[0]['median_ms']:.2f} ms (x{lat[0]['vs_float32']:.2f} float32's), "
+            f"b32 {lat[1]['median_ms']:.2f} ms (x{lat[1]['vs_float32']:.2f}); top-1 agrees with float32 on "
+            f"{100 * half['top1_agree']:.2f} % of {half['images']} random images, largest logit difference "
+            f"{half['max_rel']:.1e} of the largest; RSS {m.get('rss', 0) / 1e6:.1f} MB{dev}"
+        )
     for key, what in (
         ("switch", "switch mode (indices kept)"),
+        ("switch_float16", "switch mode in float16"),
         ("switch_graph", "switch mode, CUDA graph"),
         ("switch_keep_pack", "switch mode (pack only)"),
         ("session", "session mode (4 cached)"),
@@ -392,7 +435,12 @@ def report(name: str, args, r: dict) -> None:
             f"  switch cost, {what}: {1e3 * c['median']:.1f} ms [{1e3 * c['q25']:.1f}, {1e3 * c['q75']:.1f}] over {c['n']}"
         )
     for key, m in mem.items():
-        if not key.startswith("switch_") or key in ("switch_keep_pack", "switch_all_ready", "switch_graph"):
+        if not key.startswith("switch_") or key in (
+            "switch_keep_pack",
+            "switch_all_ready",
+            "switch_graph",
+            "switch_float16",
+        ):
             continue
         kept = sum(m["info"]["bytes_per_task"].values())
         n = len(m["info"]["bytes_per_task"])

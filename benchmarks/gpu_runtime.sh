@@ -13,6 +13,9 @@
 # GRAPH=1 adds the switch mode and the dense model through onnxruntime's CUDA graph (deploy_modes.py
 # --cuda-graph; files *_graph.*). The part gputests runs the runtime's GPU tests alone (pytest -m gpu, ~30 s);
 # the part threads runs benchmarks/harnesses/runtime_load.py's load test on CUDA (issue 65; ~2 min).
+# PRECISION=float16 adds the float16 switch mode to every deploy_modes.py call (latency beside float32's,
+# switch cost, memory, agreement; files *_float16.*); the part fp16parity runs benchmarks/parity.py --precision
+# float16 on CUDA over the demo's and long-mixed-20's test sets (top-1 agreement, largest logit difference).
 set -u
 OUT=${OUT:-/tmp/gpu_runtime}
 PARTS=${PARTS:-"tests models demo long20"}
@@ -21,6 +24,8 @@ MODELS=${MODELS:-"resnet18 mobilenetv2_100 efficientnet_b0"}  # the models part'
 ARENA=${ARENA:-own}  # deploy_modes.py --cuda-arena: own or shared (its files then end in _shared)
 TAG=""; [ "$ARENA" = own ] || TAG="_$ARENA"
 GRAPH_FLAG=""; [ "${GRAPH:-0}" = 1 ] && { GRAPH_FLAG="--cuda-graph"; TAG="${TAG}_graph"; }
+PRECISION=${PRECISION:-float32}
+[ "$PRECISION" = float32 ] || { GRAPH_FLAG="$GRAPH_FLAG --precision $PRECISION"; TAG="${TAG}_$PRECISION"; }
 PY=${PY:-$(command -v python || command -v python3)}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
@@ -41,6 +46,14 @@ for part in $PARTS; do
                 --work /tmp/gpu_runtime_load --json "$OUT/runtime_load_cuda_${input}_mixed.json" > "$OUT/runtime_load_cuda_${input}_mixed.log" 2>&1
         done
         tail -8 "$OUT"/runtime_load_cuda_*.log ;;
+    fp16parity)  # the demo's run (DEMO_RUN, trained here when missing) and long-mixed-20's (LONG20_RUN, carried)
+        run=${DEMO_RUN:-/tmp/gpu_demo}
+        [ -f "$run/manifest.json" ] || $PY -m nwsconvert.cli.demo out="$run" progress=false > "$OUT/demo_train.log" 2>&1
+        $PY benchmarks/parity.py --run "$run" --precision float16 --device cuda --json "$OUT/parity_fp16_demo.json" \
+            > "$OUT/parity_fp16_demo.log" 2>&1
+        [ -f "${LONG20_RUN:-/tmp/gpu_long20}/manifest.json" ] && $PY benchmarks/parity.py --run "${LONG20_RUN:-/tmp/gpu_long20}" \
+            --precision float16 --device cuda --json "$OUT/parity_fp16_long20.json" > "$OUT/parity_fp16_long20.log" 2>&1
+        tail -n 1 "$OUT"/parity_fp16_*.log ;;
     gputests)
         $PY -m pytest -q -m gpu tests/test_export.py > "$OUT/pytest_runtime_gpu.log" 2>&1
         echo "pytest rc=$?" >> "$OUT/pytest_runtime_gpu.log"

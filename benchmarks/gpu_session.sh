@@ -50,6 +50,10 @@
 #      rows and the profile are the first to go). Issue 65's load test on CUDA (4 threads x 4 tasks, 10,000
 #      runs, NumPy and device OrtValue images; ~2 min) rides on the same call: add `threads` to RT_PARTS of the
 #      first gpu_runtime.sh call (RT_PARTS="gputests threads long20"; PART_CAP bounds each part on its own)
+#   7. half precision (issue 64; built on CPU at the fourth session of 2026-11-29): PHASE=runtime
+#      LONG20_RUN=.dev/long20 PRECISION=float16 RT_PARTS="fp16parity long20 demo" PART_CAP=150 (the float16 switch
+#      mode beside float32's: latency at batch 1 and 32, device memory, switch cost; top-1 agreement on the
+#      demo's and long-mixed-20's test sets); MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models next
 # A lease that has to check the suite again: PHASE=suite BUDGET=400 before 6.
 set -u
 PHASE=${PHASE:-parts}

@@ -11,9 +11,12 @@ Two measurements, one JSON report:
 * ``--run RUN``: the run's tasks are exported as a bundle and every task's test
   set (rebuilt from the suite recorded in the manifest) is classified by
   :class:`nwsconvert.export.Runtime` and by ``nwsconvert.load``; top-1 agreement
-  and both accuracies per task.
+  and both accuracies per task. With ``--precision float16`` the float16 switch mode
+  (``Runtime(..., precision="float16")``) beside the float32 one: top-1 agreement, its
+  accuracy, and the largest logit difference (absolute, and over the largest logit).
 
     python benchmarks/parity.py --models --run runs/demo --json parity.json
+    python benchmarks/parity.py --run runs/demo --precision float16 --device cuda --json parity_fp16.json
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def model_parity(only: list[str] | None = None) -> dict:
     return rows
 
 
-def run_parity(run: str) -> dict:
+def run_parity(run: str, precision: str = "float32", device: str = "cpu") -> dict:
     from nwsconvert.zoo import get_suite
 
     manifest = nc.RunDir(run).read()
@@ -69,7 +72,8 @@ def run_parity(run: str) -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as d:
         export_bundle(run, d, "all", onnx=True)
-        rt = Runtime(d, device="cpu")
+        rt = Runtime(d, device=device)
+        half = Runtime(d, device=device, precision=precision) if precision != "float32" else None
         for entry in manifest.tasks:
             t = entry.id
             test = suite.tasks[t].test
@@ -84,9 +88,19 @@ def run_parity(run: str) -> dict:
                 "top1_agree": float((y.argmax(1) == ref.argmax(1)).mean()),
                 "acc_onnxruntime": float((y.argmax(1) == labels).mean()),
                 "acc_pytorch": float((ref.argmax(1) == labels).mean()),
-                "acc_manifest": entry["metrics"]["val_acc"],
+                "acc_manifest": entry.metrics.get("val_acc"),
                 "max_abs": float(np.abs(y - ref).max()),
             }
+            if half is not None:
+                h = np.concatenate([half.run(t, x[i : i + 256].numpy()) for i in range(0, len(x), 256)])
+                out[str(t)].update(
+                    {
+                        f"top1_agree_{precision}": float((h.argmax(1) == y.argmax(1)).mean()),
+                        f"acc_{precision}": float((h.argmax(1) == labels).mean()),
+                        f"max_abs_{precision}": float(np.abs(h - y).max()),
+                        f"max_rel_{precision}": float(np.abs(h - y).max() / np.abs(y).max()),
+                    }
+                )
             print(f"task {t}: {out[str(t)]}", flush=True)
     return out
 
@@ -99,6 +113,13 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", help="with --models: only specs containing one of these strings")
     p.add_argument("--run", help="run directory: top-1 agreement on its tasks' test sets")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument(
+        "--precision",
+        default="float32",
+        choices=["float32", "float16"],
+        help="with --run: also the switch mode in this precision against float32's",
+    )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="with --run: the Runtime's device")
     p.add_argument("--json", help="write the report here")
     a = p.parse_args(argv)
     if not a.models and not a.run:
@@ -113,7 +134,16 @@ def main(argv=None) -> int:
             f"{len(ok)}/{len(rows)} export; worst |diff| {max(r['max_abs'] for r in ok):.3g}, worst relative {max(r['rel'] for r in ok):.3g}; top-1 agrees on {sum(r['top1_agree'] for r in ok)}/{len(ok)}"
         )
     if a.run:
-        report["run"] = {"dir": a.run, "tasks": run_parity(a.run)}
+        tasks = run_parity(a.run, a.precision, a.device)
+        report["run"] = {"dir": a.run, "device": a.device, "precision": a.precision, "tasks": tasks}
+        if a.precision != "float32":
+            images = sum(r["images"] for r in tasks.values())
+            agree = sum(r[f"top1_agree_{a.precision}"] * r["images"] for r in tasks.values()) / images
+            rel = max(r[f"max_rel_{a.precision}"] for r in tasks.values())
+            report["run"][a.precision] = {"top1_agree": agree, "max_rel": rel, "images": images}
+            print(
+                f"{a.precision} against float32: top-1 agrees on {100 * agree:.2f} % of {images} images; largest logit difference {rel:.3g} of the largest logit"
+            )
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -97,6 +97,7 @@ def measure(bundle: Path, config: dict, device: str, threads: int | None) -> dic
         ready=config.get("ready", 1),
         cuda_arena=config.get("cuda_arena", "own"),
         cuda_graph=config.get("cuda_graph", False),
+        precision=config.get("precision", "float32"),
     )
     started = time.perf_counter() - tic
     # With cuda_graph a graph is captured at its id's third run: one more round, so that a one-task bundle's is.

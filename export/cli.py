@@ -170,6 +170,13 @@ def _infer(argv: list[str] | None) -> int:
         "launch a run; a switch rewrites the weights the graph reads",
     )
     p.add_argument(
+        "--precision",
+        default="float32",
+        choices=["float32", "float16"],
+        help="switch mode: float16 runs the graph and its weight buffers in half precision (half their memory; "
+        "images in and logits out stay float32), meant for GPUs; with --bench measured against float32",
+    )
+    p.add_argument(
         "--bench",
         action="store_true",
         help="print latency, which mode (switch or session) runs faster on this machine for this bundle and by "
@@ -180,6 +187,8 @@ def _infer(argv: list[str] | None) -> int:
     if args.cuda_graph and (args.device == "cpu" or args.mode == "session"):
         flag = "--device cpu" if args.device == "cpu" else "--mode session"
         raise UsageError(f"--cuda-graph replays the switch mode's session on CUDA; {flag} has none")
+    if args.precision != "float32" and args.mode == "session":
+        raise UsageError(f"--precision {args.precision} runs the switch mode's session; --mode session runs float32")
     if args.k < 1:
         raise UsageError(f"-k {args.k}: give how many classes to print, at least 1")
     missing = [path for path in args.images if not Path(path).is_file()]
@@ -208,17 +217,31 @@ def _infer(argv: list[str] | None) -> int:
             if have
             else f"--task {args.task}: bundle {args.bundle} holds no ONNX graphs (exported without --onnx): {again}"
         )
-    rt = Runtime(args.bundle, device=args.device, mode=args.mode, tf32=args.tf32, cuda_graph=args.cuda_graph)
+    if args.precision != "float32" and "switch" not in desc:
+        raise UsageError(
+            f"--precision {args.precision} runs the switch mode: bundle {args.bundle} has no switch.onnx "
+            "(export it again with nws-export RUN --task all --onnx)"
+        )
+    rt = Runtime(
+        args.bundle,
+        device=args.device,
+        mode=args.mode,
+        tf32=args.tf32,
+        cuda_graph=args.cuda_graph,
+        precision=args.precision,
+    )
     rt.session(args.task)
-    layout = f", layout {rt.info()['layout']}" if rt.mode == "switch" else ""
+    layout = f", layout {rt.info()['layout']}, {rt.precision}" if rt.mode == "switch" else ""
     layout += ", CUDA graph" if rt.cuda_graph else ""
     print(f"mode: {rt.mode}; providers: {rt.session(args.task).get_providers()}{layout}")
     if args.images:
         for path, top in zip(args.images, rt.predict(args.task, _load_images(args.images, rt, args.task), k=args.k)):
             print(f"{path}: " + ", ".join(f"{name} {prob:.3f}" for name, prob in top))
     if args.bench:
-        other = None  # the bundle's other mode, measured beside this one
-        if "switch" in desc:
+        other = None  # the bundle's other mode (or float16's float32), measured beside this one
+        if rt.precision != "float32":
+            other = Runtime(args.bundle, device=args.device, mode="switch", tf32=args.tf32)
+        elif "switch" in desc:
             theirs = "session" if rt.mode == "switch" else "switch"
             other = Runtime(args.bundle, device=args.device, mode=theirs, tf32=args.tf32)
         _bench(rt, args.task, other)
@@ -243,16 +266,22 @@ def _bench(rt, task: int, other=None) -> None:
     if other is not None:
         mine, theirs = (summary(t)["median"] for t in interleaved_times(rt, other, task, x, rounds=50))
         ratio = mine / theirs
+        differ = other.precision != rt.precision
+
+        def name(r) -> str:
+            return f"{r.mode} mode" + (f" in {r.precision}" if differ else "")
+
+        flag = f"--precision {other.precision}" if differ else f"--mode {other.mode}"
         verdict = (
-            f"the {rt.mode} mode runs at the {other.mode} mode's speed"
+            f"the {name(rt)} runs at the {name(other)}'s speed"
             if ratio <= 1.05
-            else f"the {other.mode} mode is faster here (--mode {other.mode})"
+            else f"the {name(other)} is faster here ({flag})"
         )
         why, info = "", rt.info()
         if ratio > 1.05 and rt.mode == "switch" and info.get("layout_note"):
             why = f"; the switch mode's layout: {info['layout']} ({info['layout_note']})"
         print(
-            f"{rt.mode} mode against {other.mode} mode (batch 1, 50 runs each, interleaved): median "
+            f"{name(rt)} against {name(other)} (batch 1, 50 runs each, interleaved): median "
             f"{1e3 * mine:.2f} ms against {1e3 * theirs:.2f} ms ({ratio:.2f}x): {verdict}{why}"
         )
     if len(rt.tasks) < 2:

@@ -251,7 +251,9 @@ def dense_tensors(
     return dict(iter_dense_tensors(recipe, pools, values))
 
 
-def recipe_graph(recipe: list[dict], pools: dict[str, tuple[tuple[int, int], str]], index_type: str = "int32") -> bytes:
+def recipe_graph(
+    recipe: list[dict], pools: dict[str, tuple[tuple[int, int], str]], index_type: str = "int32", out_type="float32"
+) -> bytes:
     """:func:`dense_tensors` as an ONNX graph, for onnxruntime to write a task's tensors where they live
     (on a GPU: into the switch session's bound device buffers, with no copy through the host).
 
@@ -259,6 +261,8 @@ def recipe_graph(recipe: list[dict], pools: dict[str, tuple[tuple[int, int], str
         recipe: :func:`dense_template`'s rows.
         pools: layer name -> ``((n, D), dtype)`` of its pool (``float32`` or ``float16``).
         index_type: the indices' type (``int32`` or ``int64``).
+        out_type: the outputs' type: ``float32``, or ``float16`` (computed in float32, then cast: what
+            numpy's float32 to float16 conversion gives, round to nearest even).
 
     Returns:
         The serialised graph. Inputs: ``pool/<layer>``, ``indices/<layer>`` ``(count,)``, per fold row
@@ -301,14 +305,19 @@ def recipe_graph(recipe: list[dict], pools: dict[str, tuple[tuple[int, int], str
             weight = f"{layer}/folded"
             outputs.append((row["bias_name"], row["bias_name"], [shape[0]]))
         outputs.append((weight, row["name"], shape))
-    # Output names are the recipe's tensor names: an Identity per output gives each its own name.
+    # Output names are the recipe's tensor names: an Identity (or the Cast to out_type) per output gives each
+    # its own name.
+    out = types[out_type]
     for produced, name, _ in outputs:
-        nodes.append(helper.make_node("Identity", [produced], [f"out:{name}"]))
+        if out == TensorProto.FLOAT:
+            nodes.append(helper.make_node("Identity", [produced], [f"out:{name}"]))
+        else:
+            nodes.append(helper.make_node("Cast", [produced], [f"out:{name}"], to=out))
     graph = helper.make_graph(
         nodes,
         "nwsconvert-task-tensors",
         inputs,
-        [helper.make_tensor_value_info(f"out:{name}", TensorProto.FLOAT, shape) for _, name, shape in outputs],
+        [helper.make_tensor_value_info(f"out:{name}", out, shape) for _, name, shape in outputs],
         initializer=inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="nwsconvert")

@@ -246,11 +246,13 @@ class MachineGraph:
         return {p.name: buffer[p.offset : p.offset + p.size].reshape(p.shape) for p in self.placements}
 
 
-def aligned_empty(floats: int) -> np.ndarray:
-    """A flat float32 array of ``floats`` whose data starts on an ``ALIGN``-byte boundary."""
-    raw = np.empty(floats * 4 + ALIGN, np.uint8)
+def aligned_empty(floats: int, dtype=np.float32) -> np.ndarray:
+    """A flat array of ``floats`` elements of ``dtype`` (float32, or float16) whose data starts on an
+    ``ALIGN``-byte boundary."""
+    size = np.dtype(dtype).itemsize
+    raw = np.empty(floats * size + ALIGN, np.uint8)
     start = (-raw.ctypes.data) % ALIGN
-    return raw[start : start + floats * 4].view(np.float32)
+    return raw[start : start + floats * size].view(dtype)
 
 
 def _place(names_shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[list[int], int]:
@@ -796,20 +798,26 @@ def prepare(
     threads: int | None = None,
     disabled_optimizers: list[str] | None = None,
     fill: tuple[list[dict], dict] | None = None,
+    precision: str = "float32",
 ) -> tuple[MachineGraph, bytes | None]:
     """:func:`machine_graph` (``layout="auto"``) or :func:`plain_graph` (``"plain"``), worked out in a child
     process, and with ``fill = (recipe, pools)`` the :func:`~nwsconvert.export.densify.recipe_graph` too.
-    Kept for the life of this process, per template and request.
+    ``precision="float16"`` (``layout="plain"`` only): both graphs' weight tensors in float16
+    (:func:`~nwsconvert.export.precision.half_graph`). Kept for the life of this process, per template and
+    request.
 
     Raises:
         Whatever :func:`machine_graph` raises, when the work fails in this process too.
     """
+    if precision != "float32" and layout != "plain":
+        raise ValueError(f"precision={precision!r} runs the template's own layout: give layout='plain' with it")
     request = {
         "rows": [[name, list(shape)] for name, shape in rows],
         "layout": layout,
         "threads": threads,
         "disabled": list(disabled_optimizers or []),
         "fill": [fill[0], {k: [list(v[0]), v[1]] for k, v in fill[1].items()}] if fill else None,
+        "precision": precision,
     }
     key = hashlib.sha256(template + json.dumps(request, sort_keys=True).encode()).hexdigest()
     if key in _PREPARED:
@@ -865,8 +873,13 @@ def _child(work: Path) -> None:
     template = (work / "template.onnx").read_bytes()
     request = json.loads((work / "request.json").read_text())
     rows = [(name, tuple(shape)) for name, shape in request["rows"]]
+    half = request.get("precision") == "float16"
     if request["layout"] == "plain":
         graph = plain_graph(template, rows)
+        if half:
+            from .precision import half_graph
+
+            graph.model = half_graph(graph.model, [p.name for p in graph.placements])
     else:
         graph = machine_graph(template, rows, threads=request["threads"], disabled_optimizers=request["disabled"])
     placements = []
@@ -888,7 +901,8 @@ def _child(work: Path) -> None:
         from .densify import recipe_graph
 
         recipe, pools = request["fill"]
-        (work / "fill.onnx").write_bytes(recipe_graph(recipe, {k: (tuple(v[0]), v[1]) for k, v in pools.items()}))
+        pools = {k: (tuple(v[0]), v[1]) for k, v in pools.items()}
+        (work / "fill.onnx").write_bytes(recipe_graph(recipe, pools, out_type="float16" if half else "float32"))
 
 
 if __name__ == "__main__":

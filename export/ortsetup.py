@@ -34,16 +34,19 @@ DISABLED_OPTIMIZERS = ["Pad_Fusion"]
 _POOL_NUMPY = {"F32": np.float32, "F16": np.float16}
 
 
-def session_providers(cuda: bool, tf32: bool = False, graph: bool = False) -> list:
+def session_providers(cuda: bool, tf32: bool = False, graph: bool = False, nhwc: bool = False) -> list:
     """The ``providers`` a session is built with: the CUDA provider first when ``cuda``, with TF32 as asked
-    (onnxruntime's own default rounds to TF32) and its CUDA graph when ``graph`` (runs then go through
-    :class:`~nwsconvert.export.graphruns.GraphRuns`), then the CPU's. What :class:`Runtime` and a dense
-    baseline meant to match it pass to ``InferenceSession``."""
+    (onnxruntime's own default rounds to TF32), its CUDA graph when ``graph`` (runs then go through
+    :class:`~nwsconvert.export.graphruns.GraphRuns`) and its channels-last kernels when ``nhwc`` (what
+    tensor cores prefer in float16; builds without them run as before), then the CPU's. What
+    :class:`Runtime` and a dense baseline meant to match it pass to ``InferenceSession``."""
     if not cuda:
         return ["CPUExecutionProvider"]
     options = {"use_tf32": "1" if tf32 else "0"}
     if graph:
         options["enable_cuda_graph"] = "1"
+    if nhwc:
+        options["prefer_nhwc"] = "1"
     return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
 

@@ -92,7 +92,8 @@ class Runtime:
             or ``plain`` (the template's own shapes; what CUDA runs).
         fill: switch mode: how a switch computes a task's tensors: ``numpy`` (on the host; the CPU's
             default), ``onnxruntime`` (a graph whose outputs are the buffers, on the session's device: the
-            CUDA default, with no copy through the host; on a CPU with ``layout="plain"`` only), ``auto``.
+            CUDA default, with no copy through the host, and float16's; on a CPU with ``layout="plain"`` or
+            float16 only), ``auto``.
         tf32: CUDA: let cuDNN and cuBLAS round float32 products to TF32 on GPUs that have it (Ampere and
             later; onnxruntime's own default). Off by default: the logits then agree with the CPU's and
             PyTorch's to float32 rounding (about 1e-6 of the largest logit), where TF32 (10 bits of
@@ -114,6 +115,11 @@ class Runtime:
             Without CUDA it warns and is off; with ``cuda_arena="shared"`` it is refused. Runs are then one at a
             time, graphed on the thread that ran first (onnxruntime keeps graphs per thread); other threads'
             runs go without the graph. Not measured on a GPU yet.
+        precision: switch mode: ``float32``, or ``float16`` (:mod:`nwsconvert.export.precision`): the graph,
+            its activations and the weight buffers a switch writes in float16 (half the buffers' memory),
+            the image taken and the logits given in float32 as in ``float32``; the template's own layout.
+            Meant for GPUs (Jetson-class boards, any CUDA GPU); a CPU runs it too, for checks. Not measured
+            on a GPU yet.
 
     Attributes:
         providers: the providers requested (names); ``session(task).get_providers()`` says what runs.
@@ -146,8 +152,11 @@ class Runtime:
         tf32: bool = False,
         cuda_arena: str = "own",
         cuda_graph: bool = False,
+        precision: str = "float32",
     ):
         import onnxruntime as ort
+
+        from .precision import PRECISIONS
 
         self.ort = ort
         self.path = Path(bundle)
@@ -164,6 +173,8 @@ class Runtime:
             raise ValueError(f"fill must be auto, numpy or onnxruntime, got {fill!r}")
         if cuda_arena not in ("own", "shared"):
             raise ValueError(f"cuda_arena must be own or shared, got {cuda_arena!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be {' or '.join(PRECISIONS)}, got {precision!r}")
         if type(ready) is not int or ready < 1:
             raise ValueError(f"ready must be a whole number >= 1, got {ready!r}")
         if mode == "auto":
@@ -171,6 +182,11 @@ class Runtime:
         if mode == "switch" and "switch" not in self.desc:
             raise FileNotFoundError(
                 f"{self.path} has no switch.onnx (one-session mode): export it again with nws-export --onnx"
+            )
+        if precision != "float32" and mode != "switch":
+            raise ValueError(
+                f"precision={precision!r} runs the switch mode's one session; mode='session' runs the task graphs "
+                "in float32"
             )
         if cuda_graph and mode != "switch":
             raise ValueError(
@@ -181,7 +197,7 @@ class Runtime:
                 "cuda_graph=True with cuda_arena='shared': a replay writes its intermediates into arena memory "
                 "free between runs, which other sessions sharing the arena may hold; use cuda_arena='own'"
             )
-        self.mode = mode
+        self.mode, self.precision = mode, precision
         gpu = device != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers() and _gpu_present()
         if device == "cuda" and not gpu:
             warnings.warn("CUDA requested but onnxruntime-gpu or a GPU is missing: running on CPU", stacklevel=2)
@@ -202,7 +218,8 @@ class Runtime:
         self.threads = threads
         self.max_sessions = max_sessions
         self.ready, self.keep, self.layout_request = ready, keep, layout
-        self.fill = ("onnxruntime" if gpu else "numpy") if fill == "auto" else fill
+        # onnxruntime casts a task's tensors to float16 some 10x faster than NumPy does: float16 fills with it
+        self.fill = ("onnxruntime" if gpu or precision != "float32" else "numpy") if fill == "auto" else fill
         if self.fill == "numpy" and gpu and mode == "switch":
             raise ValueError("fill='numpy' writes host buffers; on CUDA the switch mode fills with onnxruntime")
         self._setup = OrtSetup(ort, self.path, self.desc, gpu, self.requested_cuda, self.tf32, threads, self.cuda_arena)
@@ -211,7 +228,13 @@ class Runtime:
         self._impl: SwitchMode | SessionMode
         if mode == "switch":
             self._impl = SwitchMode(
-                self._setup, ready=ready, keep=keep, layout=layout, fill=self.fill, cuda_graph=bool(cuda_graph) and gpu
+                self._setup,
+                ready=ready,
+                keep=keep,
+                layout=layout,
+                fill=self.fill,
+                cuda_graph=bool(cuda_graph) and gpu,
+                precision=precision,
             )
         else:
             self._impl = SessionMode(self._setup, max_sessions)

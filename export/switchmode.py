@@ -87,11 +87,24 @@ class SwitchMode:
         last_switch_seconds: the work of the last switch to a task no slot held: decoding (``keep="pack"``),
             the gather and fold, writing the buffers. switches: switches that wrote a task's tensors.
         cuda_graph: whether runs go through onnxruntime's CUDA graph (False once refused).
+        precision: ``float32``, or ``float16`` (:mod:`nwsconvert.export.precision`: the graph and its weight
+            buffers in float16, the template's own layout).
     """
 
-    def __init__(self, setup: OrtSetup, *, ready: int, keep: str, layout: str, fill: str, cuda_graph: bool):
+    def __init__(
+        self,
+        setup: OrtSetup,
+        *,
+        ready: int,
+        keep: str,
+        layout: str,
+        fill: str,
+        cuda_graph: bool,
+        precision: str = "float32",
+    ):
         self.setup, self.ready, self.keep, self.layout_request, self.fill = setup, ready, keep, layout, fill
-        self.cuda_graph = cuda_graph
+        self.cuda_graph, self.precision = cuda_graph, precision
+        self._dtype = np.float16 if precision == "float16" else np.float32  # the weight buffers' elements
         self.last_switch_seconds: float | None = None
         self.switches = 0
         self._graph_runs: GraphRuns | None = None
@@ -139,7 +152,8 @@ class SwitchMode:
             if r["kind"] == "fold":
                 rows.append((r["bias_name"], (int(r["shape"][0]),)))
         graph_file = setup.path / setup.desc["switch"]["onnx"]
-        if self.fill == "onnxruntime" and not (setup.cuda or self.layout_request == "plain"):
+        plain = setup.cuda or self.layout_request == "plain" or self.precision != "float32"
+        if self.fill == "onnxruntime" and not plain:
             raise ValueError("fill='onnxruntime' writes the template's own layout: give layout='plain' with it")
         self._pool_arrays = setup.pool_arrays
         pools = {
@@ -149,10 +163,11 @@ class SwitchMode:
             self._graph, filler = prepare(
                 template,
                 rows,
-                layout="plain" if setup.cuda or self.layout_request == "plain" else "auto",
+                layout="plain" if plain else "auto",
                 threads=setup.threads,
                 disabled_optimizers=DISABLED_OPTIMIZERS,
                 fill=(self._recipe, pools) if self.fill == "onnxruntime" else None,
+                precision=self.precision,
             )
             self._level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL if self._graph.optimised else None
             self._session = self._switch_session(self._level)
@@ -171,7 +186,7 @@ class SwitchMode:
                 f"{graph_file}: onnxruntime cannot run it with its tensors as inputs ({type(e).__name__}: {str(e)[:200]})"
             ) from None
         release_freed_memory()
-        if not setup.cuda and self.layout_request == "auto" and self._graph.layout == "plain":
+        if not plain and self._graph.layout == "plain":
             warnings.warn(
                 f"{graph_file}: the switch mode runs this template without this CPU's blocked layout "
                 f"({self._graph.reason}); its runs may be 1.1-3x slower than mode='session' here: "
@@ -207,7 +222,7 @@ class SwitchMode:
         build = lambda graph: setup.ort.InferenceSession(  # noqa: E731
             self._graph.model,
             sess_options=setup.options(level=level),
-            providers=session_providers(True, setup.tf32, graph=True) if graph else setup.provider_args,
+            providers=session_providers(setup.cuda, setup.tf32, graph=graph, nhwc=self.precision == "float16"),
             disabled_optimizers=DISABLED_OPTIMIZERS,
         )
         if not self.cuda_graph:
@@ -232,12 +247,12 @@ class SwitchMode:
         binding = self._session.io_binding()
         if self.fill == "onnxruntime":
             inputs = {
-                p.name: ort.OrtValue.ortvalue_from_shape_and_type(list(p.shape), np.float32, setup.device_kind, 0)
+                p.name: ort.OrtValue.ortvalue_from_shape_and_type(list(p.shape), self._dtype, setup.device_kind, 0)
                 for p in self._graph.placements
             }
             buffer = None
         else:
-            buffer = aligned_empty(self._graph.floats)
+            buffer = aligned_empty(self._graph.floats, self._dtype)
             buffer.fill(0)
             inputs = {name: ort.OrtValue.ortvalue_from_numpy(view) for name, view in self._graph.views(buffer).items()}
         for name, value in inputs.items():
@@ -516,7 +531,8 @@ class SwitchMode:
                 "layout_note": self._graph.reason,
                 "ready_tasks": [t for t, s in self._held.items() if s.filled],
                 "selected": self._selected,
-                "weight_buffer_bytes": 4 * self._graph.floats * len(self._slots),
+                "weight_buffer_bytes": np.dtype(self._dtype).itemsize * self._graph.floats * len(self._slots),
+                "precision": self.precision,
                 "bytes_per_task": kept,
                 "keep": self.keep,
                 "cuda_graph": self.cuda_graph,

@@ -706,6 +706,8 @@ out = {'file': nwsconvert.__file__}
 for mode in ('session', 'switch'):
     rt = Runtime(sys.argv[1], device='cpu', mode=mode)
     out[mode] = {t: rt.run(t, x).tolist() for t in rt.tasks}
+rt = Runtime(sys.argv[1], device='cpu', precision='float16')  # onnxruntime's own float16 converter, no torch
+out['float16'] = {t: rt.run(t, x).tolist() for t in rt.tasks}
 text = io.StringIO()
 with contextlib.redirect_stdout(text):
     out['infer_rc'] = infer_main(['--bundle', sys.argv[1], '--task', '1', '--device', 'cpu', '--mode', 'switch', '--bench', sys.argv[3]])
@@ -771,6 +773,9 @@ def test_the_runtime_wheel_needs_neither_torch_nor_timm(run, tmp_path):
             assert np.array_equal(
                 np.asarray(got[mode][str(t)], dtype=np.float32), rt.run(t, x)
             )  # same code, same floats
+    half = Runtime(tmp_path / "b", device="cpu", precision="float16")
+    for t in (0, 1):
+        assert np.array_equal(np.asarray(got["float16"][str(t)], dtype=np.float32), half.run(t, x))
 
 
 @pytest.mark.parametrize(

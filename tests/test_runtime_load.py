@@ -416,6 +416,7 @@ class _FakeRuntime:
     def __init__(self, clock: _Clock, mode: str, run: float, switch: float, tasks=(0, 1, 2)):
         self.clock, self.mode, self.cost, self.switch = clock, mode, run, switch
         self.tasks, self.ready, self.max_sessions, self.last = list(tasks), 1, 4, None
+        self.precision = "float32"
 
     def run(self, task, images):
         self.clock.now += self.cost + (self.switch if task != self.last else 0.0)
@@ -459,6 +460,13 @@ def test_nws_infer_bench_reports_the_latency_the_mode_ratio_and_the_switch_it_me
     )
     _bench(_FakeRuntime(clock, "switch", 0.00102, 0.03), 1, _FakeRuntime(clock, "session", 0.001, 0.05))
     assert "(1.02x): the switch mode runs at the session mode's speed\n" in capsys.readouterr().out
+    half, full = _FakeRuntime(clock, "switch", 0.003, 0.03), _FakeRuntime(clock, "switch", 0.001, 0.03)
+    half.precision = "float16"
+    _bench(half, 1, full)  # --precision float16 --bench: against the float32 switch mode
+    assert (
+        "switch mode in float16 against switch mode in float32 (batch 1, 50 runs each, interleaved): median 3.00 ms "
+        "against 1.00 ms (3.00x): the switch mode in float32 is faster here (--precision float32)"
+    ) in capsys.readouterr().out
 
 
 def test_a_switch_mode_without_the_blocked_layout_says_so_at_start_up(bundle4, monkeypatch):
@@ -489,3 +497,52 @@ def test_a_switch_mode_without_the_blocked_layout_says_so_at_start_up(bundle4, m
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Runtime(bundle4, device="cpu", layout="plain")
+
+
+# --------------------------------------------------------------------------- half precision
+def test_the_float16_switch_mode_halves_the_buffers_and_agrees_with_float32(bundle4):
+    """``precision="float16"``: the switch graph's weight inputs are float16 (images in and logits out stay
+    float32), its buffers take half the bytes of the float32 plain layout's, and its logits stay within 1 % of
+    the largest float32 logit (float16 rounds each weight and activation to 11 significant bits, 4.9e-4
+    relative; a few layers' worth stays well under 1 %): every row whose float32 top two classes differ by
+    more than twice that bound keeps its class. Filling the buffers with NumPy gives the same float16 buffers
+    as with onnxruntime (float16's default: both round to nearest even), so the same logits bit for bit; so
+    does decoding the packs at each switch (``keep="pack"``)."""
+    full = Runtime(bundle4, device="cpu", threads=1, layout="plain")
+    half = Runtime(bundle4, device="cpu", threads=1, precision="float16")
+    assert half.precision == "float16" and half.info()["precision"] == "float16" and half.info()["layout"] == "plain"
+    assert half.info()["weight_buffer_bytes"] * 2 == full.info()["weight_buffer_bytes"]
+    inputs = {i.name: i.type for i in half.session(0).get_inputs()}
+    image = full.session(0).get_inputs()[0].name
+    assert inputs.pop(image) == "tensor(float)" and set(inputs.values()) == {"tensor(float16)"}
+    assert half.session(0).get_outputs()[0].type == "tensor(float)"
+    x = np.random.default_rng(5).standard_normal((64, 1, 16, 16)).astype(np.float32)
+    by_numpy = Runtime(bundle4, device="cpu", threads=1, precision="float16", fill="numpy")
+    by_pack = Runtime(bundle4, device="cpu", threads=1, precision="float16", keep="pack")
+    for t in half.tasks:
+        want, got = full.run(t, x), half.run(t, x)
+        assert got.dtype == np.float32 and got.shape == want.shape == (64, TASKS[t])
+        bound = 0.01 * np.abs(want).max()
+        assert np.abs(got - want).max() <= bound
+        top2 = np.sort(want, axis=1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * bound
+        assert clear.sum() >= 32 and np.array_equal(got.argmax(1)[clear], want.argmax(1)[clear])
+        assert np.array_equal(by_numpy.run(t, x), got) and np.array_equal(by_pack.run(t, x), got)
+
+
+def test_float16_is_the_switch_modes_and_named_when_misused(bundle4, capsys):
+    from nwsconvert.export.cli import infer_main
+    from nwsconvert.export.ortsetup import session_providers
+
+    with pytest.raises(ValueError, match="precision='float16' runs the switch mode's one session"):
+        Runtime(bundle4, device="cpu", mode="session", precision="float16")
+    with pytest.raises(ValueError, match="precision must be float32 or float16, got 'bfloat16'"):
+        Runtime(bundle4, device="cpu", precision="bfloat16")
+    assert infer_main(["--bundle", str(bundle4), "--task", "0", "--mode", "session", "--precision", "float16"]) == 2
+    assert capsys.readouterr().err == (
+        "nws-infer: --precision float16 runs the switch mode's session; --mode session runs float32\n"
+    )
+    assert infer_main(["--bundle", str(bundle4), "--task", "0", "--device", "cpu", "--precision", "float16"]) == 0
+    assert "mode: switch; providers: ['CPUExecutionProvider'], layout plain, float16" in capsys.readouterr().out
+    assert session_providers(True, nhwc=True)[0] == ("CUDAExecutionProvider", {"use_tf32": "0", "prefer_nhwc": "1"})
+    assert "prefer_nhwc" not in session_providers(True)[0][1]

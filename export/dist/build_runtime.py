@@ -39,7 +39,7 @@ RUNTIME_MODULES = {
     "nwsconvert.conversion": ("nwsconvert/conversion", ["__init__", "config"]),
     "nwsconvert.train": ("nwsconvert/train", ["__init__", "rundir", "manifest"]),
     "nwsconvert.cli": ("nwsconvert/cli", ["__init__", "common"]),
-    "nwsconvert.export": ("export", ["__init__", "bundlefile", "densify", "layout", "graphruns", "ortsetup", "frames", "sessionmode", "switchmode", "runtime", "timing", "cli"]),
+    "nwsconvert.export": ("export", ["__init__", "bundlefile", "densify", "layout", "graphruns", "ortsetup", "frames", "sessionmode", "switchmode", "precision", "runtime", "timing", "cli"]),
 }
 #: the main distribution's dependencies the runtime keeps (by distribution name), plus Pillow for nws-infer's images.
 #: onnx: the switch mode reads and edits the graph onnxruntime optimises for the machine (nwsconvert.export.layout).

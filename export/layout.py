@@ -799,14 +799,18 @@ def prepare(
     disabled_optimizers: list[str] | None = None,
     fill: tuple[list[dict], dict] | None = None,
     precision: str = "float32",
+    external: tuple[str, str, str] | None = None,
 ) -> tuple[MachineGraph, bytes | None]:
     """:func:`machine_graph` (``layout="auto"``) or :func:`plain_graph` (``"plain"``), worked out in a child
     process, and with ``fill = (recipe, pools)`` the :func:`~nwsconvert.export.densify.recipe_graph` too.
     ``precision="float16"`` (``layout="plain"`` only): both graphs' weight tensors in float16
-    (:func:`~nwsconvert.export.precision.half_graph`). Kept for the life of this process, per template and
-    request.
+    (:func:`~nwsconvert.export.precision.half_graph`). ``external = (graph file, bundle folder,
+    placeholder)``: the template's external-data locations are checked first
+    (:func:`~nwsconvert.export.bundlefile.check_external_data`), so that the process asking never imports
+    onnx. Kept for the life of this process, per template and request.
 
     Raises:
+        FormatError: ``external``'s check refused the template (raised here after the child refused it).
         Whatever :func:`machine_graph` raises, when the work fails in this process too.
     """
     if precision != "float32" and layout != "plain":
@@ -818,6 +822,7 @@ def prepare(
         "disabled": list(disabled_optimizers or []),
         "fill": [fill[0], {k: [list(v[0]), v[1]] for k, v in fill[1].items()}] if fill else None,
         "precision": precision,
+        "external": list(external) if external else None,
     }
     key = hashlib.sha256(template + json.dumps(request, sort_keys=True).encode()).hexdigest()
     if key in _PREPARED:
@@ -873,6 +878,11 @@ def _child(work: Path) -> None:
     template = (work / "template.onnx").read_bytes()
     request = json.loads((work / "request.json").read_text())
     rows = [(name, tuple(shape)) for name, shape in request["rows"]]
+    if request.get("external"):  # before anything reads the graph
+        from .bundlefile import check_external_data
+
+        graph_file, bundle, placeholder = request["external"]
+        check_external_data(template, Path(graph_file), bundle, placeholder=placeholder)
     half = request.get("precision") == "float16"
     if request["layout"] == "plain":
         graph = plain_graph(template, rows)

@@ -618,7 +618,9 @@ def test_memory_stays_flat_however_many_tasks_the_runtime_switches_between(bundl
     """In fresh processes: after every task ran once, running them all three times over adds nothing to the
     resident set (a switch rewrites buffers; per-task sessions would each hold a dense model, 1.5 MB here),
     and the 3-task Runtime holds what the 1-task one holds plus the two tasks' kept values (a margin of
-    0.25 MB for the allocators' rounding: Python's and glibc's arenas grow in steps)."""
+    0.5 MB, a third of one per-task dense model, for the allocators' rounding: Python's and glibc's arenas
+    grow in steps, and the heap left after decoding a pack's temporaries read up to 0.28 MB over the kept
+    values once the process stopped importing onnx, whose 12 MB heap had absorbed them)."""
     import subprocess
     import sys
 
@@ -631,7 +633,7 @@ def test_memory_stays_flat_however_many_tasks_the_runtime_switches_between(bundl
         got[name] = json.loads(done.stdout)
     assert got["three"]["cycled"] <= 250_000, got
     added = got["three"]["kept"] - got["one"]["kept"]
-    assert got["three"]["start"] - got["one"]["start"] <= added + 250_000, got
+    assert got["three"]["start"] - got["one"]["start"] <= added + 500_000, got
 
 
 def test_the_torch_export_based_exporter_writes_working_bundles(run, tmp_path):

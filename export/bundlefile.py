@@ -189,11 +189,16 @@ def _attribute_tensors(node, where: str):
             yield from _tensors(g, f"{where}, subgraph {a.name}")
 
 
-def check_external_data(data: bytes, graph: Path, bundle: str | os.PathLike, placeholder: str | None = None) -> None:
+def check_external_data(
+    data: bytes, graph: Path, bundle: str | os.PathLike, placeholder: str | None = None
+) -> list[str]:
     """Refuse an ONNX graph (``data``, the bytes of ``graph``) any of whose tensors keeps its data outside the
     bundle: every external-data ``location`` must be a plain name of a file in the bundle folder (a link
     only to one in the folder), or ``placeholder`` (the switch template's tensors, supplied at run time).
     Checked on the bytes before onnx or onnxruntime opens any file they name.
+
+    Returns:
+        The files of the bundle the graph's external data names (to check again later without onnx).
 
     Raises:
         FormatError: naming the graph, the tensor and the location; or the bytes are not an ONNX model.
@@ -205,7 +210,7 @@ def check_external_data(data: bytes, graph: Path, bundle: str | os.PathLike, pla
         model.ParseFromString(data)
     except Exception as e:  # noqa: BLE001 (protobuf's DecodeError and friends)
         raise FormatError(f"{graph}: not an ONNX model ({type(e).__name__}: {str(e)[:120]})") from None
-    found = list(_tensors(model.graph, "the graph"))
+    found, named = list(_tensors(model.graph, "the graph")), []
     for f in model.functions:
         for node in f.node:
             found += _attribute_tensors(node, f"function {f.name!r}, node {node.name or node.op_type!r}")
@@ -234,3 +239,5 @@ def check_external_data(data: bytes, graph: Path, bundle: str | os.PathLike, pla
                 f"{graph}: tensor {t.name!r} ({where}) keeps its data at {str(location)[:120]!r}, {bad}: a bundle's "
                 "graphs may read only files in its folder; refused before anything read it"
             )
+        named.append(str(location))
+    return named

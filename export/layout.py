@@ -191,6 +191,8 @@ class MachineGraph:
         plain: the task tensors that stay graph inputs in the template's own shape (a ``copy`` placement each)
             in an optimised graph, each with why (onnxruntime computes with it: the layers that read it run
             without the blocked layout); empty where every tensor is placed, or the whole graph is plain.
+        external: the bundle files the template's external data names (beyond the placeholder), as
+            :func:`prepare` checked them (``external=``), to check again where it hands out a kept graph.
     """
 
     model: bytes
@@ -200,6 +202,7 @@ class MachineGraph:
     optimised: bool
     reason: str | None = None
     plain: dict[str, str] = field(default_factory=dict)
+    external: list[str] = field(default_factory=list)
 
     def fill(self, buffer: np.ndarray, tensors) -> None:
         """Write a task's dense tensors into a slot's ``buffer`` (flat float32 of ``floats``), every placement.
@@ -826,7 +829,13 @@ def prepare(
     }
     key = hashlib.sha256(template + json.dumps(request, sort_keys=True).encode()).hexdigest()
     if key in _PREPARED:
-        return _PREPARED[key]
+        graph, filler = _PREPARED[key]
+        if external:  # the same bytes, checked in the child: the files they name checked again, as they are now
+            from .bundlefile import bundle_file
+
+            for name in graph.external:
+                bundle_file(external[1], name, f"{Path(external[0]).name}'s external data")
+        return graph, filler
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "template.onnx").write_bytes(template)
@@ -867,6 +876,7 @@ def prepare(
             desc["optimised"],
             desc["reason"],
             desc.get("plain", {}),
+            desc.get("external", []),
         )
         filler = (work / "fill.onnx").read_bytes() if fill else None
     _PREPARED[key] = (graph, filler)
@@ -882,7 +892,9 @@ def _child(work: Path) -> None:
         from .bundlefile import check_external_data
 
         graph_file, bundle, placeholder = request["external"]
-        check_external_data(template, Path(graph_file), bundle, placeholder=placeholder)
+        external = check_external_data(template, Path(graph_file), bundle, placeholder=placeholder)
+    else:
+        external = []
     half = request.get("precision") == "float16"
     if request["layout"] == "plain":
         graph = plain_graph(template, rows)
@@ -905,7 +917,7 @@ def _child(work: Path) -> None:
         )  # fmt: skip
     (work / "graph.onnx").write_bytes(graph.model)
     desc = {"placements": placements, "floats": graph.floats, "layout": graph.layout, "optimised": graph.optimised,
-            "reason": graph.reason, "plain": graph.plain}  # fmt: skip
+            "reason": graph.reason, "plain": graph.plain, "external": external}  # fmt: skip
     (work / "graph.json").write_text(json.dumps(desc))
     if request["fill"]:
         from .densify import recipe_graph

@@ -546,3 +546,34 @@ def test_float16_is_the_switch_modes_and_named_when_misused(bundle4, capsys):
     assert "mode: switch; providers: ['CPUExecutionProvider'], layout plain, float16" in capsys.readouterr().out
     assert session_providers(True, nhwc=True)[0] == ("CUDAExecutionProvider", {"use_tf32": "0", "prefer_nhwc": "1"})
     assert "prefer_nhwc" not in session_providers(True)[0][1]
+
+
+def test_a_kept_switch_graph_checks_the_files_its_template_names_again(copy4):
+    """The template's external-data check runs in the layout child (the Runtime's process never imports onnx);
+    the graph it prepared is kept for the process. Handing the kept graph out again checks again, without onnx,
+    the bundle files the template names: one swapped meanwhile for a link out of the folder is refused."""
+    import onnx.helper
+
+    from nwsconvert.export.bundlefile import check_external_data
+    from nwsconvert.export.densify import PLACEHOLDER
+    from nwsconvert.export.layout import prepare
+
+    bundle, outside = copy4
+    proto = onnx.load(str(bundle / "switch.onnx"), load_external_data=False)
+    extra = onnx.helper.make_tensor("extra", onnx.TensorProto.FLOAT, [1], [0.0])
+    extra.ClearField("float_data")
+    extra.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", "extra.bin"), ("offset", "0"), ("length", "4")):
+        extra.external_data.add(key=key, value=value)
+    proto.graph.initializer.append(extra)
+    template = proto.SerializeToString()
+    (bundle / "extra.bin").write_bytes(b"\0" * 4)
+    assert check_external_data(template, bundle / "switch.onnx", bundle, placeholder=PLACEHOLDER) == ["extra.bin"]
+    rows = [(t.name, tuple(t.dims)) for t in proto.graph.initializer if t.name != "extra" and t.external_data]
+    args = dict(layout="plain", external=(str(bundle / "switch.onnx"), str(bundle), PLACEHOLDER))
+    graph, _ = prepare(template, rows, **args)
+    assert graph.external == ["extra.bin"] and prepare(template, rows, **args)[0] is graph  # kept
+    (bundle / "extra.bin").unlink()
+    os.symlink(outside / "pools.safetensors", bundle / "extra.bin")
+    with pytest.raises(nwsconvert.FormatError, match=r"external data is a link to .*outside/pools\.safetensors"):
+        prepare(template, rows, **args)

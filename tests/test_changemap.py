@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nwsconvert as nc
 from nwsconvert.formats.changemap import MASKS, decode_changes, encode_changes
@@ -41,6 +43,24 @@ def test_every_map_round_trips_to_its_positions(mask):
         got = decode_changes(data, changed.size, k, mask)
         assert got.dtype == np.int64 and np.array_equal(got, np.flatnonzero(changed))
         assert np.array_equal(decode_changes(np.frombuffer(data, np.uint8), changed.size, k, mask), got)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=3000), st.sampled_from(MASKS))
+def test_any_map_round_trips_and_any_cut_or_extended_map_is_refused(bits, mask):
+    """Any change pattern decodes to its positions; a Rice map cut by its last byte, or given one more (zero
+    padding, or one more unary end), is refused with ValueError, never decoded to other positions."""
+    changed = np.array(bits)
+    k = int(changed.sum())
+    data = encode_changes(changed, mask)
+    assert np.array_equal(decode_changes(data, changed.size, k, mask), np.flatnonzero(changed))
+    if mask == "rice" and data:
+        for bad in (data[:-1], data + b"\0", data + b"\x80"):
+            try:
+                got = decode_changes(bad, changed.size, k, mask)
+            except ValueError:
+                continue
+            raise AssertionError(f"{len(bad)} bytes decoded to {got[:5]} without an error")
 
 
 def test_rice_maps_stay_near_the_binary_entropy():

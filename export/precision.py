@@ -12,7 +12,9 @@ float32 (its default block list) get ``Cast`` nodes around them. The blocked CPU
 layout (:mod:`nwsconvert.export.layout`) is worked out in float32, so a float16
 graph runs the template's own layout. On a CPU, onnxruntime runs the float16
 operators it has kernels for and casts around the others: enough to check the
-numbers; the speed and memory that matter are a GPU's.
+numbers; the speed and memory that matter are a GPU's. An activation beyond float16's
+range (65,504) becomes infinite: ``benchmarks/parity.py --precision float16`` checks
+a run's test sets against float32.
 """
 
 from __future__ import annotations

@@ -98,6 +98,9 @@ def test_damaged_rice_maps_are_refused():
         decode_changes(b"\0", count, 0)
     with pytest.raises(ValueError, match="unknown change map 'gaps'"):
         decode_changes(data, count, k, "gaps")
+    old = encode_changes(changed, "ans")  # a rANS map of 5 changes read as 4: refused, never broadcast
+    with pytest.raises(ValueError, match="the layer has 4|data left after the last symbol"):
+        decode_changes(old, count, 4, "ans")
 
 
 def test_the_encoder_writes_rice_maps_and_reads_maps_of_both_forms():

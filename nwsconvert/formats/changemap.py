@@ -81,7 +81,10 @@ def decode_changes(data, count: int, k: int, mask: str = "rice") -> np.ndarray:
             raise ValueError(f"a change map of {raw.size} bytes where {k} of {count} positions changed (none needed)")
         return np.arange(count if k else 0, dtype=np.int64)
     if mask == "ans":
-        return np.flatnonzero(ans_decode(raw.tobytes(), _counts(count, k), count))
+        positions = np.flatnonzero(ans_decode(raw.tobytes(), _counts(count, k), count))
+        if positions.size != k:
+            raise ValueError(f"a change map holding {positions.size} changes; the layer has {k}")
+        return positions
     if mask != "rice":
         raise ValueError(f"unknown change map {mask!r} (this nwsconvert reads {', '.join(MASKS)})")
     if raw.size == 0:

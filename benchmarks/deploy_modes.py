@@ -142,6 +142,18 @@ def _first_tasks(run: Path, bundle: Path, n: int, out: Path) -> Path:
     return out
 
 
+def _against(rt, ref, batches) -> tuple[float, int, int]:
+    """``rt``'s logits against ``ref``'s, every task, each of ``batches``: the largest difference over the
+    largest logit, the images whose top-1 class agrees, and the images."""
+    worst, agree, n = 0.0, 0, 0
+    for t in rt.tasks:
+        for x in batches:
+            want, got = ref.run(t, x), rt.run(t, x)
+            worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+            agree, n = agree + int((got.argmax(1) == want.argmax(1)).sum()), n + len(x)
+    return worst, agree, n
+
+
 def measure(
     run: Path,
     bundle: Path,
@@ -249,23 +261,14 @@ def measure(
     if cuda_graph:
         rt = rts["switch_graph"]
         out["switch_cost"]["switch_graph"] = summary(switch_costs(rt, x1, cycles))
-        worst = 0.0  # every task at both batch sizes, graphed against the plain switch mode
-        for t in rt.tasks:
-            for x in (x1, x32):
-                ref = rts["switch"].run(t, x)
-                worst = max(worst, float(np.abs(rt.run(t, x) - ref).max() / np.abs(ref).max()))
+        worst, _, _ = _against(rt, rts["switch"], (x1, x32))  # graphed against the plain switch mode
         out["graph"] = {"on": rt.cuda_graph, "graphs": rt.info()["graphs"], "parity": worst}
     if graph_error is not None:
         out.setdefault("graph", {})["error"] = graph_error
     if precision != "float32":
         rt = rts[f"switch_{precision}"]
         out["switch_cost"][f"switch_{precision}"] = summary(switch_costs(rt, x1, cycles))
-        worst, agree, n = 0.0, 0, 0  # every task at both batch sizes, against the float32 switch mode
-        for t in rt.tasks:
-            for x in (x1, x32):
-                ref, got = rts["switch"].run(t, x), rt.run(t, x)
-                worst = max(worst, float(np.abs(got - ref).max() / np.abs(ref).max()))
-                agree, n = agree + int((got.argmax(1) == ref.argmax(1)).sum()), n + len(x)
+        worst, agree, n = _against(rt, rts["switch"], (x1, x32))  # against the float32 switch mode
         for b in (1, 32):
             lat = out[f"latency_b{b}"]
             lat[f"switch_{precision}"]["vs_float32"] = (

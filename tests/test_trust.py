@@ -252,8 +252,10 @@ def test_another_runs_pool_file_or_base_is_refused(runs, run_a):
 
 
 def _another_base(run: Path, dst: Path) -> str:
-    """A base pack on the same pools that the run never wrote (task 1's indices and state, standalone)."""
+    """A base pack on the same pools that the run never wrote (task 1's indices, standalone; the run's base
+    state, so that the tasks' state entries coded against it still decode)."""
     other = nwsconvert.TaskPack.load(run / "tasks" / "task_1.nwspack")
+    other.state = dict(nwsconvert.TaskPack.load(run / "base.nwspack").state)
     other.base, other.task = None, None
     return other.save(dst)
 

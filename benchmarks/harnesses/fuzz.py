@@ -646,6 +646,8 @@ def targeted_pack(rng: random.Random, meta: dict, case: Case, subj: Subject, oth
     nc = meta.get("num_classes") if type(meta.get("num_classes")) is int else 2
     keys = meta.get("state_keys") if isinstance(meta.get("state_keys"), list) else []
     sk = [keys[1:], [*keys, keys[0]] if keys else ["x"], [*keys, "state/x"], [], None, list(reversed(keys))]
+    coded = meta.get("state_delta") if isinstance(meta.get("state_delta"), list) else []
+    sd = [coded[1:], [*coded, coded[0]] if coded else keys[:1], keys, [], None, ["x"], [5], "x", list(reversed(coded))]
     fields = {
         "num_classes": [*rng.sample(HUGE, 2), 0, -1, nc + 1, None, "2", 10],
         "sha256": ["0" * 64, other.pack_sha(other_rel), sha.upper(), sha[:-1], "", None, 5],
@@ -671,7 +673,8 @@ def targeted_pack(rng: random.Random, meta: dict, case: Case, subj: Subject, oth
         "run_id": [other.manifest.get("run_id"), "", None, 5],
         "task": [1 - case.task, 1, -1, 10**12, "0", None, 0.5, True],
         "state_keys": sk,
-        "version": [0, 1, 2, 4, 99, "3", None, 3.0, -1, 2**63],
+        "state_delta": sd,
+        "version": [0, 1, 2, 4, 5, 6, 99, "3", None, 3.0, -1, 2**63],
         "format": ["nwsconvert.poolset", "nwsconvert.taskpack", "nwsconvert.run", "x", None],
         "meta": [None, [], "x", {"task": 5}],
         "model_spec": ["subprocess:getoutput", None, 5],

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: torch blocked, so a module missing here fails there.
 RUNTIME_MODULES = {
     "nwsconvert": ("nwsconvert", ["__init__", "lazy", "errors", "devices"]),
-    "nwsconvert.formats": ("nwsconvert/formats", ["__init__", "atomic", "limits", "schema", "stfile", "bitpack", "entropy", "changemap", "indexcode", "packfile"]),
+    "nwsconvert.formats": ("nwsconvert/formats", ["__init__", "atomic", "limits", "schema", "stfile", "bitpack", "entropy", "rice", "changemap", "statecode", "indexcode", "packfile"]),
     "nwsconvert.conversion": ("nwsconvert/conversion", ["__init__", "config"]),
     "nwsconvert.train": ("nwsconvert/train", ["__init__", "rundir", "manifest"]),
     "nwsconvert.cli": ("nwsconvert/cli", ["__init__", "common"]),

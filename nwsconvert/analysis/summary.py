@@ -41,7 +41,7 @@ def task_bytes(pack: TaskPack) -> dict:
     per_layer = pack.layer_index_bytes()
     index_head = sum(b for name, b in per_layer.items() if name in heads)
     index_all = sum(per_layer.values())
-    state_head = sum(t.numel() * t.element_size() for k, t in pack.state.items() if k.rsplit(".", 1)[0] in heads)
+    state_head = sum(b for k, b in pack.layer_state_bytes().items() if k.rsplit(".", 1)[0] in heads)
     return {
         "indices": index_all - index_head,
         "state": pack.state_bytes - state_head,

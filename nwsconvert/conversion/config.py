@@ -52,7 +52,8 @@ class Budget:
 
     Exactly one is set. ``bits_per_weight`` counts fixed-width indices over every converted weight
     (head included); ``bytes_per_task`` adds the task's state at float16. Task packs store the same
-    indices or fewer bytes (rANS and delta coding), never more.
+    indices and state or fewer bytes (rANS and delta coding, state coded against the base pack's),
+    never more.
     """
 
     bits_per_weight: float | None = None

@@ -3,12 +3,10 @@
 Two forms, named by a delta-coded layer's ``mask`` field in the pack header:
 
 ``rice`` (pack version 4 on)
-    the gaps between changed positions, Golomb-Rice coded: one byte ``r``, then
-    each gap's low ``r`` bits bit-packed (:mod:`nwsconvert.formats.bitpack`),
-    then each gap's high part in unary (that many 0 bits, then a 1; bits in
-    little-endian order, the last byte padded with 0 bits). The encoder picks
-    the ``r`` that makes the map smallest. Decoding takes time in the number
-    of changes, not of positions.
+    the gaps between changed positions, Golomb-Rice coded
+    (:mod:`nwsconvert.formats.rice`: one byte ``r``, the low bits packed, the
+    high parts in unary). Decoding takes time in the number of changes, not
+    of positions.
 ``ans`` (pack versions 1-3; read, no longer written)
     one symbol per position under a two-symbol rANS model whose only parameter
     is the number of changes (:func:`nwsconvert.formats.entropy.ans_decode`).
@@ -29,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bitpack import pack_bits, packed_size, unpack_bits
 from .entropy import ans_decode, ans_encode
+from .rice import rice_decode, rice_encode
 
 __all__ = ["MASKS", "encode_changes", "decode_changes"]
 
@@ -39,10 +37,6 @@ MASKS = ("rice", "ans")  # the first is what the encoder writes
 
 def _counts(count: int, k: int) -> np.ndarray:
     return np.array([count - k, k], dtype=np.int64)
-
-
-def _rice_size(gaps: np.ndarray, r: int) -> int:
-    return 1 + packed_size(gaps.size, r) + (int((gaps >> r).sum()) + gaps.size + 7) // 8
 
 
 def encode_changes(changed: np.ndarray, mask: str = "rice") -> bytes:
@@ -55,13 +49,7 @@ def encode_changes(changed: np.ndarray, mask: str = "rice") -> bytes:
         return ans_encode(changed.astype(np.int64), _counts(count, k))
     if mask != "rice":
         raise ValueError(f"unknown change map {mask!r} (one of {', '.join(MASKS)})")
-    gaps = np.diff(positions, prepend=-1) - 1  # unchanged positions before each change
-    r = min(range(int(gaps.max()).bit_length() + 1), key=lambda b: (_rice_size(gaps, b), b))
-    high = gaps >> r
-    unary = np.zeros(int(high.sum()) + k, dtype=np.uint8)
-    unary[np.cumsum(high + 1) - 1] = 1
-    low = pack_bits(gaps & ((1 << r) - 1), r).tobytes() if r else b""
-    return bytes([r]) + low + np.packbits(unary, bitorder="little").tobytes()
+    return rice_encode(np.diff(positions, prepend=-1) - 1)  # unchanged positions before each change
 
 
 def decode_changes(data, count: int, k: int, mask: str = "rice") -> np.ndarray:
@@ -87,22 +75,8 @@ def decode_changes(data, count: int, k: int, mask: str = "rice") -> np.ndarray:
         return positions
     if mask != "rice":
         raise ValueError(f"unknown change map {mask!r} (this nwsconvert reads {', '.join(MASKS)})")
-    if raw.size == 0:
-        raise ValueError("an empty change map")
-    r = int(raw[0])
-    if r > count.bit_length():
-        raise ValueError(f"a change map whose Rice parameter {r} exceeds the layer's {count} positions")
-    n_low = packed_size(k, r) if r else 0
-    if raw.size < 1 + n_low:
-        raise ValueError(f"a change map of {raw.size} bytes cannot hold {k} low parts of {r} bits")
-    low = unpack_bits(raw[1 : 1 + n_low], r, k) if r else np.zeros(k, dtype=np.int64)
-    ends = np.flatnonzero(np.unpackbits(raw[1 + n_low :], bitorder="little"))
-    if ends.size != k or raw.size - 1 - n_low != int(ends[-1]) // 8 + 1:
-        raise ValueError(f"a change map holding {ends.size} changes, or bytes after them; the layer has {k}")
-    high = np.diff(ends, prepend=-1) - 1
-    if int(high.max()) > count >> r:  # and so no overflow below
-        raise ValueError(f"a change map with a gap beyond the layer's {count} positions")
-    positions = np.cumsum((high << r) + low + 1) - 1
+    gaps = rice_decode(raw, k, count - 1, "a change map", f"the layer has {k}")
+    positions = np.cumsum(gaps + 1) - 1
     if int(positions[-1]) >= count:
         raise ValueError(f"a change map with a position beyond the layer's {count}")
     return positions

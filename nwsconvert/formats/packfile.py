@@ -9,6 +9,8 @@ decoder, so both see exactly the same indices. The format is described in
   the file's tensors, before anything is decoded;
 * :func:`decode_layers`: every layer's indices from its coding
   (:mod:`nwsconvert.formats.indexcode`), against the base's where delta-coded;
+* :func:`decode_state_entries`: the state entries coded against the base's
+  (:mod:`nwsconvert.formats.statecode`);
 * :func:`read_pack_arrays`: a whole pack as :class:`PackArrays` (numpy), with
   its base found and verified as :meth:`TaskPack.load` does.
 """
@@ -30,16 +32,19 @@ from .changemap import MASKS
 from .indexcode import CODINGS, EncodedLayer, decode_indices
 from .limits import MAX_KERNELS, MAX_POOL_SIZE, MAX_VECTOR_SIZE
 from .schema import Fields
+from .statecode import decode_state, predictor
 from .stfile import read_arrays
 
 __all__ = [
     "PACK_FORMAT",
     "PACK_VERSION",
     "BASE_FILE",
+    "STATE_DELTA",
     "STANDALONE",
     "PackArrays",
     "check_header",
     "decode_layers",
+    "decode_state_entries",
     "expect",
     "base_candidates",
     "resolve_base",
@@ -48,12 +53,13 @@ __all__ = [
 ]
 
 PACK_FORMAT = "nwsconvert.taskpack"
-# 3: header_sha256 and the pack's identity (run, task); 4: change maps Rice-coded (a delta layer's `mask`).
-# Versions 1-3 still load.
-PACK_VERSION = 4
+# 3: header_sha256 and the pack's identity (run, task); 4: change maps Rice-coded (a delta layer's `mask`);
+# 5: float16 state entries coded against the base's (`state_delta`). Versions 1-4 still load.
+PACK_VERSION = 5
 HASHED_SINCE = 3
 BASE_FILE = "base.nwspack"  # the base's file name when it was never saved under another
 SUFFIXES = ("indices", "table", "values", "values_table")
+STATE_DELTA = "state_delta"  # the tensor prefix (and header field) of state entries coded against the base
 ROLES = ("stem", "body", "shortcut", "head")
 
 
@@ -146,7 +152,16 @@ def check_header(header: dict, layout, path) -> None:
     state_keys = f.strs("state_keys")
     if len(set(state_keys)) != len(state_keys):
         raise f.fail("state_keys", "unique names", state_keys)
-    expected = {f"state/{k}" for k in state_keys}
+    coded = f.strs(STATE_DELTA, optional=True) or []
+    if len(set(coded)) != len(coded) or not set(coded) <= set(state_keys):
+        raise f.fail(STATE_DELTA, "unique names from state_keys", coded)
+    for k in coded:
+        info = layout.tensors.get(f"{STATE_DELTA}/{k}")
+        if info is not None and (info.dtype != "U8" or len(info.shape) != 1):
+            raise FormatError(
+                f"{path}: tensor {STATE_DELTA}/{k} is {info.dtype} {list(info.shape)}, a coded state entry is uint8 bytes"
+            )
+    expected = {f"{STATE_DELTA}/{k}" if k in coded else f"state/{k}" for k in state_keys}
     names, heads, delta = set(), [], False
     for i, row in enumerate(f.list("layers")):
         r = f.sub(row, f"layers[{i}]")
@@ -174,6 +189,8 @@ def check_header(header: dict, layout, path) -> None:
         expected |= {f"{s}/{name}" for s in want}
     if delta and base is None:
         raise FormatError(f"{path}: field base is missing, but some layers are stored as changes against a base")
+    if coded and base is None:
+        raise FormatError(f"{path}: field base is missing, but some state entries are stored as changes against a base")
     if heads and num_classes != heads[-1]:
         raise f.fail("num_classes", f"{heads[-1]} (the head layer's rows)", num_classes)
     extra = sorted(set(layout.tensors) - expected)
@@ -261,6 +278,36 @@ def decode_layers(header: dict, u8: dict, path, base_layers: list | None = None,
             raise
         raise FormatError(f"{path}: inconsistent task pack ({type(e).__name__}: {e})") from None
     return layers, indices, encoded
+
+
+def decode_state_entries(header: dict, raw: dict, path, base_state: dict | None) -> tuple[dict, dict]:
+    """The state entries a checked header names in ``state_delta``, decoded against the base's.
+
+    Args:
+        raw: ``state_delta/<key>`` -> the coded entry (uint8 array) of the file.
+        base_state: the base pack's state (key -> array); ``None`` when the pack has no base.
+
+    Returns:
+        ``(coded, state)``: key -> the coded bytes, and key -> the decoded float16 array.
+
+    Raises:
+        FormatError: a base without the entry, or with it in another size or not floating point;
+            coded bytes inconsistent with it (naming ``path`` and the key).
+    """
+    coded, state = {}, {}
+    for k in header.get(STATE_DELTA) or []:
+        ref = None if base_state is None else base_state.get(k)
+        pred = None if ref is None else predictor(ref)
+        if pred is None:
+            why = "has no such entry" if ref is None else f"holds it as {np.asarray(ref).dtype}"
+            raise FormatError(f"{path}: state entry {k!r} is stored as changes against its base, which {why}")
+        data = np.asarray(raw[f"{STATE_DELTA}/{k}"], dtype=np.uint8)
+        try:
+            state[k] = decode_state(data, pred, tuple(np.asarray(ref).shape))
+        except ValueError as e:
+            raise FormatError(f"{path}: state entry {k!r}: {e}") from None
+        coded[k] = data.tobytes()
+    return coded, state
 
 
 def base_candidates(path: Path, info: dict) -> list[Path]:
@@ -376,5 +423,9 @@ def read_pack_arrays(
     layers, indices, encoded = decode_layers(
         header, arrays, path, base_pack.layers if base_pack else None, base_pack.indices if base_pack else None
     )
-    state = {k: arrays[f"state/{k}"] for k in header["state_keys"]}
+    _, decoded_state = decode_state_entries(
+        header, {k: v for k, v in arrays.items() if k.startswith(f"{STATE_DELTA}/")}, path,
+        base_pack.state if base_pack else None,
+    )  # fmt: skip
+    state = {k: decoded_state[k] if k in decoded_state else arrays[f"state/{k}"] for k in header["state_keys"]}
     return PackArrays(header, layers, indices, state, encoded, base_pack, path)

@@ -8,17 +8,21 @@ A task pack holds, for one task:
   task's indices (fixed width or rANS);
 * every other parameter and buffer of the model that no pool owns (BatchNorm
   affine parameters and running statistics, biases, LayerNorm, layer scale,
-  dense-left layers...), so the task round-trips completely;
+  dense-left layers...), so the task round-trips completely; from version 5 a
+  float16 entry is stored as its changes against the base pack's entry where
+  that is smaller (:mod:`nwsconvert.formats.statecode`; the header's
+  ``state_delta`` names them): MobileNetV2's 134 KB of state a task take 64 KB;
 * the class count of the head, the model spec, and the SHA-256 of the pool set
   it was built on.
 
 File: safetensors (``indices/<layer>``, ``table/<layer>``, ``values/<layer>``,
-``values_table/<layer>`` uint8 as the coding needs, ``state/<key>``) with a
+``values_table/<layer>`` uint8 as the coding needs, ``state/<key>`` or
+``state_delta/<key>`` uint8) with a
 JSON header (format version, layer table with each layer's coding, pool-set
 hash, model spec, content hash, and the base pack's hash when a layer is
 delta-coded). Version 4 Rice-codes a delta layer's change map (each such row
-names its ``mask``, :mod:`nwsconvert.formats.changemap`); files of versions
-1-3 are read as before.
+names its ``mask``, :mod:`nwsconvert.formats.changemap`); version 5 codes
+state entries against the base's; files of versions 1-4 are read as before.
 
 A delta-coded pack decodes from the pool set, its base and itself: a base is
 never delta-coded itself, so no chain is longer than one step. The header names
@@ -51,12 +55,15 @@ from .packfile import (
     PACK_FORMAT,
     PACK_VERSION,
     STANDALONE,
+    STATE_DELTA,
     check_header,
     decode_layers,
+    decode_state_entries,
     expect,
     resolve_base,
     same_layer,
 )
+from .statecode import encode_state, predictor
 from .storage import FLOAT_DTYPES, read_tensors, tensor_digest, write_tensors
 
 __all__ = [
@@ -139,6 +146,7 @@ class TaskPack:
     run_id: str | None = field(default=None, compare=False)
     task: int | None = field(default=None, compare=False)
     _encoded: dict | None = field(default=None, init=False, repr=False, compare=False)
+    _encoded_state: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def content_sha256(self) -> str:
         """SHA-256 of the decoded indices and the state, whatever coding a file uses."""
@@ -160,6 +168,25 @@ class TaskPack:
             out[r["name"]] = encode_indices(
                 self.indices[r["name"]].cpu(), r["pool_size"], r["bits"], None if ref is None else ref.cpu(), codings
             )
+        return out
+
+    def encode_state(self) -> dict[str, bytes]:
+        """State key -> its entry coded against the base's (:mod:`nwsconvert.formats.statecode`), for
+        every float16 entry whose base entry has its shape and whose coding is smaller than the entry."""
+        base = self._checked_base()
+        if base is None:
+            return {}
+        out = {}
+        for k, v in self.state.items():
+            ref = base.state.get(k)
+            if v.dtype != torch.float16 or ref is None or tuple(ref.shape) != tuple(v.shape) or v.numel() == 0:
+                continue
+            pred = predictor(ref.detach().cpu().numpy())
+            if pred is None:
+                continue
+            coded = encode_state(v.detach().cpu().numpy(), pred)
+            if len(coded) < v.numel() * v.element_size():
+                out[k] = coded
         return out
 
     def _checked_base(self) -> TaskPack | None:
@@ -195,10 +222,21 @@ class TaskPack:
         """Bytes of the stored indices, all layers."""
         return sum(self.layer_index_bytes().values())
 
+    def _stored_state(self) -> dict[str, bytes]:
+        """The state entries coded against the base as saved or loaded; else as :meth:`save` would code them."""
+        if self._encoded_state is None:
+            self._encoded_state = self.encode_state()
+        return self._encoded_state
+
+    def layer_state_bytes(self) -> dict[str, int]:
+        """State key -> bytes the entry takes in the pack file (coded against the base, or raw)."""
+        coded = self._stored_state()
+        return {k: len(coded[k]) if k in coded else t.numel() * t.element_size() for k, t in self.state.items()}
+
     @property
     def state_bytes(self) -> int:
-        """Bytes of the non-pool tensors (BatchNorm statistics, biases, ...)."""
-        return sum(t.numel() * t.element_size() for t in self.state.values())
+        """Bytes of the non-pool tensors (BatchNorm statistics, biases, ...) in the pack file."""
+        return sum(self.layer_state_bytes().values())
 
     def save(self, path: str | os.PathLike, codings=CODINGS) -> str:
         """Write the pack atomically, each layer in its smallest allowed coding.
@@ -212,16 +250,21 @@ class TaskPack:
             The file's content SHA-256.
         """
         encoded = self.encode(codings)
+        state_coded = self.encode_state() if any(c.startswith("delta") for c in codings) else {}
         tensors = {
             f"{suffix}/{name}": torch.from_numpy(t) for name, e in encoded.items() for suffix, t in e.tensors.items()
         }
-        tensors.update({f"state/{k}": v.detach().cpu() for k, v in self.state.items()})
+        for k, v in self.state.items():
+            if k in state_coded:
+                tensors[f"{STATE_DELTA}/{k}"] = torch.frombuffer(bytearray(state_coded[k]), dtype=torch.uint8)
+            else:
+                tensors[f"state/{k}"] = v.detach().cpu()
         rows = []
         for r in self.layers:
             e = encoded[r["name"]]
             coded = {"changes": e.changes, "mask": e.mask} if e.changes is not None else {}
             rows.append({**r, "coding": e.coding, **{k: v for k, v in coded.items() if v is not None}})
-        delta = any(e.coding.startswith("delta") for e in encoded.values())
+        delta = bool(state_coded) or any(e.coding.startswith("delta") for e in encoded.values())
         base_file = self.base.source.name if delta and self.base.source is not None else BASE_FILE
         base = {"sha256": self.base.sha256, "file": base_file} if delta else None
         self.sha256 = write_tensors(
@@ -234,12 +277,14 @@ class TaskPack:
             model_spec=self.model_spec,
             layers=rows,
             state_keys=list(self.state),
+            **({STATE_DELTA: list(state_coded)} if state_coded else {}),
             meta=self.meta,
             run_id=self.run_id,
             task=self.task,
             **({"base": base} if base else {}),
         )
         self._encoded = encoded
+        self._encoded_state = state_coded
         self.base_sha256 = base["sha256"] if base else None
         self.source = Path(path)
         return self.sha256
@@ -282,13 +327,19 @@ class TaskPack:
         expect(path, header, sha256=sha256, pool_sha256=pool_sha256, run_id=run_id, task=task)
         base_info = header.get("base")
         base_pack = resolve_base(path, header, base, kind=TaskPack, load=_load_base)
-        u8 = {k: v.numpy() for k, v in tensors.items() if not k.startswith("state/")}
+        u8 = {k: v.numpy() for k, v in tensors.items() if not k.startswith(("state/", f"{STATE_DELTA}/"))}
         base_idx = {k: v.numpy() for k, v in base_pack.indices.items()} if base_pack is not None else None
         layers, decoded, encoded = decode_layers(
             header, u8, path, base_pack.layers if base_pack is not None else None, base_idx
         )
         indices = {k: torch.from_numpy(v) for k, v in decoded.items()}
-        state = {k: tensors[f"state/{k}"] for k in header["state_keys"]}
+        base_state = {k: v.numpy() for k, v in base_pack.state.items()} if base_pack is not None else None
+        raw = {k: v.numpy() for k, v in tensors.items() if k.startswith(f"{STATE_DELTA}/")}
+        coded, decoded_state = decode_state_entries(header, raw, path, base_state)
+        state = {
+            k: torch.from_numpy(decoded_state[k]) if k in decoded_state else tensors[f"state/{k}"]
+            for k in header["state_keys"]
+        }
         pack = cls(
             layers=layers,
             indices=indices,
@@ -305,6 +356,7 @@ class TaskPack:
             task=header.get("task"),
         )
         pack._encoded = encoded
+        pack._encoded_state = coded
         return pack
 
 

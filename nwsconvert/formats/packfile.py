@@ -32,7 +32,7 @@ from .changemap import MASKS
 from .indexcode import CODINGS, EncodedLayer, decode_indices
 from .limits import MAX_KERNELS, MAX_POOL_SIZE, MAX_VECTOR_SIZE
 from .schema import Fields
-from .statecode import decode_state, predictor
+from .statecode import decode_groups, predictor
 from .stfile import read_arrays
 
 __all__ = [
@@ -84,6 +84,7 @@ class PackArrays:
     encoded: dict
     base: PackArrays | None = field(default=None, repr=False)
     source: Path | None = None
+    predictors: dict = field(default_factory=dict, repr=False)  # as a base: its state's float16 patterns
 
     @property
     def sha256(self) -> str:
@@ -152,16 +153,23 @@ def check_header(header: dict, layout, path) -> None:
     state_keys = f.strs("state_keys")
     if len(set(state_keys)) != len(state_keys):
         raise f.fail("state_keys", "unique names", state_keys)
-    coded = f.strs(STATE_DELTA, optional=True) or []
-    if len(set(coded)) != len(coded) or not set(coded) <= set(state_keys):
-        raise f.fail(STATE_DELTA, "unique names from state_keys", coded)
-    for k in coded:
-        info = layout.tensors.get(f"{STATE_DELTA}/{k}")
+    groups = f.list(STATE_DELTA, optional=True) or []
+    coded = [k for g in groups if isinstance(g, list) for k in g]
+    if (
+        not all(isinstance(g, list) and g and all(isinstance(k, str) for k in g) for g in groups)
+        or len(set(coded)) != len(coded)
+        or not set(coded) <= set(state_keys)
+    ):
+        raise f.fail(STATE_DELTA, "lists of names from state_keys, each name in one list", groups)
+    for i in range(len(groups)):
+        info = layout.tensors.get(f"{STATE_DELTA}/{i}")
         if info is not None and (info.dtype != "U8" or len(info.shape) != 1):
             raise FormatError(
-                f"{path}: tensor {STATE_DELTA}/{k} is {info.dtype} {list(info.shape)}, a coded state entry is uint8 bytes"
+                f"{path}: tensor {STATE_DELTA}/{i} is {info.dtype} {list(info.shape)}, a coded state stream is uint8 bytes"
             )
-    expected = {f"{STATE_DELTA}/{k}" if k in coded else f"state/{k}" for k in state_keys}
+    expected = {f"state/{k}" for k in state_keys if k not in set(coded)} | {
+        f"{STATE_DELTA}/{i}" for i in range(len(groups))
+    }
     names, heads, delta = set(), [], False
     for i, row in enumerate(f.list("layers")):
         r = f.sub(row, f"layers[{i}]")
@@ -280,34 +288,47 @@ def decode_layers(header: dict, u8: dict, path, base_layers: list | None = None,
     return layers, indices, encoded
 
 
-def decode_state_entries(header: dict, raw: dict, path, base_state: dict | None) -> tuple[dict, dict]:
-    """The state entries a checked header names in ``state_delta``, decoded against the base's.
+def decode_state_entries(
+    header: dict, raw: dict, path, base_state: dict | None, cache: dict | None = None
+) -> tuple[list, dict]:
+    """The state entries a checked header codes in ``state_delta``, decoded against the base's.
 
     Args:
-        raw: ``state_delta/<key>`` -> the coded entry (uint8 array) of the file.
+        raw: ``state_delta/<i>`` -> stream i's bytes (uint8 array) of the file.
         base_state: the base pack's state (key -> array); ``None`` when the pack has no base.
+        cache: the base's predictors computed so far (key -> float16 patterns), kept with the base
+            (a base serves every task: its entries are rounded once, not at every read).
 
     Returns:
-        ``(coded, state)``: key -> the coded bytes, and key -> the decoded float16 array.
+        ``(streams, state)``: ``[(keys, bytes), ...]`` as stored, and key -> the decoded float16 array.
 
     Raises:
-        FormatError: a base without the entry, or with it in another size or not floating point;
-            coded bytes inconsistent with it (naming ``path`` and the key).
+        FormatError: a base without an entry, or with it not floating point; a stream inconsistent
+            with its entries (naming ``path`` and the stream's first key).
     """
-    coded, state = {}, {}
-    for k in header.get(STATE_DELTA) or []:
+    groups = header.get(STATE_DELTA) or []
+    bases, shapes = {}, {}
+    for k in (k for g in groups for k in g):
         ref = None if base_state is None else base_state.get(k)
-        pred = None if ref is None else predictor(ref)
+        pred = None if ref is None else (cache or {}).get(k)
+        if pred is None and ref is not None:
+            pred = predictor(ref)
+            if cache is not None and pred is not None:
+                cache[k] = pred
         if pred is None:
             why = "has no such entry" if ref is None else f"holds it as {np.asarray(ref).dtype}"
             raise FormatError(f"{path}: state entry {k!r} is stored as changes against its base, which {why}")
-        data = np.asarray(raw[f"{STATE_DELTA}/{k}"], dtype=np.uint8)
+        bases[k], shapes[k] = pred, np.shape(ref)
+    streams, state = [], {}
+    for i, keys in enumerate(groups):
+        data = np.asarray(raw[f"{STATE_DELTA}/{i}"], dtype=np.uint8)
         try:
-            state[k] = decode_state(data, pred, tuple(np.asarray(ref).shape))
+            flat = decode_groups([keys], [data], bases)
         except ValueError as e:
-            raise FormatError(f"{path}: state entry {k!r}: {e}") from None
-        coded[k] = data.tobytes()
-    return coded, state
+            raise FormatError(f"{path}: state stream {i} (entries {keys[0]!r}...): {e}") from None
+        state.update((k, v.reshape(shapes[k])) for k, v in flat.items())
+        streams.append((keys, data.tobytes()))
+    return streams, state
 
 
 def base_candidates(path: Path, info: dict) -> list[Path]:
@@ -425,7 +446,7 @@ def read_pack_arrays(
     )
     _, decoded_state = decode_state_entries(
         header, {k: v for k, v in arrays.items() if k.startswith(f"{STATE_DELTA}/")}, path,
-        base_pack.state if base_pack else None,
+        base_pack.state if base_pack else None, base_pack.predictors if base_pack else None,
     )  # fmt: skip
     state = {k: decoded_state[k] if k in decoded_state else arrays[f"state/{k}"] for k in header["state_keys"]}
     return PackArrays(header, layers, indices, state, encoded, base_pack, path)

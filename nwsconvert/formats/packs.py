@@ -63,7 +63,7 @@ from .packfile import (
     resolve_base,
     same_layer,
 )
-from .statecode import encode_state, predictor
+from .statecode import encode_groups, predictor
 from .storage import FLOAT_DTYPES, read_tensors, tensor_digest, write_tensors
 
 __all__ = [
@@ -146,7 +146,8 @@ class TaskPack:
     run_id: str | None = field(default=None, compare=False)
     task: int | None = field(default=None, compare=False)
     _encoded: dict | None = field(default=None, init=False, repr=False, compare=False)
-    _encoded_state: dict | None = field(default=None, init=False, repr=False, compare=False)
+    _encoded_state: list | None = field(default=None, init=False, repr=False, compare=False)
+    _predictors: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # as a base
 
     def content_sha256(self) -> str:
         """SHA-256 of the decoded indices and the state, whatever coding a file uses."""
@@ -170,24 +171,22 @@ class TaskPack:
             )
         return out
 
-    def encode_state(self) -> dict[str, bytes]:
-        """State key -> its entry coded against the base's (:mod:`nwsconvert.formats.statecode`), for
-        every float16 entry whose base entry has its shape and whose coding is smaller than the entry."""
+    def encode_state(self) -> list[tuple[list[str], bytes]]:
+        """The float16 entries coded against the base's (:mod:`nwsconvert.formats.statecode`), as streams
+        ``[(keys, bytes), ...]``: every float16 entry whose base entry is floating point of its shape
+        and whose coding is smaller than the entry."""
         base = self._checked_base()
         if base is None:
-            return {}
-        out = {}
+            return []
+        entries, bases = {}, {}
         for k, v in self.state.items():
             ref = base.state.get(k)
             if v.dtype != torch.float16 or ref is None or tuple(ref.shape) != tuple(v.shape) or v.numel() == 0:
                 continue
             pred = predictor(ref.detach().cpu().numpy())
-            if pred is None:
-                continue
-            coded = encode_state(v.detach().cpu().numpy(), pred)
-            if len(coded) < v.numel() * v.element_size():
-                out[k] = coded
-        return out
+            if pred is not None:
+                entries[k], bases[k] = v.detach().cpu().numpy(), pred
+        return encode_groups(entries, bases)
 
     def _checked_base(self) -> TaskPack | None:
         base = self.base
@@ -222,16 +221,22 @@ class TaskPack:
         """Bytes of the stored indices, all layers."""
         return sum(self.layer_index_bytes().values())
 
-    def _stored_state(self) -> dict[str, bytes]:
-        """The state entries coded against the base as saved or loaded; else as :meth:`save` would code them."""
+    def _stored_state(self) -> list[tuple[list[str], bytes]]:
+        """The state streams coded against the base as saved or loaded; else as :meth:`save` would code them."""
         if self._encoded_state is None:
             self._encoded_state = self.encode_state()
         return self._encoded_state
 
     def layer_state_bytes(self) -> dict[str, int]:
-        """State key -> bytes the entry takes in the pack file (coded against the base, or raw)."""
-        coded = self._stored_state()
-        return {k: len(coded[k]) if k in coded else t.numel() * t.element_size() for k, t in self.state.items()}
+        """State key -> bytes the entry takes in the pack file: its raw bytes, or for a coded entry its
+        share of its stream by value count (the remainder on the stream's first entry; they sum to the file's)."""
+        out = {k: t.numel() * t.element_size() for k, t in self.state.items()}
+        for keys, data in self._stored_state():
+            sizes = [self.state[k].numel() for k in keys]
+            shares = [len(data) * n // sum(sizes) for n in sizes]
+            shares[0] += len(data) - sum(shares)
+            out.update(zip(keys, shares))
+        return out
 
     @property
     def state_bytes(self) -> int:
@@ -250,15 +255,14 @@ class TaskPack:
             The file's content SHA-256.
         """
         encoded = self.encode(codings)
-        state_coded = self.encode_state() if any(c.startswith("delta") for c in codings) else {}
+        state_coded = self.encode_state() if any(c.startswith("delta") for c in codings) else []
         tensors = {
             f"{suffix}/{name}": torch.from_numpy(t) for name, e in encoded.items() for suffix, t in e.tensors.items()
         }
-        for k, v in self.state.items():
-            if k in state_coded:
-                tensors[f"{STATE_DELTA}/{k}"] = torch.frombuffer(bytearray(state_coded[k]), dtype=torch.uint8)
-            else:
-                tensors[f"state/{k}"] = v.detach().cpu()
+        coded_keys = {k for keys, _ in state_coded for k in keys}
+        tensors.update({f"state/{k}": v.detach().cpu() for k, v in self.state.items() if k not in coded_keys})
+        for i, (_, data) in enumerate(state_coded):
+            tensors[f"{STATE_DELTA}/{i}"] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         rows = []
         for r in self.layers:
             e = encoded[r["name"]]
@@ -277,7 +281,7 @@ class TaskPack:
             model_spec=self.model_spec,
             layers=rows,
             state_keys=list(self.state),
-            **({STATE_DELTA: list(state_coded)} if state_coded else {}),
+            **({STATE_DELTA: [keys for keys, _ in state_coded]} if state_coded else {}),
             meta=self.meta,
             run_id=self.run_id,
             task=self.task,
@@ -335,7 +339,9 @@ class TaskPack:
         indices = {k: torch.from_numpy(v) for k, v in decoded.items()}
         base_state = {k: v.numpy() for k, v in base_pack.state.items()} if base_pack is not None else None
         raw = {k: v.numpy() for k, v in tensors.items() if k.startswith(f"{STATE_DELTA}/")}
-        coded, decoded_state = decode_state_entries(header, raw, path, base_state)
+        coded, decoded_state = decode_state_entries(
+            header, raw, path, base_state, base_pack._predictors if base_pack is not None else None
+        )
         state = {
             k: torch.from_numpy(decoded_state[k]) if k in decoded_state else tensors[f"state/{k}"]
             for k in header["state_keys"]

@@ -9,12 +9,15 @@ near the base's: most differ in the low bits of the float16 pattern only.
 An entry is coded as the differences of its float16 bit patterns from the base entry's (the
 base's float32 values rounded to float16 first), each pattern read as a monotone integer
 (positive floats ascending from 0, negative ones descending from -1), zigzag-mapped
-(``0, -1, 1, -2...`` to ``0, 1, 2, 3...``) and Rice-coded (:mod:`nwsconvert.formats.rice`).
-Decoding gives the task's float16 bit patterns back exactly: NaN payloads, signed zeros and
-infinities included. A pack keeps the coding only where it is smaller than the raw entry.
+(``0, -1, 1, -2...`` to ``0, 1, 2, 3...``) and Golomb-Rice-coded (:mod:`nwsconvert.formats.rice`).
+Entries whose best Rice parameter is the same share one stream (the same bytes as one stream
+each, less a byte per entry): a task's few hundred entries decode as a handful of streams, which
+keeps a packs-only switch's read short. Decoding gives the task's float16 bit patterns back
+exactly: NaN payloads, signed zeros and infinities included. An entry is coded only where that
+is smaller than the raw entry.
 
-Bytes on trained runs (:mod:`benchmarks.state_bytes`, ``benchmarks/RESULTS.md``): ResNet-18's
-demo tasks keep 67 % of their state's raw bytes.
+Bytes on trained runs (``benchmarks/state_bytes.py``, ``benchmarks/RESULTS.md``): a 20-task
+MobileNetV2 run keeps 48 % of its state's raw bytes, ResNet-18's demo 67 %.
 
 numpy only: the torch-free runtime reads packs with it.
 """
@@ -23,9 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rice import rice_decode, rice_encode
+from .rice import rice_decode, rice_encode, rice_size
 
-__all__ = ["encode_state", "decode_state", "predictor"]
+__all__ = ["encode_state", "decode_state", "encode_groups", "decode_groups", "predictor"]
 
 _LIMIT = 2 * 65535  # the largest zigzag difference of two 16-bit patterns
 
@@ -45,13 +48,17 @@ def _monotone(bits: np.ndarray) -> np.ndarray:
     return np.where(b < 0x8000, b, 0x7FFF - b)
 
 
-def encode_state(values: np.ndarray, base: np.ndarray) -> bytes:
-    """The coded form of a float16 entry ``values`` against ``base`` (:func:`predictor`'s patterns, same size)."""
+def _zigzag(values: np.ndarray, base: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(values, dtype=np.float16).view(np.uint16).ravel()
     if bits.size != base.size or bits.size == 0:
         raise ValueError(f"a state entry of {bits.size} values coded against a base entry of {base.size}")
     d = _monotone(bits) - _monotone(base)
-    return rice_encode(np.where(d >= 0, 2 * d, -2 * d - 1))
+    return np.where(d >= 0, 2 * d, -2 * d - 1)
+
+
+def encode_state(values: np.ndarray, base: np.ndarray) -> bytes:
+    """The coded form of one float16 entry ``values`` against ``base`` (:func:`predictor`'s patterns, same size)."""
+    return rice_encode(_zigzag(values, base))
 
 
 def decode_state(raw: np.ndarray, base: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -61,9 +68,53 @@ def decode_state(raw: np.ndarray, base: np.ndarray, shape: tuple[int, ...]) -> n
         ValueError: a coded entry that does not hold one difference per base value, or whose
             differences lead outside 16-bit patterns.
     """
-    z = rice_decode(raw, base.size, _LIMIT, "a coded state entry", f"its base entry has {base.size}")
+    z = rice_decode(raw, base.size, _LIMIT, "a coded state stream", f"its base entries hold {base.size}")
     m = _monotone(base) + np.where(z & 1, -(z >> 1) - 1, z >> 1)
     if int(m.min()) < -0x8000 or int(m.max()) > 0x7FFF:
-        raise ValueError("a coded state entry whose differences lead outside float16's bit patterns")
+        raise ValueError("a coded state stream whose differences lead outside float16's bit patterns")
     bits = np.where(m >= 0, m, 0x7FFF - m).astype(np.uint16)
     return bits.view(np.float16).reshape(shape)
+
+
+def encode_groups(entries: dict[str, np.ndarray], bases: dict[str, np.ndarray]) -> list[tuple[list[str], bytes]]:
+    """The entries worth coding, as streams: ``[(keys, bytes), ...]``.
+
+    Args:
+        entries: key -> a float16 entry; every key has its :func:`predictor` patterns in ``bases``.
+
+    Returns:
+        One stream per Rice parameter in use, its entries in ``entries``' order; an entry whose
+        coding (at its best parameter) is not smaller than its raw bytes, and a stream not smaller
+        than its entries, are left out (stored raw).
+    """
+    by_r: dict[int, list[tuple[str, np.ndarray]]] = {}
+    for k, v in entries.items():
+        z = _zigzag(v, bases[k])
+        r = min(range(int(z.max()).bit_length() + 1), key=lambda b: (rice_size(z, b), b))
+        if rice_size(z, r) - 1 < 2 * z.size:  # the stream's r byte is shared
+            by_r.setdefault(r, []).append((k, z))
+    out = []
+    for _, group in sorted(by_r.items()):
+        z = np.concatenate([z for _, z in group])
+        data = rice_encode(z)
+        if len(data) < 2 * z.size:  # a stream of one small entry may not pay for its r byte
+            out.append(([k for k, _ in group], data))
+    return out
+
+
+def decode_groups(groups: list[list[str]], data: list, bases: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inverse of :func:`encode_groups`: key -> the decoded float16 entry, flat (``(n,)``, ``n`` its base's size).
+
+    Args:
+        groups: each stream's keys; data: each stream's bytes (uint8 arrays); bases: key -> :func:`predictor` patterns.
+
+    Raises:
+        ValueError: a stream inconsistent with its entries' base sizes.
+    """
+    out = {}
+    for keys, raw in zip(groups, data):
+        preds = [bases[k] for k in keys]
+        flat = decode_state(np.asarray(raw, dtype=np.uint8), np.concatenate(preds), (-1,))
+        for k, piece in zip(keys, np.split(flat, np.cumsum([p.size for p in preds])[:-1])):
+            out[k] = piece
+    return out

@@ -4,7 +4,7 @@ Reads two ``benchmarks/accuracy.py --json`` files of one job: ``MAIN`` (NWS at i
 every peer, any seeds) and ``SWEEP`` (``--nws-variants bits_per_weight=...``, on seeds ``MAIN``
 has too). Left panel: the seeds the sweep ran, NWS's budgets joined by a line, labelled in bits a
 weight (``off``: the preset's old scalar rule, 9 bits); right panel: ``MAIN``'s mean ± std over
-its seeds. The x axis is what a task adds on disk (the last file total minus the first, over the
+its seeds (NWS's default from ``SWEEP`` where the sweep ran every one of them: a later run of it). The x axis is what a task adds on disk (the last file total minus the first, over the
 tasks after the first), log scale.
 
     python benchmarks/plot_budget.py benchmarks/results/accuracy_long20_mobilenetv3_small.json \\
@@ -99,8 +99,13 @@ def main(argv=None) -> int:
     fig = new_figure(13, 4.6)
     left, right = fig.subplots(1, 2)
     _panel(left, _points(merged), f"{main_result['suite']}, {model}: budget in bits a weight (seed {sorted(seeds)})")
+    # The right panel: MAIN's methods over its seeds; where the sweep ran NWS's default on every one
+    # of them (a later run, e.g. after a pack format change), its NWS figures replace MAIN's.
+    rows = merged if seeds >= {r["seed"] for r in main_result["rows"]} else main_result["rows"]
+    methods = {k for r in main_result["rows"] for k, v in r.items() if isinstance(v, dict) and "curve" in v}
     n = len(main_result["rows"])
-    _panel(right, _points(main_result["rows"]), f"{main_result['suite']}, {model}: defaults, {n} seeds")
+    right_points = {m: pt for m, pt in _points(rows).items() if m in methods}
+    _panel(right, right_points, f"{main_result['suite']}, {model}: defaults, {n} seeds")
     atomic_write_bytes(args.out, figure_png(fig))
     print(f"wrote {args.out}")
     return 0

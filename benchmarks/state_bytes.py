@@ -73,23 +73,23 @@ def main(argv=None) -> int:
             )
             r = rows[-1]
             print(
-                f"task {entry.id}: state {r['state_raw'] / 1024:.1f} -> {r['state_stored'] / 1024:.1f} KB, "
-                f"pack {r['file_before'] / 1024:.1f} -> {r['file_after'] / 1024:.1f} KB",
+                f"task {entry.id}: state {r['state_raw'] / 1000:.1f} -> {r['state_stored'] / 1000:.1f} KB, "
+                f"pack {r['file_before'] / 1000:.1f} -> {r['file_after'] / 1000:.1f} KB",
                 flush=True,
             )
     n = len(rows)
     total = {k: sum(r[k] for r in rows) for k in ("state_raw", "state_stored", "file_before", "file_after")}
-    print(f"\n{n} tasks of {manifest.model.spec}, KB a task:")
+    print(f"\n{n} tasks of {manifest.model.spec}, KB (1,000 bytes) a task:")
     print("| entries | raw | stored | stored / raw |\n|---|---|---|---|")
     for k, (a, b) in kinds.items():
         if a:
-            print(f"| {k} | {a / n / 1024:.1f} | {b / n / 1024:.1f} | {b / a:.3f} |")
+            print(f"| {k} | {a / n / 1000:.1f} | {b / n / 1000:.1f} | {b / a:.3f} |")
     print(
-        f"| state | {total['state_raw'] / n / 1024:.1f} | {total['state_stored'] / n / 1024:.1f} | "
+        f"| state | {total['state_raw'] / n / 1000:.1f} | {total['state_stored'] / n / 1000:.1f} | "
         f"{total['state_stored'] / total['state_raw']:.3f} |"
     )
     print(
-        f"pack files: {total['file_before'] / n / 1024:.1f} -> {total['file_after'] / n / 1024:.1f} KB a task "
+        f"pack files: {total['file_before'] / n / 1000:.1f} -> {total['file_after'] / n / 1000:.1f} KB a task "
         f"({total['file_after'] / total['file_before']:.3f})"
     )
     if args.json:

@@ -167,7 +167,8 @@ def check_header(header: dict, layout, path) -> None:
             raise FormatError(
                 f"{path}: tensor {STATE_DELTA}/{i} is {info.dtype} {list(info.shape)}, a coded state stream is uint8 bytes"
             )
-    expected = {f"state/{k}" for k in state_keys if k not in set(coded)} | {
+    coded_keys = set(coded)
+    expected = {f"state/{k}" for k in state_keys if k not in coded_keys} | {
         f"{STATE_DELTA}/{i}" for i in range(len(groups))
     }
     names, heads, delta = set(), [], False

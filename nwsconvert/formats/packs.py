@@ -10,14 +10,15 @@ A task pack holds, for one task:
   affine parameters and running statistics, biases, LayerNorm, layer scale,
   dense-left layers...), so the task round-trips completely; from version 5 a
   float16 entry is stored as its changes against the base pack's entry where
-  that is smaller (:mod:`nwsconvert.formats.statecode`; the header's
-  ``state_delta`` names them): MobileNetV2's 134 KB of state a task take 64 KB;
+  that is smaller (:mod:`nwsconvert.formats.statecode`: a few Rice-coded
+  streams, the header's ``state_delta`` listing each stream's keys):
+  MobileNetV2's 137 KB of state a task take 65 KB;
 * the class count of the head, the model spec, and the SHA-256 of the pool set
   it was built on.
 
 File: safetensors (``indices/<layer>``, ``table/<layer>``, ``values/<layer>``,
-``values_table/<layer>`` uint8 as the coding needs, ``state/<key>`` or
-``state_delta/<key>`` uint8) with a
+``values_table/<layer>`` uint8 as the coding needs, ``state/<key>``,
+``state_delta/<i>`` uint8) with a
 JSON header (format version, layer table with each layer's coding, pool-set
 hash, model spec, content hash, and the base pack's hash when a layer is
 delta-coded). Version 4 Rice-codes a delta layer's change map (each such row

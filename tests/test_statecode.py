@@ -65,6 +65,8 @@ def test_damaged_coded_entries_are_refused():
     ):
         with pytest.raises(ValueError, match=match):
             decode_state(np.frombuffer(bad, np.uint8), ref, ref.shape)
+    with pytest.raises(ValueError, match="no value is expected"):  # a header listing an entry its base holds empty
+        decode_state(np.frombuffer(data, np.uint8), ref[:0], (0,))
     with pytest.raises(ValueError, match="base entries hold 499"):
         decode_state(np.frombuffer(data, np.uint8), ref[:499], (499,))
     far = encode_state(np.full(3, -np.inf, np.float16), np.full(3, 0x7C00, np.uint16))  # +inf -> -inf: a long way down

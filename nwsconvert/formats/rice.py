@@ -51,6 +51,8 @@ def rice_decode(raw: np.ndarray, n: int, limit: int, what: str, expect: str) -> 
         ValueError: a stream that does not hold exactly ``n`` values, each at most ``limit``,
             with no bytes after them.
     """
+    if n < 1:
+        raise ValueError(f"{what} where no value is expected; {expect}")
     if raw.size == 0:
         raise ValueError(f"{what} that is empty")
     r = int(raw[0])

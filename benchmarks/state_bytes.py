@@ -41,13 +41,14 @@ def main(argv=None) -> int:
     manifest = run.read()
     rows, kinds = [], {k: [0, 0] for k in (*KINDS, "other")}
     with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(Path(args.run) / "base.nwspack", Path(tmp) / "base.nwspack")
+        shutil.copy(Path(args.run) / "base.nwspack", Path(tmp) / "base.nwspack")  # beside the re-saved packs
+        base = TaskPack.load(Path(tmp) / "base.nwspack")
         for entry in manifest.tasks:
             src = Path(args.run) / entry.file
             pack = TaskPack.load(src)
             raw = {k: t.numel() * t.element_size() for k, t in pack.state.items()}
             pack._encoded_state = None  # as this nwsconvert codes it, whatever the file holds
-            pack.base = TaskPack.load(Path(tmp) / "base.nwspack")
+            pack.base = base
             stored = pack.layer_state_bytes()
             for k in raw:
                 kinds[_kind(k)][0] += raw[k]

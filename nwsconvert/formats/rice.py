@@ -16,7 +16,7 @@ import numpy as np
 
 from .bitpack import pack_bits, packed_size, unpack_bits
 
-__all__ = ["rice_encode", "rice_decode", "rice_size"]
+__all__ = ["rice_encode", "rice_decode", "rice_size", "rice_parameter"]
 
 
 def rice_size(values: np.ndarray, r: int) -> int:
@@ -24,12 +24,17 @@ def rice_size(values: np.ndarray, r: int) -> int:
     return 1 + packed_size(values.size, r) + (int((values >> r).sum()) + values.size + 7) // 8
 
 
+def rice_parameter(values: np.ndarray) -> int:
+    """The ``r`` that makes the stream of ``values`` (int64, ``>= 0``, at least one) smallest (the smaller on ties)."""
+    return min(range(int(values.max()).bit_length() + 1), key=lambda b: (rice_size(values, b), b))
+
+
 def rice_encode(values: np.ndarray) -> bytes:
     """The smallest Rice stream of ``values`` (``(n,)`` integers ``>= 0``, ``n >= 1``)."""
     v = np.asarray(values, dtype=np.int64).ravel()
     if v.size == 0 or int(v.min()) < 0:
         raise ValueError("Rice coding takes one or more non-negative integers")
-    r = min(range(int(v.max()).bit_length() + 1), key=lambda b: (rice_size(v, b), b))
+    r = rice_parameter(v)
     high = v >> r
     unary = np.zeros(int(high.sum()) + v.size, dtype=np.uint8)
     unary[np.cumsum(high + 1) - 1] = 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rice import rice_decode, rice_encode, rice_size
+from .rice import rice_decode, rice_encode, rice_parameter, rice_size
 
 __all__ = ["encode_state", "decode_state", "encode_groups", "decode_groups", "predictor"]
 
@@ -43,8 +43,9 @@ def predictor(base) -> np.ndarray | None:
         return np.ascontiguousarray(a.astype(np.float16, copy=False)).view(np.uint16).ravel()
 
 
-def _monotone(bits: np.ndarray) -> np.ndarray:
-    b = bits.astype(np.int64)
+def _monotone(bits: np.ndarray, dtype=np.int64) -> np.ndarray:
+    """float16 bit patterns as integers in value order: ``0x0000..0x7FFF`` -> 0..32767, ``0x8000..0xFFFF`` -> -1..-32768."""
+    b = bits.astype(dtype)
     return np.where(b < 0x8000, b, 0x7FFF - b)
 
 
@@ -71,8 +72,7 @@ def decode_state(raw: np.ndarray, base: np.ndarray, shape: tuple[int, ...]) -> n
     z = rice_decode(raw, base.size, _LIMIT, "a coded state stream", f"its base entries hold {base.size}")
     z = z.astype(np.int32)  # differences within +-65535: int32 arithmetic, half the memory traffic
     m = (z >> 1) ^ -(z & 1)  # zigzag undone
-    b = base.astype(np.int32)
-    m += np.where(b < 0x8000, b, 0x7FFF - b)  # the base's monotone integers
+    m += _monotone(base, np.int32)
     if int(m.min()) < -0x8000 or int(m.max()) > 0x7FFF:
         raise ValueError("a coded state stream whose differences lead outside float16's bit patterns")
     np.copyto(m, 0x7FFF - m, where=m < 0)
@@ -93,7 +93,7 @@ def encode_groups(entries: dict[str, np.ndarray], bases: dict[str, np.ndarray]) 
     by_r: dict[int, list[tuple[str, np.ndarray]]] = {}
     for k, v in entries.items():
         z = _zigzag(v, bases[k])
-        r = min(range(int(z.max()).bit_length() + 1), key=lambda b: (rice_size(z, b), b))
+        r = rice_parameter(z)
         if rice_size(z, r) - 1 < 2 * z.size:  # the stream's r byte is shared
             by_r.setdefault(r, []).append((k, z))
     out = []

@@ -172,7 +172,7 @@ def task_values(
 
     Returns:
         ``indices/<layer>`` ``(count,)`` padded with 0 to the template's count (a head narrower than
-        the template's); per fold row ``scale/<layer>`` ``(O,)`` (``gamma / sqrt(var + eps)`` in float64,
+        the template's; ``raw``'s own array where it is already of ``index_dtype`` and full); per fold row ``scale/<layer>`` ``(O,)`` (``gamma / sqrt(var + eps)`` in float64,
         rounded once to float32, as a BatchNorm fusion does) and its folded bias under the row's
         ``bias_name`` (``(b - mean) * s + beta`` in float64, then float32); each state row padded.
 
@@ -192,11 +192,14 @@ def task_values(
         count = int(np.prod(shape)) // dim
         if idx.size > count:
             raise ValueError(f"{key}: {idx.size} indices, the template takes {count}")
-        if idx.size and (int(idx.max()) >= n or int(idx.min()) < 0):
+        if idx.size and (int(idx.max()) >= n or (idx.dtype.kind == "i" and int(idx.min()) < 0)):
             raise ValueError(f"{key}: an index outside the pool's {n} entries")
-        full = np.zeros(count, index_dtype)
-        full[: idx.size] = idx
-        out[key] = full
+        if idx.size == count and idx.dtype == index_dtype:
+            out[key] = idx  # already what the switch takes (the reader decoded it in this type): no copy
+        else:
+            full = np.zeros(count, index_dtype)
+            full[: idx.size] = idx
+            out[key] = full
         if row["kind"] == "fold":
             channels = (shape[0],)
             gamma, beta, mean, var = (

@@ -271,9 +271,11 @@ class SwitchMode:
         if self.keep != "pack" or sha is None:
             return {sha: path} if sha else path
         if sha not in self._bases:
-            base = read_pack_arrays(path, STANDALONE, sha256=sha, pool_sha256=self.setup.desc["pool_sha256"])
-            compact = {k: v.astype(self._index_dtype) for k, v in base.indices.items()}
-            self._bases[sha] = dataclasses.replace(base, indices=compact, encoded={})
+            pool_sha256 = self.setup.desc["pool_sha256"]
+            base = read_pack_arrays(
+                path, STANDALONE, sha256=sha, pool_sha256=pool_sha256, index_dtype=self._index_dtype
+            )
+            self._bases[sha] = dataclasses.replace(base, encoded={})
         return self._bases[sha]
 
     def _inside(self, name: str, what: str) -> Path:
@@ -282,12 +284,15 @@ class SwitchMode:
         path = self.setup.path / name
         return bundle_file(self.setup.path, name, what) if path.exists() else path
 
-    def _read_values(self, task: int) -> dict[str, np.ndarray]:
-        """Task ``task``'s :func:`task_values` from its pack (hash, pool set, task and base checked), in two
-        contiguous arrays (its indices; its floats) that the returned arrays view."""
+    def _read_values(self, task: int, keep: bool = True) -> dict[str, np.ndarray]:
+        """Task ``task``'s :func:`task_values` from its pack (hash, pool set, task and base checked). Values
+        to ``keep`` come in two contiguous arrays (its indices; its floats) that the returned arrays view;
+        values for one switch (``keep="pack"``) as decoded, with no copy into blocks."""
         row = self.setup.row(task)
         path = self._inside(row["pack"], f"task {task}'s pack")
-        raw = _switch_inputs(path, self._base(row), row.get("pack_sha256"), self.setup.desc["pool_sha256"], task)
+        raw = _switch_inputs(
+            path, self._base(row), row.get("pack_sha256"), self.setup.desc["pool_sha256"], task, self._index_dtype
+        )
         try:
             values = task_values(self._recipe, raw, self._pool_shapes, self._index_dtype)
         except KeyError as e:
@@ -297,12 +302,12 @@ class SwitchMode:
             ) from None
         except ValueError as e:  # sizes or indices the recipe does not take
             raise FormatError(f"{path}: {e} (bundle.json's switch.tensors): export the bundle again") from None
-        return _compact(values)
+        return _compact(values) if keep else values
 
     def _values(self, task: int) -> dict[str, np.ndarray]:
         held = self._tasks.get(task)
-        if held is None:  # keep="pack"
-            return self._read_values(task)
+        if held is None:  # keep="pack": read for this switch only
+            return self._read_values(task, keep=False)
         if held.error is not None:
             raise held.error
         assert held.values is not None
@@ -562,15 +567,17 @@ def _compact(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _switch_inputs(path: Path, base, sha256: str | None, pool_sha256: str, task: int) -> dict[str, np.ndarray]:
-    """A task's values of switch.onnx's inputs, from its pack: ``indices/<layer>`` int32 ``(N,)`` and
-    ``state/<key>`` float32 (floating state entries only, as the graph takes them). ``base``: the base
-    file, ``{its SHA-256: file}`` (bundle.json's ``base_sha256``: the only base the pack may name), or the
-    decoded base."""
+def _switch_inputs(
+    path: Path, base, sha256: str | None, pool_sha256: str, task: int, index_dtype=np.int32
+) -> dict[str, np.ndarray]:
+    """A task's values of switch.onnx's inputs, from its pack: ``indices/<layer>`` ``(N,)`` of
+    ``index_dtype`` (decoded in that type: no wide copy) and ``state/<key>`` float32 (floating state entries
+    only, as the graph takes them). ``base``: the base file, ``{its SHA-256: file}`` (bundle.json's
+    ``base_sha256``: the only base the pack may name), or the decoded base."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (task {task}'s pack, which the one-session mode reads)")
-    pack = read_pack_arrays(path, base, sha256=sha256, pool_sha256=pool_sha256, task=task)
-    out = {f"indices/{name}": idx.astype(np.int32) for name, idx in pack.indices.items()}
+    pack = read_pack_arrays(path, base, sha256=sha256, pool_sha256=pool_sha256, task=task, index_dtype=index_dtype)
+    out = {f"indices/{name}": idx for name, idx in pack.indices.items()}
     for key, value in pack.state.items():
         if np.issubdtype(value.dtype, np.floating):
             out[f"state/{key}"] = value.astype(np.float32)

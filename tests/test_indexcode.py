@@ -100,6 +100,14 @@ def test_every_coding_round_trips(coding):
         assert e.changes == int((idx != base).sum())
         with pytest.raises(ValueError, match="base"):
             decode_indices(e, idx.numel(), n, bits, None)
+    # The runtime's narrow types: the same values, in the type asked for, from a base kept narrow too.
+    narrow = base.numpy().astype(np.uint16)
+    for dtype in (np.uint16, np.int32):
+        out = decode_indices(e, idx.numel(), n, bits, narrow, dtype=dtype)
+        assert out.dtype == dtype and np.array_equal(out, idx.numpy())
+        assert not np.shares_memory(out, narrow)  # the base is never written
+    with pytest.raises(ValueError, match="a pool of 512 cannot be held as uint8"):
+        decode_indices(e, idx.numel(), n, bits, base, dtype=np.uint8)
 
 
 def test_the_encoder_builds_only_codings_that_can_win_and_chooses_what_building_all_would(monkeypatch):
@@ -319,6 +327,10 @@ def test_numpy_reader_decodes_what_torch_reads(tmp_path):
     assert all(np.array_equal(arrays.indices[k], torch_pack.indices[k].numpy()) for k in arrays.indices)
     assert all(np.array_equal(arrays.state[k], torch_pack.state[k].numpy()) for k in torch_pack.state)
     assert {e.coding for e in arrays.encoded.values()} == set(torch_pack.layer_codings().values())
+    narrow = read_pack_arrays(GOLDEN / "task.nwspack", index_dtype=np.uint16)  # what the runtime reads
+    assert all(v.dtype == np.uint16 and np.array_equal(v, arrays.indices[k]) for k, v in narrow.indices.items())
+    with pytest.raises(nc.FormatError, match=r"task.nwspack: inconsistent task pack .*cannot be held as uint8"):
+        read_pack_arrays(GOLDEN / "task.nwspack", index_dtype=np.uint8)
     with pytest.raises(nc.PackMismatchError, match="content SHA-256"):
         read_pack_arrays(GOLDEN / "task.nwspack", sha256="0" * 64)
     with pytest.raises(nc.FormatError, match="cannot serve as a base"):  # a task pack given as the base

@@ -145,24 +145,35 @@ def encode_indices(indices, pool_size: int, bits: int, base=None, codings=CODING
     return min(candidates, key=lambda e: (e.nbytes, CODINGS.index(e.coding)))
 
 
-def decode_indices(encoded: EncodedLayer, count: int, pool_size: int, bits: int, base=None) -> np.ndarray:
-    """Inverse of :func:`encode_indices`: ``(count,)`` int64 array.
+def decode_indices(
+    encoded: EncodedLayer, count: int, pool_size: int, bits: int, base=None, dtype=np.int64
+) -> np.ndarray:
+    """Inverse of :func:`encode_indices`: a ``(count,)`` array of ``dtype``.
+
+    Args:
+        base: the base task's ``(count,)`` indices, for delta codings (copied in ``dtype``: a base kept in
+            a narrow type is never widened).
+        dtype: the integer type of the result (default int64; the runtime reads into its kept index type,
+            e.g. uint16, sparing a wide copy of every index a switch).
 
     Raises:
-        ValueError: unknown coding, inconsistent data, or a delta coding without
-            a base of ``count`` indices.
+        ValueError: unknown coding, inconsistent data, a delta coding without a base of ``count`` indices,
+            or a ``dtype`` that cannot hold an index of a pool of ``pool_size``.
     """
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "iu" or int(np.iinfo(dtype).max) < pool_size - 1:
+        raise ValueError(f"indices into a pool of {pool_size} cannot be held as {dtype}")
     coding, t = encoded.coding, encoded.tensors
     if coding in ("bits", "ans"):
         values = _unstream(t, count, pool_size, bits, coding == "ans")
     elif coding in ("delta+bits", "delta+ans"):
-        ref = _ints(base) if base is not None else None
+        ref = np.asarray(base).astype(dtype).ravel() if base is not None else None  # astype copies
         if ref is None or ref.size != count:
             raise ValueError(f"{coding} indices need the base task's {count} indices")
         k = encoded.changes
         if k is None or not 0 <= k <= count:
             raise ValueError(f"{coding} indices need a change count in [0, {count}], got {k}")
-        values = ref  # _ints' own copy: changed in place
+        values = ref  # its own copy: changed in place
         positions = decode_changes(t["indices"], count, k, encoded.mask or "ans")
         if k:
             sub = {
@@ -173,4 +184,4 @@ def decode_indices(encoded: EncodedLayer, count: int, pool_size: int, bits: int,
             values[positions] = _unstream(sub, k, pool_size, bits, coding == "delta+ans")
     else:
         raise ValueError(f"unknown index coding {coding!r} (this nwsconvert reads {', '.join(CODINGS)})")
-    return np.ascontiguousarray(values, dtype=np.int64)
+    return np.ascontiguousarray(values, dtype=dtype)

@@ -70,7 +70,7 @@ class PackArrays:
     Attributes:
         header: the checked JSON header.
         layers: layer table rows (as :attr:`TaskPack.layers`).
-        indices: layer name -> ``(count,)`` int64.
+        indices: layer name -> ``(count,)`` int64 (or the ``index_dtype`` the reader was given).
         state: state key -> array, in the file's dtype.
         encoded: layer name -> the layer's stored coding.
         base: the decoded base of a delta-coded pack, else ``None``.
@@ -252,16 +252,24 @@ def same_layer(row: dict, base_layers: list) -> bool:
     return other is not None and other["count"] == row["count"] and other["pool_size"] == row["pool_size"]
 
 
-def decode_layers(header: dict, u8: dict, path, base_layers: list | None = None, base_indices: dict | None = None):
+def decode_layers(
+    header: dict,
+    u8: dict,
+    path,
+    base_layers: list | None = None,
+    base_indices: dict | None = None,
+    index_dtype=np.int64,
+):
     """Every layer's indices of a checked header: ``(layers, indices, encoded)``.
 
     Args:
         header: checked by :func:`check_header`.
         u8: tensor name (``indices/<layer>``...) -> uint8 array (or CPU tensor) of the file.
         base_layers, base_indices: the base pack's layer table and indices, for delta codings.
+        index_dtype: the integer type of the decoded indices (default int64).
 
     Returns:
-        ``layers`` (rows without their coding fields), ``indices`` (name -> ``(count,)`` int64),
+        ``layers`` (rows without their coding fields), ``indices`` (name -> ``(count,)`` of ``index_dtype``),
         ``encoded`` (name -> :class:`EncodedLayer`).
 
     Raises:
@@ -279,7 +287,7 @@ def decode_layers(header: dict, u8: dict, path, base_layers: list | None = None,
                 row.get("mask"),
             )
             ref = base_indices.get(name) if base_indices is not None and same_layer(r, base_layers) else None
-            indices[name] = decode_indices(e, r["count"], r["pool_size"], r["bits"], ref)
+            indices[name] = decode_indices(e, r["count"], r["pool_size"], r["bits"], ref, index_dtype)
             layers.append(r)
             encoded[name] = e
     except (KeyError, ValueError, TypeError, IndexError, OverflowError, RuntimeError) as e:
@@ -425,6 +433,7 @@ def read_pack_arrays(
     sha256: str | None = None,
     pool_sha256: str | None = None,
     task: int | None = None,
+    index_dtype=np.int64,
 ) -> PackArrays:
     """Read and verify a ``.nwspack`` without torch (every check :meth:`TaskPack.load` makes).
 
@@ -433,6 +442,8 @@ def read_pack_arrays(
         base: for a delta-coded pack, its base (decoded, or a path); by default looked up
             as :func:`base_candidates` says and checked against the hash the pack records.
         sha256, pool_sha256, task: what the pack must be, when given.
+        index_dtype: the integer type of the decoded indices (default int64; one that cannot hold a layer's
+            pool size is refused as a :class:`FormatError` naming the file).
 
     Raises:
         FileNotFoundError: no such file. FormatError: damaged, foreign, or its base missing
@@ -443,7 +454,12 @@ def read_pack_arrays(
     expect(path, header, sha256=sha256, pool_sha256=pool_sha256, task=task)
     base_pack = resolve_base(path, header, base, kind=PackArrays, load=_cached_base)
     layers, indices, encoded = decode_layers(
-        header, arrays, path, base_pack.layers if base_pack else None, base_pack.indices if base_pack else None
+        header,
+        arrays,
+        path,
+        base_pack.layers if base_pack else None,
+        base_pack.indices if base_pack else None,
+        index_dtype,
     )
     _, decoded_state = decode_state_entries(
         header, {k: v for k, v in arrays.items() if k.startswith(f"{STATE_DELTA}/")}, path,

@@ -174,20 +174,27 @@ def test_nws_train_takes_a_budget_and_refuses_two(tmp_path):
 
 
 # ------------------------------------------------------------------ presets
-def test_inverted_residual_plans_for_2_bits_a_weight_and_the_users_g_turns_it_off():
+def test_inverted_residual_plans_scalar_pools_for_3_25_bits_a_weight_and_the_users_g_turns_it_off():
     model = mobile()
     preset = get_preset("inverted-residual")
     config = preset.config(model)
-    assert config.planned_for == "bits_per_weight=2" and config.bits_per_weight is None
+    assert config.planned_for == "bits_per_weight=3.25, group_sizes=[1]" and config.bits_per_weight is None
     p = plan(model, config)
-    assert 1.9 <= bits_per_weight(p) <= 2.0
-    # the user's group size holds everywhere the preset's rule puts it: no budget
+    assert 0.95 * 3.25 <= bits_per_weight(p) <= 3.25
+    assert {q.vector_size for q in p if q.family == "1x1"} == {1}  # scalar pools, small ones
+    assert max(q.pool_size for q in p if q.family == "1x1" and q.role != "head") < 512
+    # the user's group size holds everywhere the preset's rule puts it: no budget, no vector sizes
     g4 = plan(model, preset.config(model, group_size=4))
     assert {q.vector_size for q in g4 if q.family == "1x1" and q.role != "head" and q.fan_in % 4 == 0} == {4}
-    # the old rule, scalars, on request
+    # the old rule, scalars at 512 entries, on request (the preset's vector sizes go with its budget)
     old = preset.config(model, bits_per_weight=None)
-    assert old.planned_for is None
+    assert old.planned_for is None and old.group_sizes is None
     assert {q.vector_size for q in plan(model, old) if q.family == "1x1"} == {1}
+    # the plan this preset made before: 2 bits, the planner free to pick vectors
+    vectors = preset.config(model, bits_per_weight=2, group_sizes=(1, 2, 4, 8, 16))
+    assert vectors.planned_for == "bits_per_weight=2, group_sizes=[1, 2, 4, 8, 16]"
+    v = plan(model, vectors)
+    assert 1.9 <= bits_per_weight(v) <= 2.0 and max(q.vector_size for q in v if q.family == "1x1") > 1
 
 
 @pytest.mark.parametrize("name", ["resnet-basic", "resnet-bottleneck", "paper", "vgg", "convnext"])

@@ -36,9 +36,10 @@ keys (key=value; values are YAML: 3, 0.01, true, [50, 80], {{a: 1}}):
   preset=NAME|auto        conversion preset per architecture family (nwsconvert.zoo.list_presets();
                           auto: guessed from the model); pool_size and group_size set its fields
   bits_per_weight=B       a budget: the planner picks each layer's vector and pool size so a task's
-                          indices take at most B bits a weight (inverted-residual's own: 2; off: none)
+                          indices take at most B bits a weight (inverted-residual's own: 3.25; off: none)
   budget=BYTES            the same as bytes per task, state included (200000, 200KB, 0.2MB)
-  group_sizes=[G, ...]    vector sizes the planner may give 1x1 / linear layers ([1]: scalar pools)
+  group_sizes=[G, ...]    vector sizes the planner may give 1x1 / linear layers ([1]: scalar pools,
+                          inverted-residual's own; [1, 2, 4, 8, 16]: all, the default elsewhere)
   init=kmeans|random|FILE pools before pool learning (kmeans of the initial weights)
   weights=FILE            start from these dense weights (a safetensors state dict, e.g.
                           safetensors.torch.save_file(model.state_dict(), FILE)): loaded before

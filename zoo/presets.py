@@ -285,16 +285,15 @@ def inverted_residual() -> Preset:
     weights), depthwise convs and the stem keep pools of their own kernels where that is cheap
     (exact), the head stays scalar. Measured on three suites, 3 seeds, every method beside it
     (``benchmarks/RESULTS.md``, "Mobile networks at NWS's memory" and what follows it): a task
-    adds 33-95x less than dense finetuning on MobileNetV3-small, MobileNetV2 and EfficientNet-B0;
+    adds 33-85x less than dense finetuning on MobileNetV3-small, MobileNetV2 and EfficientNet-B0;
     NWS has the highest mean or lies inside the highest's spread on 7 of the 9 network-and-suite
     cells, and on EfficientNet-Lite0 from ImageNet (hard pairs) the highest mean of every method.
 
-    The preset before (2 bits, the planner free to pick 4-vectors for 1x1 layers) stored 10-30 %
+    The preset before (2 bits, the planner free to pick 4-vectors for 1x1 layers) stored 8-26 %
     less and met 5 of the 9 cells: MobileNetV2 fell under dense finetuning on all three suites,
-    and 4-vectors start 20-25 % away from ImageNet 1x1 weights where scalars start about 1 %
-    away. Scalar pools of 8-16 entries also search faster (a sorted pool, ``searchsorted``): the
-    NWS job's wall time fell against the vector plan's. ``bits_per_weight=2 'group_sizes=[1, 2, 4, 8, 16]'``
-    gives that plan back.
+    and EfficientNet-Lite0 from ImageNet 0.95 under LoRA r=16. Scalar pools of 8-16 entries also
+    search faster (a sorted pool, ``searchsorted``): the NWS job's wall time fell against the
+    vector plan's. ``bits_per_weight=2 'group_sizes=[1, 2, 4, 8, 16]'`` gives that plan back.
 
     ``bits_per_weight=None`` (``nws-train bits_per_weight=off``) gives the old 9-bit scalar rule;
     naming ``group_size`` or ``pool_size`` turns the budget off too.

@@ -324,6 +324,20 @@ def test_a_switch_to_a_damaged_pack_leaves_the_previous_task_served(bundle3, tmp
     assert np.array_equal(rt.run(0, x), y0)
 
 
+def test_keeping_packs_only_serves_the_logits_of_kept_indices_exactly(bundle3):
+    """``keep="pack"`` decodes each switch's pack straight into the kept index type (uint16 here), from a base
+    kept in that type, and writes from the decoded arrays without copying them into blocks: every task's
+    logits are those of the kept indices, bit for bit, in any order of switches."""
+    _, bundle = bundle3
+    x = np.random.default_rng(2).standard_normal((3, 1, 16, 16)).astype(np.float32)
+    kept, packs = Runtime(bundle, device="cpu", threads=1), Runtime(bundle, device="cpu", threads=1, keep="pack")
+    assert packs._impl._index_dtype == np.uint16
+    for t in (0, 2, 1, 0, 1, 2):
+        assert np.array_equal(packs.run(t, x), kept.run(t, x))
+    base = next(iter(packs._impl._bases.values()))
+    assert {v.dtype for v in base.indices.values()} == {np.dtype(np.uint16)}  # decoded once, in the kept type
+
+
 def test_a_switch_writes_one_layer_at_a_time_and_a_failed_write_frees_its_buffer(bundle3, monkeypatch):
     """A switch computes each dense tensor and writes it before computing the next (its temporaries are one
     layer's weights, not a second dense model): the buffers it writes are bit for bit those of the

@@ -172,8 +172,9 @@ def task_values(
 
     Returns:
         ``indices/<layer>`` ``(count,)`` padded with 0 to the template's count (a head narrower than
-        the template's; ``raw``'s own array where it is already of ``index_dtype`` and full); per fold row ``scale/<layer>`` ``(O,)`` (``gamma / sqrt(var + eps)`` in float64,
-        rounded once to float32, as a BatchNorm fusion does) and its folded bias under the row's
+        the template's; ``raw``'s own array where it is already of ``index_dtype`` and full); per fold
+        row ``scale/<layer>`` ``(O,)`` (``gamma / sqrt(var + eps)`` in float64, rounded once to float32,
+        as a BatchNorm fusion does) and its folded bias under the row's
         ``bias_name`` (``(b - mean) * s + beta`` in float64, then float32); each state row padded.
 
     Raises:

@@ -159,7 +159,11 @@ def _image_dims(proto) -> list:
 
 
 def task_values(
-    recipe: list[dict], raw: dict[str, np.ndarray], pool_shapes: dict[str, tuple[int, int]], index_dtype=np.int32
+    recipe: list[dict],
+    raw: dict[str, np.ndarray],
+    pool_shapes: dict[str, tuple[int, int]],
+    index_dtype=np.int32,
+    layer_dtypes: dict | None = None,
 ) -> dict[str, np.ndarray]:
     """A task's values as every switch to it uses them, computed once from its pack.
 
@@ -169,6 +173,8 @@ def task_values(
         pool_shapes: layer name -> its pool's ``(n, D)``.
         index_dtype: what the indices are kept as (``np.uint16`` halves them where pools have at most
             65,536 entries).
+        layer_dtypes: layer name -> its own index type, over ``index_dtype`` (``np.uint8`` where a pool has at
+            most 256 entries: a scalar pool's layer keeps one byte a weight).
 
     Returns:
         ``indices/<layer>`` ``(count,)`` padded with 0 to the template's count (a head narrower than
@@ -195,10 +201,11 @@ def task_values(
             raise ValueError(f"{key}: {idx.size} indices, the template takes {count}")
         if idx.size and (int(idx.max()) >= n or (idx.dtype.kind == "i" and int(idx.min()) < 0)):
             raise ValueError(f"{key}: an index outside the pool's {n} entries")
-        if idx.size == count and idx.dtype == index_dtype:
+        dtype = np.dtype(layer_dtypes.get(row["layer"], index_dtype) if layer_dtypes else index_dtype)
+        if idx.size == count and idx.dtype == dtype:
             out[key] = idx  # already what the switch takes (the reader decoded it in this type): no copy
         else:
-            full = np.zeros(count, index_dtype)
+            full = np.zeros(count, dtype)
             full[: idx.size] = idx
             out[key] = full
         if row["kind"] == "fold":

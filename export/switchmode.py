@@ -204,6 +204,11 @@ class SwitchMode:
         self._pool_shapes = {name: tuple(p.shape) for name, p in self._pool_arrays.items()}
         small = max((p.shape[0] for p in self._pool_arrays.values()), default=0) <= 1 << 16
         self._index_dtype = np.uint16 if small and self.fill == "numpy" else np.int32
+        # Kept indices (keep="indices"): a layer whose pool has at most 256 entries (a scalar pool's) keeps one
+        # byte an index, half of uint16; NumPy gathers from either as fast. A one-switch read stays uint16.
+        self._kept_dtypes = (
+            {name: np.uint8 for name, (n, _) in self._pool_shapes.items() if n <= 256} if self.fill == "numpy" else {}
+        )
         self._slots = [self._new_slot() for _ in range(self.ready)]
         self._held: OrderedDict[int, _Slot] = OrderedDict()  # task -> slot, least recently used first
         self._selected: int | None = None
@@ -294,7 +299,9 @@ class SwitchMode:
             path, self._base(row), row.get("pack_sha256"), self.setup.desc["pool_sha256"], task, self._index_dtype
         )
         try:
-            values = task_values(self._recipe, raw, self._pool_shapes, self._index_dtype)
+            values = task_values(
+                self._recipe, raw, self._pool_shapes, self._index_dtype, self._kept_dtypes if keep else None
+            )
         except KeyError as e:
             raise FormatError(
                 f"{path}: holds no {e.args[0]!r}, which bundle.json's switch.tensors (the recipe of switch.onnx) "
@@ -548,13 +555,14 @@ class SwitchMode:
 
 
 def _compact(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``values`` as views of two contiguous arrays, one per dtype group (integers; floats): a task's kept
-    values are two allocations, not one per layer."""
+    """``values`` as views of a few contiguous arrays, one per integer type (indices: uint8, uint16...) and one
+    for the floats: a task's kept values are two or three allocations, not one per layer."""
     out: dict[str, np.ndarray] = {}
-    for kind in (np.integer, np.floating):
-        names = [k for k, v in values.items() if np.issubdtype(v.dtype, kind)]
-        if not names:
-            continue
+    groups: dict = {}
+    for k, v in values.items():
+        if np.issubdtype(v.dtype, np.integer) or np.issubdtype(v.dtype, np.floating):
+            groups.setdefault(v.dtype if np.issubdtype(v.dtype, np.integer) else "floats", []).append(k)
+    for names in groups.values():
         dtype = np.result_type(*(values[k].dtype for k in names))
         block = np.empty(sum(values[k].size for k in names), dtype)
         at = 0

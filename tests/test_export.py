@@ -275,16 +275,21 @@ def test_one_session_serves_every_task_by_rewriting_its_buffers(bundle3, monkeyp
 
 def test_what_the_switch_mode_keeps_is_one_model_and_each_tasks_indices(bundle3):
     """``Runtime.info()``: the weight buffers are one dense model (``ready`` of them), and each task keeps
-    2 bytes a kernel (pools of at most 65,536 entries) plus its folded BatchNorm and state in float32,
-    exactly; ``keep="pack"`` keeps nothing. With ``ready=2`` a switch between the two held tasks only
-    rebinds (no buffer written)."""
+    1 byte a kernel where its layer's pool has at most 256 entries, 2 bytes elsewhere (pools of at most
+    65,536 entries), plus its folded BatchNorm and state in float32, exactly; ``keep="pack"`` keeps
+    nothing. With ``ready=2`` a switch between the two held tasks only rebinds (no buffer written)."""
     _, bundle = bundle3
     desc = json.loads((bundle / "bundle.json").read_text())
     recipe = desc["switch"]["tensors"]
     pools = nwsconvert.PoolSet.load(bundle / "pools.safetensors")
     dense = sum(int(np.prod(r["shape"])) + (r["shape"][0] if r["kind"] == "fold" else 0) for r in recipe)
+
+    def index_bytes(r):
+        n, dim = pools[r["layer"]].shape
+        return (1 if n <= 256 else 2) * int(np.prod(r["shape"])) // dim
+
     per_task = sum(
-        2 * int(np.prod(r["shape"])) // pools[r["layer"]].shape[1] + (8 * r["shape"][0] if r["kind"] == "fold" else 0)
+        index_bytes(r) + (8 * r["shape"][0] if r["kind"] == "fold" else 0)
         if r["kind"] != "state"
         else 4 * int(np.prod(r["shape"]))
         for r in recipe
@@ -292,6 +297,10 @@ def test_what_the_switch_mode_keeps_is_one_model_and_each_tasks_indices(bundle3)
     rt = Runtime(bundle, device="cpu")
     info = rt.info()
     assert info["bytes_per_task"] == {0: per_task, 1: per_task, 2: per_task}
+    kept = rt._impl._tasks[0].values
+    for r in recipe:
+        if r["kind"] != "state":
+            assert kept[f"indices/{r['layer']}"].dtype == (np.uint8 if pools[r["layer"]].shape[0] <= 256 else np.uint16)
     assert 4 * dense <= info["weight_buffer_bytes"] <= 4 * dense + 64 * len(recipe) * 2  # aligned to 64 bytes
     assert Runtime(bundle, device="cpu", keep="pack").info()["bytes_per_task"] == {}
     two = Runtime(bundle, device="cpu", ready=2)

@@ -76,7 +76,7 @@ def _panel(ax, curves: list[tuple[str, float, dict]], peers: dict[str, tuple[flo
     """``curves``: ``(label, default bits, points)`` per sweep, each joined by a line; ``peers``: one point each."""
     styles = [(STYLE["nws"][1], "-o"), ("#17becf", "--s")]  # a colour no peer has
     for i, ((label, default, points), (colour, line)) in enumerate(zip(curves, styles)):
-        curve = sorted((bits_of(m, default), p) for m, p in points.items() if bits_of(m, default) is not None)
+        curve = sorted((b, p) for m, p in points.items() if (b := bits_of(m, default)) is not None)
         if i:  # the old rule is one layout whatever the sweep: drawn once, on the first curve
             curve = [(bits, p) for bits, p in curve if bits != OLD_RULE_BITS]
         ax.plot([p[2] for _, p in curve], [p[0] for _, p in curve], line, color=colour, label=label)
@@ -104,10 +104,14 @@ def _merged(main_rows: list[dict], sweep: dict) -> tuple[set, list[dict]]:
     return set(by_seed), [{**r, **by_seed[r["seed"]]} for r in main_rows if r["seed"] in by_seed]
 
 
+def _is_nws(method: str) -> bool:
+    return method == "nws" or method.startswith("nws[")
+
+
 def _only_nws(points: dict, result: dict | None = None) -> dict:
     """NWS's points (of ``result``'s runs only, where given: a sweep's curve, not ``MAIN``'s other NWS runs)."""
     ran = None if result is None else {k for r in result["rows"] for k in r}
-    return {m: p for m, p in points.items() if (m == "nws" or m.startswith("nws[")) and (ran is None or m in ran)}
+    return {m: p for m, p in points.items() if _is_nws(m) and (ran is None or m in ran)}
 
 
 def main(argv=None) -> int:
@@ -121,12 +125,13 @@ def main(argv=None) -> int:
     seeds, merged = _merged(main_result["rows"], sweep)
     model = main_result["job"]["model"].split(":")[-1]
     layout = ", scalar pools" if sweep["job"].get("group_sizes") == [1] else ""
-    curves = [(f"NWS{layout} (labels: bits a weight)", default_bits(sweep), _only_nws(_points(merged), sweep))]
+    points = _points(merged)
+    curves = [(f"NWS{layout} (labels: bits a weight)", default_bits(sweep), _only_nws(points, sweep))]
     if args.vectors is not None:
         other = json.loads(args.vectors.read_text())
         _, rows = _merged(main_result["rows"], other)
         curves.append(("NWS, vector plan (the default before)", default_bits(other), _only_nws(_points(rows), other)))
-    peers = {m: pt for m, pt in _points(merged).items() if not (m == "nws" or m.startswith("nws["))}
+    peers = {m: pt for m, pt in points.items() if not _is_nws(m)}
     fig = new_figure(13, 4.6)
     left, right = fig.subplots(1, 2)
     _panel(left, curves, peers, f"{main_result['suite']}, {model}: budget in bits a weight (seed {sorted(seeds)})")
@@ -138,7 +143,7 @@ def main(argv=None) -> int:
     right_points = {m: pt for m, pt in _points(rows).items() if m in methods}
     default = default_bits(sweep) if rows is merged else default_bits(main_result)
     nws = _only_nws(right_points)
-    right_points = {m: pt for m, pt in right_points.items() if m not in nws}
+    right_points = {m: pt for m, pt in right_points.items() if not _is_nws(m)}
     _panel(
         right,
         [("NWS, its default", default, nws)],

@@ -291,8 +291,9 @@ class SwitchMode:
 
     def _read_values(self, task: int, keep: bool = True) -> dict[str, np.ndarray]:
         """Task ``task``'s :func:`task_values` from its pack (hash, pool set, task and base checked). Values
-        to ``keep`` come in two contiguous arrays (its indices; its floats) that the returned arrays view;
-        values for one switch (``keep="pack"``) as decoded, with no copy into blocks."""
+        to ``keep`` come in a few contiguous blocks (:func:`_compact`) that the returned arrays view, each
+        layer's indices in its kept type; values for one switch (``keep="pack"``) as decoded, with no copy
+        into blocks."""
         row = self.setup.row(task)
         path = self._inside(row["pack"], f"task {task}'s pack")
         raw = _switch_inputs(
@@ -560,8 +561,8 @@ def _compact(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     groups: dict = {}
     for k, v in values.items():
-        if np.issubdtype(v.dtype, np.integer) or np.issubdtype(v.dtype, np.floating):
-            groups.setdefault(v.dtype if np.issubdtype(v.dtype, np.integer) else "floats", []).append(k)
+        if v.dtype.kind in "iuf":  # integers by type, floats together
+            groups.setdefault(v.dtype if v.dtype.kind in "iu" else "floats", []).append(k)
     for names in groups.values():
         dtype = np.result_type(*(values[k].dtype for k in names))
         block = np.empty(sum(values[k].size for k in names), dtype)

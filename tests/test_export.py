@@ -347,6 +347,34 @@ def test_keeping_packs_only_serves_the_logits_of_kept_indices_exactly(bundle3):
     assert {v.dtype for v in base.indices.values()} == {np.dtype(np.uint16)}  # decoded once, in the kept type
 
 
+def test_logits_are_the_callers_own_whatever_the_batch_and_input_kind(bundle3):
+    """On a CPU the switch mode binds each buffer set's ``(B, max classes)`` logits once per batch size
+    (not one allocation and one copy out of onnxruntime a run): every run still returns an array of its own,
+    the task's classes only, bit for bit what a fresh Runtime gives for the same images, across tasks with
+    3, 2 and 4 classes, batch sizes that change (0 included) and OrtValue inputs between NumPy ones (which
+    bind another output)."""
+    import onnxruntime as ort
+
+    _, bundle = bundle3
+    rng = np.random.default_rng(3)
+    rt = Runtime(bundle, device="cpu", threads=1)
+    steps = [(0, 3), (0, 3), (1, 3), (2, 1), (2, 0), (0, 5), (1, 2), (0, 5)]
+    got, inputs = [], []
+    for i, (task, batch) in enumerate(steps):
+        x = rng.standard_normal((batch, 1, 16, 16)).astype(np.float32)
+        if i == 6:  # an OrtValue between NumPy runs: its logits an OrtValue of every class column
+            out = rt.run(task, ort.OrtValue.ortvalue_from_numpy(x)).numpy()[:, : rt.num_classes(task)]
+        else:
+            out = rt.run(task, x)
+            assert out.flags.owndata and out.shape == (batch, rt.num_classes(task))
+        got.append(out)
+        inputs.append(x)
+    assert rt._impl._slots[0].logits.shape == (5, 4)  # the last batch size's buffer, 4 = the most classes
+    fresh = Runtime(bundle, device="cpu", threads=1)
+    for (task, _), x, out in zip(steps, inputs, got):  # no run overwrote what an earlier one returned
+        assert np.array_equal(out, fresh.run(task, x))
+
+
 def test_a_switch_writes_one_layer_at_a_time_and_a_failed_write_frees_its_buffer(bundle3, monkeypatch):
     """A switch computes each dense tensor and writes it before computing the next (its temporaries are one
     layer's weights, not a second dense model): the buffers it writes are bit for bit those of the

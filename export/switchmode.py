@@ -109,7 +109,8 @@ class SwitchMode:
         self.last_switch_seconds: float | None = None
         self.switches = 0
         self._graph_runs: GraphRuns | None = None
-        self._cond = threading.Condition(threading.Lock())  # not re-entered: a plain lock, cheaper
+        self._lock = threading.Lock()  # not re-entered: a plain lock, cheaper
+        self._cond = threading.Condition(self._lock)  # taken as ``self._lock`` where nothing waits (a C call)
         self._queue: list[_Waiter] = []  # callers waiting for a slot, in the order they came
         self._exclusive = False  # a caller rebuilds the session: no slot is handed out meanwhile
         self._graph_thread: int | None = None  # cuda_graph: the thread whose runs are graphed
@@ -355,9 +356,11 @@ class SwitchMode:
         Callers are served in the order they came: one takes a slot only where no caller waiting before it
         could take that slot (a caller that has just run goes behind the ones waiting, so none waits for ever;
         a caller waiting for a busy slot holds up none that another slot can serve)."""
-        with self._cond:
+        with self._lock:
             if not (self._queue or self._exclusive or self._graph_runs is not None):  # nobody waits: no queue
-                slot = self._pick(task, self._held, set())
+                slot = self._held.get(task)  # the usual run: its task held, the slot free
+                if slot is None or slot.busy:
+                    slot = self._pick(task, self._held, set())
                 if slot is not None:
                     return self._take(slot, task)
             me = _Waiter(task)  # this caller's place in the queue (compared by identity)
@@ -401,7 +404,7 @@ class SwitchMode:
         return slot, True
 
     def _release(self, slot: _Slot) -> None:
-        with self._cond:
+        with self._lock:
             slot.busy = False
             if self._queue or self._exclusive:  # callers waiting for a slot, or for every slot idle
                 self._cond.notify_all()

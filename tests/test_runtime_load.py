@@ -271,7 +271,8 @@ def test_frames_the_bundle_does_not_take_are_refused_in_one_line_naming_the_expe
     """A wrong channel count, spatial size or rank raises one UsageError line naming the images' shape and
     the ``(B, C, H, W)`` the bundle takes; integer pixels are refused with the normalisation to apply (they
     were answered unnormalised before); float64 images give the float32 logits; a batch of 0 gives no
-    logits and NaN pixels NaN logits, as onnxruntime answers them."""
+    logits and NaN pixels NaN logits, as onnxruntime answers them; images in another memory order the
+    logits of the same images in C order."""
     rt = Runtime(bundle4, device="cpu", mode=mode)
     bad = {
         (1, 3, 16, 16): "channels",
@@ -290,6 +291,7 @@ def test_frames_the_bundle_does_not_take_are_refused_in_one_line_naming_the_expe
         rt.predict(0, np.zeros((1, 1, 16, 16), bool))
     x = _images(1, seed=4)[0]
     assert np.array_equal(rt.run(1, x.astype(np.float64)), rt.run(1, x))
+    assert np.array_equal(rt.run(1, np.asfortranarray(np.repeat(x, 3, 0))), rt.run(1, np.repeat(x, 3, 0)))  # strided
     assert rt.run(1, np.zeros((0, 1, 16, 16), np.float32)).shape == (0, TASKS[1])
     nan = np.full((1, 1, 16, 16), np.nan, np.float32)
     assert np.isnan(rt.run(1, nan)).all()

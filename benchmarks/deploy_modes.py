@@ -49,10 +49,18 @@ from nwsconvert.export.runtime import session_providers
 from nwsconvert.export.switch import SWITCH_FILE
 
 
-def make_bundle(name: str, tasks: int, size: int, out: Path) -> Path:
-    """A trained run of ``tasks`` tasks (the user's defaults) in ``out/run``, exported to ``out/run/export``."""
+def make_bundle(name: str, tasks: int, size: int, out: Path, preset: str = "none") -> Path:
+    """A trained run of ``tasks`` tasks in ``out/run``, exported to ``out/run/export``: converted with the
+    defaults of ``convert(model)`` (k-means, 512 entries; ``preset="none"``), or with a preset of
+    ``nwsconvert.zoo`` (``auto``: the model family's, as ``nws-train preset=auto``)."""
     torch.manual_seed(0)
-    model = nwsconvert.convert(timm.create_model(name, num_classes=5))  # k-means, 512 entries
+    model = timm.create_model(name, num_classes=5)
+    if preset == "none":
+        nwsconvert.convert(model)
+    else:
+        from nwsconvert.zoo import apply_preset
+
+        apply_preset(model, None if preset == "auto" else preset)
     config = TrainConfig(epochs=1, lr=0.01, batch_size=8, milestones=[], seed=0)
     info = {"channels": 3, "input_size": [size, size], "mean": [0.5] * 3, "std": [0.25] * 3}
     g = torch.Generator().manual_seed(1)
@@ -283,6 +291,12 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["resnet18", "mobilenetv2_100"])
     p.add_argument("--tasks", type=int, default=6)
     p.add_argument("--size", type=int, default=224)
+    p.add_argument(
+        "--preset",
+        default="none",
+        help="--models' conversion: none (convert(model)'s defaults), auto (the family's preset, as nws-train "
+        "preset=auto: scalar pools planned for 3.25 bits on MobileNets and EfficientNets) or a preset name",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="CPU provider threads (default: onnxruntime's)")
     p.add_argument("--rounds", type=int, default=40)
@@ -336,6 +350,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "cuda_arena": args.cuda_arena,
         "cuda_graph": args.cuda_graph,
+        "preset": None if args.run else args.preset,
         "models": {},
     }
     for name in [args.run.name] if args.run else args.models:
@@ -350,7 +365,7 @@ def main() -> None:
                 args.size, args.tasks = written["data"]["input_size"][0], len(written["tasks"])
                 dense_onnx(run, args.size, d / "dense.onnx", channels=written["data"]["channels"])
             else:
-                bundle = make_bundle(name, args.tasks, args.size, d)
+                bundle = make_bundle(name, args.tasks, args.size, d, args.preset)
                 run = d / "run"
                 dense_onnx(run, args.size, d / "dense.onnx")
             desc = json.loads((bundle / "bundle.json").read_text())

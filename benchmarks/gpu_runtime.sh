@@ -9,7 +9,8 @@
 # copy /usr/share/datasets/fashion-mnist to .dev/fashion here and carry it for long20 (FASHION=.dev/fashion).
 # MEMORY=core (default) measures deploy_modes.py's core memory rows only (three processes fewer a bundle);
 # MEMORY=all adds what each further ready task, cached session and dense session costs. MODELS picks the
-# models part's models; ARENA=shared builds every Runtime with cuda_arena='shared' (files *_shared.*).
+# models part's models, PRESET their conversion (default auto: MobileNets and EfficientNets with the scalar
+# pools users get from nws-train preset=auto; none: convert(model)'s defaults); ARENA=shared builds every Runtime with cuda_arena='shared' (files *_shared.*).
 # GRAPH=1 adds the switch mode and the dense model through onnxruntime's CUDA graph (deploy_modes.py
 # --cuda-graph; files *_graph.*). The part gputests runs the runtime's GPU tests alone (pytest -m gpu, ~30 s);
 # the part threads runs benchmarks/harnesses/runtime_load.py's load test on CUDA (issue 65; ~2 min).
@@ -21,6 +22,7 @@ OUT=${OUT:-/tmp/gpu_runtime}
 PARTS=${PARTS:-"tests models demo long20"}
 MEMORY=${MEMORY:-core}
 MODELS=${MODELS:-"resnet18 mobilenetv2_100 efficientnet_b0"}  # the models part's models
+PRESET=${PRESET:-auto}  # their conversion (deploy_modes.py --preset): the family's preset, as users train them
 ARENA=${ARENA:-own}  # deploy_modes.py --cuda-arena: own or shared (its files then end in _shared)
 TAG=""; [ "$ARENA" = own ] || TAG="_$ARENA"
 GRAPH_FLAG=""; [ "${GRAPH:-0}" = 1 ] && { GRAPH_FLAG="--cuda-graph"; TAG="${TAG}_graph"; }
@@ -63,7 +65,7 @@ for part in $PARTS; do
         echo "pytest rc=$?" >> "$OUT/pytest_runtime.log" ;;
     models)
         $PY benchmarks/deploy_modes.py --device cuda --memory "$MEMORY" --cuda-arena "$ARENA" $GRAPH_FLAG --models $MODELS --size 224 \
-            --tasks 6 --json "$OUT/deploy_cuda_224$TAG.json" > "$OUT/deploy_cuda_224$TAG.log" 2>&1 ;;
+            --preset "$PRESET" --tasks 6 --json "$OUT/deploy_cuda_224$TAG.json" > "$OUT/deploy_cuda_224$TAG.log" 2>&1 ;;
     demo)  # DEMO_RUN: a demo run already trained on this machine (gpu_checks.sh's make demo writes runs/demo)
         run=${DEMO_RUN:-/tmp/gpu_demo}
         [ -f "$run/manifest.json" ] || $PY -m nwsconvert.cli.demo out="$run" progress=false > "$OUT/demo_train.log" 2>&1

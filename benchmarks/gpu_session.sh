@@ -45,7 +45,8 @@
 #      LONG20_RUN=.dev/long20 ARENA=shared GRAPH=1 RT_PARTS="gputests long20" PART_CAP=130 (the runtime's GPU
 #      tests, the cuda_graph one included; the shared CUDA arena against 51a292a's own-arena figures, and
 #      onnxruntime's CUDA graph, switch mode against the dense model, both graphed), then in the same call
-#      ARENA=own MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models PART_CAP=150, chained with &&; if
+#      ARENA=own MODELS="mobilenetv2_100 efficientnet_b0" RT_PARTS=models PART_CAP=150 (converted with their
+#      family's preset, gpu_runtime.sh's PRESET=auto: the scalar-pool bundles users train), chained with &&; if
 #      time is left, ROWS="resnet18 32 64;resnet18 224 32" MODES=graph PROFILE="resnet18 32 64" (the graphed
 #      rows and the profile are the first to go). Issue 65's load test on CUDA (4 threads x 4 tasks, 10,000
 #      runs, NumPy and device OrtValue images; ~2 min) rides on the same call: add `threads` to RT_PARTS of the

@@ -92,7 +92,7 @@ def test_every_flag_a_gpu_script_gives_a_benchmark_is_one_it_takes(calls, known)
         by_script.setdefault(script, set()).update(flags)
     # flags held in variables are followed: the graphed and engine-graph rows, onnxruntime's CUDA graph
     assert {"--cuda-graph", "--no-memory", "--engine-graph"} <= by_script["train_step.py"]
-    assert {"--cuda-graph", "--cuda-arena", "--device"} <= by_script["deploy_modes.py"]
+    assert {"--cuda-graph", "--cuda-arena", "--device", "--preset"} <= by_script["deploy_modes.py"]
     assert {"--kinds", "--out"} <= by_script["harnesses/search_fuzz.py"]  # a continuation line's flag
     bad = unknown_flags(calls, known)
     assert bad == [], f"flags the benchmarks do not take: {bad}"

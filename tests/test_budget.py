@@ -280,3 +280,22 @@ def test_a_planned_mobile_run_exports_and_the_switch_mode_matches_pytorch(tmp_pa
         got = rt.run(task, x.numpy())
         # float32 on both sides, BatchNorm folded in the graph: rounding only
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_nws_train_without_a_preset_says_what_preset_auto_gives_a_mobile_network(capsys):
+    """A MobileNet converted by nws-train's plain rule (no preset, no budget, the default sizes) gets one line
+    naming ``preset=auto`` and what it saves; naming the preset ``none``, a budget or a size, or a ResNet,
+    gets none."""
+    from nwsconvert.train.job import DEFAULT_JOB, convert_job
+
+    def said(**keys) -> str:
+        build = keys.pop("build", mobile)
+        convert_job({**DEFAULT_JOB, **keys}, build(), "random", 0)
+        return capsys.readouterr().out
+
+    note = "preset=auto stores a task about 8x smaller"
+    assert note in said()
+    assert note not in said(preset="none")
+    assert note not in said(bits_per_weight=2)
+    assert note not in said(group_size=4)
+    assert note not in said(build=lambda: timm.create_model("test_resnet", num_classes=4))

@@ -10,7 +10,8 @@
 # MEMORY=core (default) measures deploy_modes.py's core memory rows only (three processes fewer a bundle);
 # MEMORY=all adds what each further ready task, cached session and dense session costs. MODELS picks the
 # models part's models, PRESET their conversion (default auto: MobileNets and EfficientNets with the scalar
-# pools users get from nws-train preset=auto; none: convert(model)'s defaults); ARENA=shared builds every Runtime with cuda_arena='shared' (files *_shared.*).
+# pools users get from nws-train preset=auto; none: convert(model)'s defaults); ARENA=shared builds every
+# Runtime with cuda_arena='shared' (files *_shared.*).
 # GRAPH=1 adds the switch mode and the dense model through onnxruntime's CUDA graph (deploy_modes.py
 # --cuda-graph; files *_graph.*). The part gputests runs the runtime's GPU tests alone (pytest -m gpu, ~30 s);
 # the part threads runs benchmarks/harnesses/runtime_load.py's load test on CUDA (issue 65; ~2 min).

@@ -186,7 +186,7 @@ def convert_job(job: dict, model, init, seed: int) -> None:
     sizes = {"pool_size": int(job["pool_size"]), "group_size": int(job["group_size"])}
     if job["preset"] in (None, "none"):
         plain = job["preset"] is None and options.keys() == {"init", "seed"}  # no preset, budget or vector sizes
-        mobile = plain and all(job[k] == DEFAULT_JOB[k] for k in sizes) and _inverted_residual(model)
+        mobile = plain and all(v == DEFAULT_JOB[k] for k, v in sizes.items()) and _inverted_residual(model)
         convert(model, **sizes, **{k: v for k, v in options.items() if v is not None})
         if mobile:  # the plain rule gives every 1x1 weight a 9-bit index: say what the family's preset gives
             _say(

@@ -19,7 +19,7 @@ import numpy as np
 
 from nwsconvert.errors import UsageError
 
-__all__ = ["check_frames", "expected_shape"]
+__all__ = ["check_frames", "expected_shape", "fixed_chw"]
 
 
 def expected_shape(declared) -> str:
@@ -29,7 +29,14 @@ def expected_shape(declared) -> str:
     return f"({', '.join(dims)})"
 
 
-def check_frames(images, declared, ort, what: str, norm: Callable[[], str]):
+def fixed_chw(declared) -> tuple | None:
+    """The ``(C, H, W)`` every frame of a graph input declared as ``declared`` has, where only the batch is
+    free (what :func:`check_frames` compares the usual frame with); ``None`` where any other size is free."""
+    fixed = not isinstance(declared[0], int) and all(isinstance(d, int) for d in declared[1:])
+    return tuple(declared[1:]) if fixed else None
+
+
+def check_frames(images, declared, ort, what: str, norm: Callable[[], str], chw: tuple | None = None):
     """``images`` as the graph takes them: float32 C-contiguous NumPy, or the OrtValue as it is.
 
     Args:
@@ -37,14 +44,21 @@ def check_frames(images, declared, ort, what: str, norm: Callable[[], str]):
         declared: the graph input's declared shape (ints, or names for free dimensions).
         what: who expects it (named in the error): ``task 2 of bundle PATH``.
         norm: returns the normalisation the bundle's metadata gives, for the hint (called only to word an error).
+        chw: :func:`fixed_chw` of ``declared``, computed once by the caller: a float32, C-ordered frame of
+            that ``(C, H, W)`` is passed with one comparison (the usual frame, every run).
 
     Raises:
         UsageError: wrong rank or size (naming the expected ``(B, C, H, W)``), or an integer, boolean or
             non-numeric dtype (naming the normalisation to apply).
     """
-    if type(images) is np.ndarray and images.dtype == np.float32 and images.flags.c_contiguous:  # the usual frame
-        if len(images.shape) == len(declared) and all(d == n for d, n in zip(declared, images.shape) if type(d) is int):
-            return images
+    if (
+        type(images) is np.ndarray
+        and images.dtype == np.float32
+        and chw is not None
+        and images.shape[1:] == chw
+        and images.flags.c_contiguous
+    ):
+        return images  # the usual frame
     if isinstance(images, ort.OrtValue):
         shape = tuple(images.shape())
         kind = images.data_type()

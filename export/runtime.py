@@ -59,7 +59,7 @@ import numpy as np
 from nwsconvert.devices import cuda_device_count
 
 from .bundlefile import read_bundle
-from .frames import check_frames
+from .frames import check_frames, fixed_chw
 from .ortsetup import DISABLED_OPTIMIZERS, OrtSetup, session_providers, shared_arena
 from .sessionmode import SessionMode
 from .switchmode import SwitchMode
@@ -321,23 +321,14 @@ class Runtime:
         door = self._doors.get(task)
         if door is None:  # the task checked, and what its frames must be, once
             declared = self._impl.input_shape(task)
-            fixed = not isinstance(declared[0], int) and all(isinstance(d, int) for d in declared[1:])
             door = self._doors[task] = (
                 declared,
                 f"task {task} of bundle {self.path}",
                 self.num_classes(task),
-                tuple(declared[1:]) if fixed else None,  # (C, H, W) where only the batch is free, else None
+                fixed_chw(declared),
             )
         declared, what, classes, chw = door
-        if (
-            type(images) is np.ndarray
-            and images.dtype == np.float32
-            and images.shape[1:] == chw
-            and images.flags.c_contiguous
-        ):
-            x = images  # the usual frame, as check_frames would pass it (a few µs less a run)
-        else:
-            x = check_frames(images, declared, self.ort, what, lambda: self._normalisation(task))
+        x = check_frames(images, declared, self.ort, what, lambda: self._normalisation(task), chw)
         if isinstance(self._impl, SessionMode):
             if isinstance(x, self.ort.OrtValue):
                 x = np.ascontiguousarray(x.numpy(), dtype=np.float32)

@@ -358,9 +358,7 @@ class SwitchMode:
         a caller waiting for a busy slot holds up none that another slot can serve)."""
         with self._lock:
             if not (self._queue or self._exclusive or self._graph_runs is not None):  # nobody waits: no queue
-                slot = self._held.get(task)  # the usual run: its task held, the slot free
-                if slot is None or slot.busy:
-                    slot = self._pick(task, self._held, set())
+                slot = self._pick(task, self._held, set())
                 if slot is not None:
                     return self._take(slot, task)
             me = _Waiter(task)  # this caller's place in the queue (compared by identity)
